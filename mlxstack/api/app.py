@@ -1,0 +1,142 @@
+"""The application object: owns the worker, the loaded model, the engine and the routes."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from http.server import ThreadingHTTPServer
+from typing import Any, Callable
+
+from ..config.settings import Settings
+from ..engine.worker import InferenceWorker
+
+log = logging.getLogger("mlxstack.app")
+
+# End-of-turn markers used by common chat templates; added to the stop set when the template uses them.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<end_of_turn>", "<|endoftext|>",
+                   "<|user|>", "<|observation|>")
+
+
+def stop_token_ids(tokenizer: Any, template_source: str) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for tok in TURN_END_TOKENS:
+        if tok in template_source and tok in vocab:
+            ids.add(int(vocab[tok]))
+    return frozenset(ids)
+
+
+class App:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.worker = InferenceWorker(settings.max_queued_requests)
+        self.ready = False
+        self.load_error: str | None = None
+        self.model_id = "loading"
+        self.aliases: set[str] = set()
+        self.family = "generic"
+        self.loaded: Any = None
+        self.engine: Any = None
+        self.state: Any = None
+        self.stop_token_ids: frozenset[int] = frozenset()
+        self.started = time.time()
+        self.status_counts: Counter[int] = Counter()
+        self._status_lock = threading.Lock()
+        self.after_response_hooks: list[Callable[[Any, Any], None]] = []
+        self.extra_get_routes: dict[str, Callable[[Any], None]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_loading(self, progress: Callable[[str], None] | None = None) -> Any:
+        self.worker.start()
+        return self.worker.submit(lambda: self._load(progress))
+
+    def _load(self, progress: Callable[[str], None] | None) -> None:
+        from ..engine.chat import ChatEngine
+        from ..engine.loader import load_model
+        from ..engine.state import EngineState
+        from ..pipeline.render import ChatRenderer
+
+        try:
+            loaded = load_model(self.settings, progress)
+            renderer = ChatRenderer(loaded.tokenizer, preserve_thinking=self.settings.preserve_thinking)
+            state = EngineState(self.settings, loaded.model_id, renderer.template_source)
+            self.loaded, self.state = loaded, state
+            self.engine = ChatEngine(loaded, renderer, state, self.settings)
+            self.model_id = loaded.model_id
+            self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
+            self.family = loaded.family
+            self.stop_token_ids = stop_token_ids(loaded.tokenizer, renderer.template_source)
+            self._install_features()
+            self.ready = True
+            log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",
+                     self.model_id, self.family, loaded.context_length, state.cache_budget / 2**30,
+                     state.counters.correctness())
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("model load failed: %s", self.load_error)
+            raise
+
+    def _install_features(self) -> None:
+        """Optional layers (healing store, request logs, metrics) hook in here."""
+        from .features import install_features
+
+        install_features(self)
+
+    def count_status(self, status: int) -> None:
+        with self._status_lock:
+            self.status_counts[status] += 1
+
+    def after_response(self, job: Any, outcome: Any) -> None:
+        for hook in self.after_response_hooks:
+            try:
+                hook(job, outcome)
+            except Exception:  # noqa: BLE001
+                log.exception("after-response hook failed")
+
+    # ------------------------------------------------------------------ routes
+    def get_routes(self, h: Any) -> dict[str, Callable[[], None]]:
+        routes = {
+            "/health": lambda: h._json(200 if self.ready else 503, self.health()),
+            "/v1/models": lambda: h._json(200, self.models()),
+            "/models": lambda: h._json(200, self.models()),
+            "/v1/cache/stats": lambda: h._json(200, self.cache_stats()),
+        }
+        for path, fn in self.extra_get_routes.items():
+            routes[path] = (lambda f=fn: f(h))
+        return routes
+
+    def post_routes(self, h: Any) -> dict[str, Callable[[], None]]:
+        return {"/v1/chat/completions": h.chat_completions, "/chat/completions": h.chat_completions}
+
+    def health(self) -> dict:
+        body = {"status": "ok" if self.load_error is None else "error", "model": self.model_id, "ready": self.ready,
+                "queue_depth": self.worker.queue_depth, "busy": self.worker.busy}
+        if self.load_error:
+            body["error"] = self.load_error
+        return body
+
+    def models(self) -> dict:
+        ctx = self.loaded.context_length if self.loaded else None
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": int(self.started),
+                                            "owned_by": "mlxstack", "context_length": ctx, "ready": self.ready}]}
+
+    def cache_stats(self) -> dict:
+        if self.state is None:
+            return {"ready": False}
+        stats = self.state.stats()
+        stats["model"] = self.model_id
+        stats["queue_depth"] = self.worker.queue_depth
+        with self._status_lock:
+            stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}
+        return stats
+
+
+def make_server(app: App, host: str, port: int) -> ThreadingHTTPServer:
+    from .server import Handler
+
+    handler = type("BoundHandler", (Handler,), {"app": app})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server

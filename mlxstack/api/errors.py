@@ -1,0 +1,40 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def encode(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, code: str = "not_found") -> APIError:
+    return APIError(404, message, code=code)
+
+
+def unavailable(message: str, retry_after: int = 1, code: str = "unavailable") -> APIError:
+    return APIError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
+def internal(request_id: str) -> APIError:
+    return APIError(500, f"internal server error (request id {request_id}); see the server log",
+                    type="server_error", code="internal_error")

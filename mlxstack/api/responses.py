@@ -1,0 +1,89 @@
+"""Turn engine output into OpenAI chat.completion bodies and SSE frames.
+
+The streaming path feeds text deltas through ReasoningStreamSplitter; the non-streaming path
+uses split_output on the whole text. Both share one grammar, so the concatenated streamed
+content equals the non-streaming message.content byte for byte (tests/test_reasoning.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS, ReasoningStreamSplitter, split_output
+from .sse import ChunkEncoder
+
+
+def usage_body(outcome: Any) -> dict:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def finish_reason(outcome: Any, has_tool_calls: bool) -> str:
+    if has_tool_calls and outcome.finish_reason == "stop":
+        return "tool_calls"
+    return "length" if outcome.finish_reason in ("length", "cancelled") else outcome.finish_reason
+
+
+def completion_body(completion_id: str, model: str, outcome: Any, *, tools: list | None, family: str,
+                    enable_thinking: bool) -> dict:
+    parsed = split_output(outcome.text, thinking_started=outcome.thinking_started, tools=tools,
+                          family=family, id_salt=completion_id)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning or enable_thinking and outcome.thinking_started:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+        if not parsed.content:
+            message["content"] = None
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": finish_reason(outcome, bool(parsed.tool_calls))}],
+        "usage": usage_body(outcome),
+    }
+
+
+class StreamAssembler:
+    """Feeds text deltas to the splitter and yields ready SSE frames."""
+
+    def __init__(self, completion_id: str, model: str, *, thinking_started: bool, tools: list | None,
+                 family: str, include_usage: bool) -> None:
+        self.encoder = ChunkEncoder(completion_id, int(time.time()), model)
+        self.splitter = ReasoningStreamSplitter(thinking_started=thinking_started, tools=tools,
+                                                family=family, id_salt=completion_id)
+        self.include_usage = include_usage
+        self.tool_calls = 0
+
+    def start(self) -> bytes:
+        return self.encoder.role_frame()
+
+    def _frames(self, events: list) -> list[bytes]:
+        out = []
+        for ev in events:
+            if ev.kind == CONTENT and ev.text:
+                out.append(self.encoder.content_frame(ev.text))
+            elif ev.kind == REASONING and ev.text:
+                out.append(self.encoder.reasoning_frame(ev.text))
+            elif ev.kind == TOOL_CALLS and ev.calls:
+                self.tool_calls += len(ev.calls)
+                out.append(self.encoder.tool_calls_frame(ev.calls))
+        return out
+
+    def feed(self, text: str) -> list[bytes]:
+        return self._frames(self.splitter.feed(text))
+
+    def finish(self, outcome: Any) -> list[bytes]:
+        frames = self._frames(self.splitter.finish())
+        usage = usage_body(outcome)
+        reason = finish_reason(outcome, self.tool_calls > 0)
+        frames.append(self.encoder.final_frame(reason, None if self.include_usage else usage))
+        if self.include_usage:
+            frames.append(self.encoder.usage_frame(usage))
+        return frames

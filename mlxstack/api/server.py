@@ -1,0 +1,227 @@
+"""HTTP front: a threaded stdlib server whose handlers never touch MLX.
+
+Handlers parse and validate, enqueue a job on the single inference worker, and write the
+result (JSON, or SSE frames as text arrives). /health and /v1/models answer from any thread
+while a generation runs. Every response closes its connection (``Connection: close``), so
+LiteLLM's pooled keep-alive sockets never park a handler.
+
+    app = App(settings); app.start_loading(); serve(app)      # see mlxstack/serve.py
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import select
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from ..config.settings import Settings
+from ..engine.chat import ChatJob, ClientGone, PromptReady
+from ..engine.generate import SamplingParams
+from ..engine.worker import QueueFull
+from .errors import APIError, internal, not_found, unavailable
+from .responses import StreamAssembler, completion_body
+from .validation import model_matches, parse_chat_request, parse_json
+
+log = logging.getLogger("mlxstack.http")
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the client has closed its end (readable with nothing to read)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "mlxstack"
+    protocol_version = "HTTP/1.1"
+    app: Any = None  # set by make_server
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # quieter than stderr spam
+        log.debug("%s %s", self.address_string(), fmt % args)
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, status: int, body: bytes, content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def _error(self, err: APIError) -> None:
+        self.app.count_status(err.status)
+        try:
+            self._send(err.status, err.encode(), headers=err.headers)
+        except OSError:
+            pass
+
+    def _dispatch(self, routes: dict[str, Callable[[], None]]) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        route = routes.get(path)
+        try:
+            if route is None:
+                raise not_found(f"unknown path {self.command} {path}")
+            route()
+        except APIError as err:
+            self._error(err)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception:  # noqa: BLE001 - last resort: 500 with the request id, server keeps serving
+            rid = uuid.uuid4().hex[:12]
+            log.exception("internal error (request id %s)", rid)
+            self._error(internal(rid))
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._dispatch(self.app.get_routes(self))
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch(self.app.post_routes(self))
+
+    def read_body(self) -> bytes:
+        limit = self.app.settings.max_request_bytes
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise APIError(411, "Content-Length header is required", code="length_required")
+        try:
+            n = int(length)
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header") from None
+        if n > limit:
+            raise APIError(413, f"request body of {n} bytes exceeds MAX_REQUEST_BYTES={limit}",
+                           code="request_too_large")
+        return self.rfile.read(n)
+
+    # ------------------------------------------------------------------ chat
+    def chat_completions(self) -> None:
+        app = self.app
+        body = parse_json(self.read_body())
+        if not app.ready:
+            raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
+        req = parse_chat_request(body, app.settings)
+        if not model_matches(req.model, app.model_id, app.aliases):
+            raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}", code="model_not_found")
+        completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+        cancelled = threading.Event()
+        sock = self.connection
+
+        def is_cancelled() -> bool:
+            if not cancelled.is_set() and peer_closed(sock):
+                cancelled.set()
+            return cancelled.is_set()
+
+        deltas: "queue.Queue[Any]" = queue.Queue()
+        job = ChatJob(
+            request_id=completion_id[-12:], messages=req.messages, tools=req.tools,
+            enable_thinking=req.enable_thinking,
+            params=SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
+                max_tokens=req.max_tokens, seed=req.seed, stop_token_ids=app.stop_token_ids,
+            ),
+            stop=req.stop, body=body, headers={k.lower(): v for k, v in self.headers.items()},
+            emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,
+            on_prompt=deltas.put if req.stream else (lambda _p: None),
+        )
+        try:
+            future = app.worker.submit(lambda: app.engine.run(job))
+        except QueueFull:
+            raise unavailable(f"server busy: {app.settings.max_queued_requests} requests queued", retry_after=2,
+                              code="queue_full") from None
+        done = object()
+        future.add_done_callback(lambda _f: deltas.put(done))
+        if req.stream:
+            self._stream(req, future, deltas, done, completion_id, cancelled)
+        else:
+            while not future.done():
+                try:
+                    future.result(timeout=0.25)
+                except Exception:  # noqa: BLE001 - inspected below
+                    pass
+                if not future.done() and is_cancelled():
+                    return  # the worker sees the flag between tokens; nobody to answer
+            outcome = self._result(future)
+            self._json(200, completion_body(completion_id, app.model_id, outcome, tools=req.tools,
+                                            family=app.family, enable_thinking=req.enable_thinking))
+            app.count_status(200)
+            app.after_response(job, outcome)
+
+    def _result(self, future: Any) -> Any:
+        exc = future.exception()
+        if exc is None:
+            return future.result()
+        if isinstance(exc, APIError):
+            raise exc
+        if isinstance(exc, ClientGone):
+            raise APIError(499, str(exc), code="client_closed")
+        if isinstance(exc, ValueError) and exc.__class__.__name__ == "TemplateError":
+            raise APIError(400, str(exc), code="template_error")
+        rid = uuid.uuid4().hex[:12]
+        log.error("generation failed (request id %s)", rid, exc_info=exc)
+        raise internal(rid)
+
+    def _stream(self, req: Any, future: Any, deltas: "queue.Queue[Any]", done: object, completion_id: str,
+                cancelled: threading.Event) -> None:
+        app = self.app
+        asm: StreamAssembler | None = None
+        started = False
+
+        def write(frames: list[bytes]) -> None:
+            nonlocal started
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                frames = [asm.start(), *frames]
+                started = True
+            if frames:
+                self.wfile.write(b"".join(frames))
+                self.wfile.flush()
+
+        try:
+            while True:
+                item = deltas.get()
+                if item is done:
+                    break
+                if isinstance(item, PromptReady):
+                    asm = StreamAssembler(completion_id, app.model_id, thinking_started=item.thinking_started,
+                                          tools=req.tools, family=app.family, include_usage=req.include_usage)
+                    write([])  # headers + role frame as soon as the prompt is ready
+                    continue
+                write(asm.feed(item))
+            outcome = self._result(future)  # raises APIError before any byte if it failed early
+            if asm is None:
+                asm = StreamAssembler(completion_id, app.model_id, thinking_started=outcome.thinking_started,
+                                      tools=req.tools, family=app.family, include_usage=req.include_usage)
+            write(asm.finish(outcome))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            app.count_status(200)
+            app.after_response(None, outcome)
+        except (BrokenPipeError, ConnectionResetError):
+            cancelled.set()
+        except APIError:
+            if started:  # headers already sent: end the stream; the client sees it cut short
+                cancelled.set()
+                return
+            raise

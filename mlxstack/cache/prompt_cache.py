@@ -1,0 +1,332 @@
+"""Global prompt cache: entries keyed by canonical block-hash chains, accepted by model tokens.
+
+Invariants (each has a test in tests/test_prompt_cache.py):
+- Discovery is canonical (block-hash chain of the cache key); acceptance is model-space: the
+  reuse depth is the token LCP of the entry's ``model_tokens`` and the request's, capped by the
+  entry's physical depth and leaving at least one token to prefill.
+- A non-trimmable entry (hybrid/recurrent state) is only reused at exactly its stored depth.
+- Entries are opaque payloads with a byte size: this module never touches tensors.
+- Eviction order is deterministic: TTL first, then highest cost score
+  ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
+  ties broken by older entry id.
+
+    cache = PromptCache(PromptCacheConfig(...), seed=namespace_seed("model"))
+    match = cache.lookup(key_tokens, model_tokens)
+    cache.insert(key_tokens, model_tokens, payload, nbytes=..., trimmable=True)
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from .counters import CacheCounters
+from .hashing import BlockHash, block_hash_chain
+from .lcp import as_tokens, lcp
+
+POOL_KV = "kv"
+POOL_SNAPSHOT = "snapshot"
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    entry_id: int
+    key_tokens: np.ndarray
+    model_tokens: np.ndarray
+    block_hashes: list[BlockHash]
+    payload: Any
+    nbytes: int
+    trimmable: bool
+    pool: str
+    session_id: str
+    created: float
+    last_used: float
+    hits: int = 0
+
+    @property
+    def depth(self) -> int:
+        return len(self.model_tokens)
+
+
+class MatchResult(NamedTuple):
+    entry: CacheEntry | None
+    depth: int            # model tokens reused (KV offset after checkout)
+    match_type: str       # exact | prefix | supersequence | lcp | miss
+    canonical_blocks: int  # leading canonical blocks shared with the chosen entry
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None and self.depth > 0
+
+
+MISS = MatchResult(None, 0, "miss", 0)
+
+
+@dataclass(frozen=True)
+class PromptCacheConfig:
+    block_size: int = 16
+    max_entries: int = 24
+    max_bytes: int = 0               # 0 = unlimited
+    ttl_seconds: float = 1800.0      # 0 = never
+    use_block_index: bool = True
+    snapshot_max_entries: int = 8
+    snapshot_ttl_seconds: float = 1800.0
+
+
+@dataclass
+class _PoolLimits:
+    max_entries: int
+    ttl: float
+
+
+class PromptCache:
+    def __init__(
+        self,
+        config: PromptCacheConfig,
+        seed: BlockHash,
+        counters: CacheCounters | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[CacheEntry, str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.seed = seed
+        self.counters = counters or CacheCounters()
+        self.clock = clock
+        self.on_evict = on_evict
+        self._entries: dict[int, CacheEntry] = {}
+        self._index: dict[BlockHash, set[int]] = {}
+        self._next_id = 1
+        self._lock = threading.RLock()  # readers of stats may be other threads
+        self._limits = {
+            POOL_KV: _PoolLimits(config.max_entries, config.ttl_seconds),
+            POOL_SNAPSHOT: _PoolLimits(config.snapshot_max_entries, config.snapshot_ttl_seconds),
+        }
+        self.eviction_log: list[tuple[int, str]] = []  # (entry_id, reason), most recent last
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def enabled(self) -> bool:
+        return self.config.max_entries > 0
+
+    def hashes(self, key_tokens: Sequence[int]) -> list[BlockHash]:
+        return block_hash_chain(self.seed, key_tokens, self.config.block_size)
+
+    def lookup(
+        self,
+        key_tokens: Sequence[int],
+        model_tokens: Sequence[int],
+        *,
+        broad: bool = False,
+        extra_candidates: Iterable[int] = (),
+        key_hashes: list[BlockHash] | None = None,
+    ) -> MatchResult:
+        """Best reusable entry for a request.
+
+        ``broad=False``: candidates are the entries sharing the deepest run of leading canonical
+        blocks (O(blocks) through the index). ``broad=True`` (secondary lookup) verifies every
+        entry sharing at least one block plus ``extra_candidates`` (e.g. the session's entries).
+        """
+        if not self.enabled:
+            return MISS
+        with self._lock:
+            self._expire()
+            key = as_tokens(key_tokens)
+            model = as_tokens(model_tokens)
+            hashes = key_hashes if key_hashes is not None else self.hashes(key)
+            shared = self._shared_blocks(hashes)
+            if not shared:
+                cands: dict[int, int] = {}
+            elif broad:
+                cands = dict(shared)
+            else:
+                deepest = max(shared.values())
+                cands = {eid: n for eid, n in shared.items() if n == deepest}
+            for eid in extra_candidates:
+                if eid in self._entries:
+                    cands.setdefault(eid, shared.get(eid, 0))
+            best = MISS
+            for eid, nblocks in cands.items():
+                result = self._verify(self._entries[eid], key, model, nblocks)
+                if result.depth > best.depth or (
+                    result.depth == best.depth and result.depth > 0 and best.entry is not None
+                    and result.entry.last_used > best.entry.last_used
+                ):
+                    best = result
+            if best.hit:
+                best.entry.hits += 1
+                best.entry.last_used = self.clock()
+            return best
+
+    def insert(
+        self,
+        key_tokens: Sequence[int],
+        model_tokens: Sequence[int],
+        payload: Any,
+        *,
+        nbytes: int,
+        trimmable: bool,
+        pool: str = POOL_KV,
+        session_id: str = "",
+    ) -> CacheEntry | None:
+        if not self.enabled or self._limits[pool].max_entries <= 0:
+            return None
+        with self._lock:
+            now = self.clock()
+            key = as_tokens(key_tokens).copy()
+            model = as_tokens(model_tokens).copy()
+            # Same model tokens in the same pool: replace rather than duplicate.
+            for e in list(self._entries.values()):
+                if e.pool == pool and e.depth == len(model) and np.array_equal(e.model_tokens, model):
+                    self._remove(e.entry_id, "replaced")
+            entry = CacheEntry(
+                entry_id=self._next_id, key_tokens=key, model_tokens=model,
+                block_hashes=self.hashes(key), payload=payload, nbytes=int(nbytes),
+                trimmable=trimmable, pool=pool, session_id=session_id, created=now, last_used=now,
+            )
+            self._next_id += 1
+            self._entries[entry.entry_id] = entry
+            for h in entry.block_hashes:
+                self._index.setdefault(h, set()).add(entry.entry_id)
+            if pool == POOL_KV and trimmable:
+                self._cull_prefixes(entry)
+            self._expire()
+            self._enforce_limits(protect=entry.entry_id)
+            return entry if entry.entry_id in self._entries else None
+
+    def remove(self, entry_id: int, reason: str = "removed") -> None:
+        with self._lock:
+            self._remove(entry_id, reason)
+
+    def clear(self) -> None:
+        with self._lock:
+            for eid in list(self._entries):
+                self._remove(eid, "cleared")
+
+    def get(self, entry_id: int) -> CacheEntry | None:
+        return self._entries.get(entry_id)
+
+    def entries(self, pool: str | None = None) -> list[CacheEntry]:
+        with self._lock:
+            return [e for e in self._entries.values() if pool is None or e.pool == pool]
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ matching
+    def _shared_blocks(self, hashes: list[BlockHash]) -> dict[int, int]:
+        """entry id -> number of leading request blocks it shares (>= 1 only)."""
+        shared: dict[int, int] = {}
+        if self.config.use_block_index:
+            for depth, h in enumerate(hashes, start=1):
+                ids = self._index.get(h)
+                if not ids:
+                    break  # chained hashes: nothing deeper can match
+                for eid in ids:
+                    shared[eid] = depth
+            return shared
+        for e in self._entries.values():  # linear scan: same answers, O(entries * blocks)
+            n = 0
+            for a, b in zip(e.block_hashes, hashes):
+                if a != b:
+                    break
+                n += 1
+            if n:
+                shared[e.entry_id] = n
+        return shared
+
+    def _verify(self, e: CacheEntry, key: np.ndarray, model: np.ndarray, nblocks: int) -> MatchResult:
+        common = lcp(e.model_tokens, model)
+        depth = min(common, e.depth, len(model) - 1)
+        # A canonical key fully matched but model tokens diverged before its end: the
+        # canonicalisation hid a real difference (expected 0 on clean traffic).
+        key_common = lcp(e.key_tokens, key)
+        if key_common >= min(len(e.key_tokens), len(key)) and common < min(e.depth, len(model)):
+            self.counters.bump("exact_key_rejected_by_model_lcp")
+        if depth <= 0:
+            return MatchResult(e, 0, "miss", nblocks)
+        if not e.trimmable and depth != e.depth:
+            self.counters.bump("hybrid_trim_miss")
+            return MatchResult(e, 0, "miss", nblocks)
+        if common == e.depth == len(model):
+            kind = "exact"
+        elif common == e.depth:
+            kind = "prefix"
+        elif common == len(model):
+            kind = "supersequence"
+        else:
+            kind = "lcp"
+        return MatchResult(e, depth, kind, nblocks)
+
+    # ------------------------------------------------------------------ eviction
+    def score(self, e: CacheEntry, now: float) -> float:
+        age = max(0.0, now - e.last_used)
+        return age / (math.sqrt(max(1, e.depth)) * math.log(math.e + e.hits))
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for e in list(self._entries.values()):
+            ttl = self._limits[e.pool].ttl
+            if ttl > 0 and now - e.last_used > ttl:
+                self._remove(e.entry_id, "ttl")
+
+    def _victim(self, pool: str | None, protect: int) -> CacheEntry | None:
+        now = self.clock()
+        pool_entries = [e for e in self._entries.values() if (pool is None or e.pool == pool) and e.entry_id != protect]
+        if not pool_entries:
+            return None
+        return max(pool_entries, key=lambda e: (self.score(e, now), -e.entry_id))
+
+    def _enforce_limits(self, protect: int) -> None:
+        for pool, limits in self._limits.items():
+            while sum(1 for e in self._entries.values() if e.pool == pool) > limits.max_entries:
+                victim = self._victim(pool, protect if limits.max_entries > 0 else -1)
+                if victim is None:
+                    break
+                self._remove(victim.entry_id, "count")
+        budget = self.config.max_bytes
+        while budget and sum(e.nbytes for e in self._entries.values()) > budget:
+            victim = self._victim(None, protect)
+            if victim is None:  # the new entry alone exceeds the budget: drop it too
+                if protect in self._entries:
+                    self._remove(protect, "bytes")
+                break
+            self._remove(victim.entry_id, "bytes")
+
+    def _cull_prefixes(self, new: CacheEntry) -> None:
+        """Remove shorter KV entries whose model tokens are a strict prefix of ``new``'s,
+        keeping the longest of them as a safety net."""
+        prefixes = [
+            e for e in self._entries.values()
+            if e.pool == POOL_KV and e.entry_id != new.entry_id and e.trimmable
+            and e.depth < new.depth and lcp(e.model_tokens, new.model_tokens) == e.depth
+        ]
+        prefixes.sort(key=lambda e: e.depth)
+        for e in prefixes[:-1]:
+            self._remove(e.entry_id, "prefix_cull")
+
+    def _remove(self, entry_id: int, reason: str) -> None:
+        e = self._entries.pop(entry_id, None)
+        if e is None:
+            return
+        for h in e.block_hashes:
+            ids = self._index.get(h)
+            if ids is not None:
+                ids.discard(entry_id)
+                if not ids:
+                    del self._index[h]
+        if reason != "replaced":
+            self.counters.bump("evictions")
+            self.counters.bump(f"evictions_{reason}")
+        self.eviction_log.append((entry_id, reason))
+        del self.eviction_log[:-256]
+        if self.on_evict is not None:
+            self.on_evict(e, reason)

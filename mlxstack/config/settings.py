@@ -1,0 +1,235 @@
+"""One place for every setting: a frozen dataclass loaded from the environment.
+
+Usage:
+    from mlxstack.config.settings import load_settings
+    settings = load_settings()            # reads .env (python-dotenv) + os.environ
+    settings = load_settings(env={...})   # tests: an explicit mapping, no files
+
+Every variable is declared once in ``SPECS`` (name, type, default, description).
+``.env.example`` documents all of them; ``tests/test_settings.py`` proves the two agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class SettingsError(ValueError):
+    """A user-facing configuration error; the message names the variable and how to fix it."""
+
+
+class Spec(NamedTuple):
+    name: str
+    kind: str  # "str" | "int" | "float" | "bool" | "choice"
+    default: Any
+    doc: str
+    minimum: float | None = None
+    choices: tuple[str, ...] = ()
+    group: str = "general"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+SPECS: tuple[Spec, ...] = (
+    # --- model -----------------------------------------------------------------
+    Spec("MODEL_PATH", "str", "", "Local model folder or Hugging Face repo id. Empty = embedded SmolLM2-135M-Instruct.", group="model"),
+    Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "generic"), group="model"),
+    Spec("MODEL_CACHE_DIR", "str", "", "Where the embedded model is converted to MLX once. Empty = ~/.cache/mlxstack.", group="model"),
+    Spec("CPU_FLOAT32", "bool", True, "On CPU-only MLX, dequantize/upcast weights to float32 (BLAS-friendly, much faster prefill).", group="model"),
+    Spec("BLAS_PRELOAD", "str", "auto", "Linux: optimised BLAS to LD_PRELOAD into the MLX server (auto | off | /path/libopenblas.so).", group="model"),
+    Spec("PREFILL_STEP_SIZE", "int", 512, "Tokens per prefill chunk.", minimum=1, group="model"),
+    # --- network ---------------------------------------------------------------
+    Spec("MLX_HOST", "str", "127.0.0.1", "MLX server bind address.", group="network"),
+    Spec("MLX_PORT", "int", 8080, "MLX server port.", minimum=0, group="network"),
+    Spec("PROXY_HOST", "str", "127.0.0.1", "LiteLLM proxy bind address (0.0.0.0 exposes it to your network).", group="network"),
+    Spec("PROXY_PORT", "int", 4000, "LiteLLM proxy port.", minimum=0, group="network"),
+    Spec("PROXY_MODEL_ID", "str", "", "Model name exposed through LiteLLM. Empty = openai/<model name>; the bare name is listed too.", group="network"),
+    Spec("LITELLM_MASTER_KEY", "str", "", "Key clients send as 'Authorization: Bearer …'. install_and_run.py generates one on first run.", group="network"),
+    Spec("MLX_STARTUP_TIMEOUT_SECONDS", "float", 900.0, "How long start_llm.py waits for the MLX server to load/prepare the model (first run converts it).", minimum=1, group="network"),
+    Spec("PROXY_STARTUP_TIMEOUT_SECONDS", "float", 120.0, "How long to wait for LiteLLM to report ready.", minimum=1, group="network"),
+    Spec("PROXY_REQUEST_TIMEOUT_SECONDS", "float", 3600.0, "LiteLLM timeout / stream_timeout towards the MLX server (long prefills).", minimum=1, group="network"),
+    Spec("MAX_QUEUED_REQUESTS", "int", 16, "Requests waiting for the inference worker; beyond it → 503 + Retry-After.", minimum=1, group="network"),
+    Spec("MAX_REQUEST_BYTES", "int", 64 * 1024 * 1024, "Largest accepted request body (413 above).", minimum=1024, group="network"),
+    # --- sampling defaults -----------------------------------------------------
+    Spec("DEFAULT_TEMPERATURE", "float", 0.1, "Sampling temperature when the request has none.", minimum=0, group="sampling"),
+    Spec("DEFAULT_TOP_P", "float", 0.9, "Nucleus sampling.", minimum=0, group="sampling"),
+    Spec("DEFAULT_TOP_K", "int", 40, "Top-k sampling (0 = off).", minimum=0, group="sampling"),
+    Spec("DEFAULT_MIN_P", "float", 0.05, "Minimum-probability threshold.", minimum=0, group="sampling"),
+    Spec("DEFAULT_REPETITION_PENALTY", "float", 1.08, "Repetition penalty (1.0 = off).", minimum=0, group="sampling"),
+    Spec("DEFAULT_REPETITION_CONTEXT_SIZE", "int", 256, "Tokens the repetition penalty looks back over.", minimum=1, group="sampling"),
+    Spec("DEFAULT_MAX_TOKENS", "int", 2048, "Max output tokens when the request has none.", minimum=1, group="sampling"),
+    Spec("DEFAULT_THINKING", "bool", True, "Enable reasoning by default (templates that support enable_thinking).", group="sampling"),
+    Spec("PRESERVE_THINKING", "bool", True, "Pass preserve_thinking=True to the chat template when it accepts it.", group="sampling"),
+    Spec("GENERATION_WATCHDOG_SECONDS", "float", 600.0, "Wall-clock limit per generation (0 = off); ends with finish_reason=length.", minimum=0, group="sampling"),
+    # --- cache -----------------------------------------------------------------
+    Spec("PROMPT_CACHE_MAX_ENTRIES_GLOBAL", "int", 24, "Max KV entries in the global cache. 0 disables caching entirely (every request cold).", minimum=0, group="cache"),
+    Spec("PROMPT_CACHE_MAX_BYTES", "int", 0, "KV byte budget. 0 = auto: 40% of RAM (Linux) or of Metal's recommended working set.", minimum=0, group="cache"),
+    Spec("PROMPT_CACHE_MAX_ENTRIES_PER_SESSION", "int", 2, "Cache keys remembered per session (session index).", minimum=1, group="cache"),
+    Spec("PROMPT_CACHE_TTL_SECONDS", "float", 1800.0, "Entry time-to-live (0 = never expires).", minimum=0, group="cache"),
+    Spec("PROMPT_CACHE_SESSION_MAX_IDLE_SECONDS", "float", 1800.0, "Idle sessions are forgotten after this (0 = never).", minimum=0, group="cache"),
+    Spec("PROMPT_CACHE_BLOCK_SIZE", "int", 16, "Tokens per hash block.", minimum=1, group="cache"),
+    Spec("CACHE_USE_BLOCK_INDEX", "bool", True, "Block-hash index for O(blocks) lookup (off = linear scan, same answers).", group="cache"),
+    Spec("CACHE_CANONICALIZE_TOOL_CONTEXT", "bool", True, "Normalise volatile agent fields (message ids, inbound context, runtime stats) in the cache key.", group="cache"),
+    Spec("CACHE_VLM_IMAGE_IDENTITY", "bool", True, "Add per-image identity markers to VLM cache keys.", group="cache"),
+    Spec("CACHE_NORM_SAFETY_CHECK", "bool", False, "Refuse a cache key >10% shorter than the prompt (falls back to original tokens).", group="cache"),
+    Spec("STRIP_BILLING_HEADER", "bool", True, "Remove Claude Code's per-request x-anthropic-billing-header line from the model input too.", group="cache"),
+    Spec("HEALING_STORE", "bool", True, "Restore reasoning / raw tool-call markup that clients strip from echoed assistant turns.", group="cache"),
+    Spec("HEALING_STORE_MAX_ENTRIES", "int", 2000, "LRU capacity of the healing store.", minimum=1, group="cache"),
+    Spec("SNAPSHOT_MAX_ENTRIES", "int", 8, "Hybrid/recurrent-model state snapshots kept (0 = off).", minimum=0, group="cache"),
+    Spec("SNAPSHOT_TTL_SECONDS", "float", 1800.0, "Snapshot time-to-live (0 = never expires).", minimum=0, group="cache"),
+    # --- vision ----------------------------------------------------------------
+    Spec("MAX_IMAGE_BYTES", "int", 20 * 1024 * 1024, "Largest decoded image payload.", minimum=1, group="vision"),
+    Spec("MAX_IMAGE_PIXELS", "int", 40_000_000, "Pixel cap per image (decompression-bomb guard).", minimum=1, group="vision"),
+    Spec("ALLOW_REMOTE_IMAGE_URLS", "bool", False, "Fetch http(s) image URLs (off: only data: URLs).", group="vision"),
+    Spec("REMOTE_IMAGE_TIMEOUT_SECONDS", "float", 10.0, "Timeout for remote image fetches.", minimum=0.1, group="vision"),
+    # --- observability ---------------------------------------------------------
+    Spec("ENABLE_REQUEST_LOGGING", "bool", True, "Write per-request session logs under LOG_ROOT.", group="observability"),
+    Spec("LOG_ROOT", "str", "logs", "Log directory (relative paths are under the repo).", group="observability"),
+    Spec("LOG_MAX_BYTES", "int", 256 * 1024 * 1024, "Cap on the total size of LOG_ROOT's session logs (oldest removed first).", minimum=1024, group="observability"),
+    Spec("LOG_LEVEL", "choice", "INFO", "Console log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"), group="observability"),
+    Spec("VLM_CACHE_DEBUG", "bool", False, "Log the first prompt token ids and VLM cache diagnostics.", group="observability"),
+)
+
+SPEC_BY_NAME: dict[str, Spec] = {s.name: s for s in SPECS}
+
+
+def _attr(name: str) -> str:
+    return name.lower()
+
+
+def _parse(spec: Spec, raw: str) -> Any:
+    text = raw.strip()
+    try:
+        if spec.kind == "str":
+            return text
+        if spec.kind == "choice":
+            for choice in spec.choices:
+                if text.lower() == choice.lower():
+                    return choice
+            raise SettingsError(
+                f"{spec.name}={raw!r} is not one of {', '.join(spec.choices)}. {spec.doc}"
+            )
+        if spec.kind == "bool":
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise SettingsError(f"{spec.name}={raw!r} is not a boolean; use true or false. {spec.doc}")
+        value: float = int(text) if spec.kind == "int" else float(text)
+    except ValueError as exc:
+        if isinstance(exc, SettingsError):
+            raise
+        raise SettingsError(f"{spec.name}={raw!r} is not a valid {spec.kind}. {spec.doc}") from None
+    if spec.minimum is not None and value < spec.minimum:
+        raise SettingsError(f"{spec.name}={raw!r} must be >= {spec.minimum:g}. {spec.doc}")
+    return value
+
+
+def _fields() -> list[tuple[str, Any, Any]]:
+    types: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool, "choice": str}
+    return [(_attr(s.name), types[s.kind], dataclasses.field(default=s.default)) for s in SPECS]
+
+
+_SettingsBase = dataclasses.make_dataclass("_SettingsBase", _fields(), frozen=True)
+
+
+@dataclass(frozen=True)
+class Settings(_SettingsBase):  # type: ignore[misc, valid-type]
+    """All configuration. Attribute names are the lower-cased variable names."""
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    # Derived values --------------------------------------------------------
+    @property
+    def log_root_path(self) -> Path:
+        p = Path(self.log_root)
+        return p if p.is_absolute() else REPO_ROOT / p
+
+    @property
+    def model_cache_path(self) -> Path:
+        if self.model_cache_dir:
+            return Path(self.model_cache_dir).expanduser()
+        return Path.home() / ".cache" / "mlxstack"
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.prompt_cache_max_entries_global > 0
+
+    def as_env(self) -> dict[str, str]:
+        """Serialise back to environment variables (for child processes)."""
+        out = {}
+        for spec in SPECS:
+            value = getattr(self, _attr(spec.name))
+            out[spec.name] = ("true" if value else "false") if spec.kind == "bool" else str(value)
+        return out
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    from dotenv import dotenv_values
+
+    values = dotenv_values(path)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None,
+    env_file: Path | str | None = None,
+    *,
+    strict_unknown: bool = True,
+) -> Settings:
+    """Build Settings from ``env`` (default: os.environ) layered over ``env_file``.
+
+    Process environment wins over the file, as with python-dotenv's default.
+    Unknown variables in the file are an error (a typo would otherwise be silently ignored).
+    """
+    merged: dict[str, str] = {}
+    if env_file is None and env is None:
+        env_file = REPO_ROOT / ".env"
+    if env_file is not None and Path(env_file).exists():
+        file_values = _read_env_file(Path(env_file))
+        if strict_unknown:
+            unknown = [k for k in file_values if k not in SPEC_BY_NAME and not k.startswith(("LITELLM_", "HF_", "MLX_STACK_"))]
+            if unknown:
+                hints = []
+                for key in unknown:
+                    close = difflib.get_close_matches(key, SPEC_BY_NAME, n=1)
+                    hints.append(f"{key}" + (f" (did you mean {close[0]}?)" if close else ""))
+                raise SettingsError(
+                    f"Unknown variable(s) in {env_file}: {', '.join(hints)}. "
+                    "Every supported variable is listed in .env.example."
+                )
+        merged.update(file_values)
+    merged.update(os.environ if env is None else env)
+    values = {}
+    for spec in SPECS:
+        raw = merged.get(spec.name)
+        values[_attr(spec.name)] = spec.default if raw is None or raw.strip() == "" and spec.kind != "str" else _parse(spec, raw)
+    return Settings(**values)
+
+
+def render_env_example() -> str:
+    """The canonical text of .env.example, grouped, every variable with its default."""
+    lines = [
+        "# mlxstack configuration. Copy to .env (install_and_run.py does it on first run).",
+        "# Every supported variable is listed here with its default; unknown names in .env are an error.",
+    ]
+    group = None
+    for spec in SPECS:
+        if spec.group != group:
+            group = spec.group
+            lines += ["", f"# ---- {group} " + "-" * (60 - len(group))]
+        default = ("true" if spec.default else "false") if spec.kind == "bool" else str(spec.default)
+        choices = f" [{' | '.join(spec.choices)}]" if spec.choices else ""
+        lines.append(f"# {spec.doc}{choices}")
+        lines.append(f"{spec.name}={default}")
+    return "\n".join(lines) + "\n"
+

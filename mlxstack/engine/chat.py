@@ -1,0 +1,259 @@
+"""One chat request end to end, on the inference thread.
+
+    heal -> canonicalise -> render x2 -> scrub (key only) -> tokenise x2 -> lookup
+    -> checkout KV at physical offset P -> prefill model_tokens[P:] -> decode -> store
+
+The canonical pipeline only *finds* cache entries; the original pipeline is what the model
+sees, and reuse is accepted only up to where the entry's model tokens equal the request's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
+from ..cache.lcp import lcp
+from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
+from ..pipeline.canonicalize import canonicalize_messages
+from ..pipeline.render import encode
+from ..pipeline.scrub import scrub_cache_key
+from ..parsing.reasoning import prompt_opens_thinking
+from ..pipeline.session_context import extract_session_context
+from .generate import SamplingParams, decode, prefill
+from .stop_strings import StopMatcher
+
+log = logging.getLogger("mlxstack.request")
+
+
+class ClientGone(RuntimeError):
+    """The client disconnected before or during generation."""
+
+
+@dataclass
+class ChatJob:
+    """What the HTTP layer hands to the engine (already validated)."""
+    request_id: str
+    messages: list[dict]
+    tools: list | None
+    enable_thinking: bool
+    params: SamplingParams
+    stop: list[str]
+    body: dict
+    headers: dict[str, str]
+    emit: Callable[[str], None]                  # text deltas, in order
+    is_cancelled: Callable[[], bool] = lambda: False
+    on_prompt: Callable[["PromptReady"], None] = lambda _p: None
+
+
+@dataclass(frozen=True)
+class PromptReady:
+    """Sent once the prompt is rendered: does the output start inside a <think> block?"""
+    thinking_started: bool
+
+
+@dataclass
+class ChatOutcome:
+    text: str                 # visible generated text (stop strings removed)
+    raw_text: str             # everything generated (for the healing store)
+    finish_reason: str        # stop | length | cancelled
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    match_type: str
+    thinking_started: bool
+    session_id: str
+    timings: dict = field(default_factory=dict)
+    aborted: bool = False
+
+
+@dataclass
+class PreparedPrompt:
+    original: list[dict]
+    canonical: list[dict]
+    model_text: str
+    model_tokens: list[int]
+    key_tokens: list[int]
+    key_delta_chars: int
+
+
+class ChatEngine:
+    def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
+        self.loaded = loaded
+        self.renderer = renderer
+        self.state = state          # engine/state.py: caches, counters, stores
+        self.settings = settings
+
+    # ---------------------------------------------------------------- pipeline
+    def prepare(self, job: ChatJob) -> PreparedPrompt:
+        s = self.settings
+        messages = self.state.heal(job.messages)
+        original, canonical = canonicalize_messages(
+            messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
+        model_text = self.renderer.render(original, job.tools, job.enable_thinking)
+        canon_text = scrub_cache_key(self.renderer.render(canonical, job.tools, job.enable_thinking))
+        tok = self.loaded.tokenizer
+        model_tokens = encode(tok, model_text)
+        key_tokens = model_tokens if canon_text == model_text else encode(tok, canon_text)
+        if s.cache_norm_safety_check and len(key_tokens) < 0.9 * len(model_tokens):
+            log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
+                        job.request_id, len(key_tokens), len(model_tokens))
+            self.state.counters.bump("cache_key_safety_fallback")
+            key_tokens = model_tokens
+        return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
+                              len(model_text) - len(canon_text))
+
+    def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
+        """(stable message count, exact token boundary of those messages in the model tokens)."""
+        n = self.state.turns.stable_prefix(session_id, prep.canonical)
+        if n <= 0:
+            return 0, 0
+        text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
+        return n, lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
+
+    def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
+        cache = self.state.prompt_cache
+        hashes = cache.hashes(prep.key_tokens)
+        match = cache.lookup(prep.key_tokens, prep.model_tokens, key_hashes=hashes)
+        stable_msgs, stable_tokens = self._stable_prefix_tokens(prep, session_id, job)
+        if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
+            second = cache.lookup(prep.key_tokens, prep.model_tokens, broad=True, key_hashes=hashes,
+                                  extra_candidates=self.state.sessions.candidates(session_id))
+            if second.depth > match.depth:
+                match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")
+        if match.hit and match.entry.pool == POOL_SNAPSHOT:
+            match = match._replace(match_type="snapshot")
+        return match, stable_msgs
+
+    # ---------------------------------------------------------------- request
+    def run(self, job: ChatJob) -> ChatOutcome:
+        if job.is_cancelled():
+            raise ClientGone("client left before the request started")
+        t0 = time.perf_counter()
+        s = self.settings
+        st = self.state
+        deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
+        prep = self.prepare(job)
+        session = extract_session_context(job.body, job.headers, prep.key_tokens)
+        thinking_started = prompt_opens_thinking(prep.model_text)
+        job.on_prompt(PromptReady(thinking_started))
+        t_prep = time.perf_counter()
+
+        match, stable_msgs = self.lookup(prep, session.session_id, job) if st.prompt_cache.enabled else (MISS, 0)
+        model = self.loaded.model
+        if match.hit:
+            work = checkout(match.entry.payload, match.depth)
+        else:
+            work = st.new_cache(model)
+        start = kv_offset(work)
+        assert start == match.depth, f"checkout offset {start} != match depth {match.depth}"
+        st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
+
+        pre_gen_snapshot: list[Any] = []
+        trimmable = is_trimmable(work)
+        def checkpoint(cache: list[Any]) -> None:
+            if not trimmable and st.prompt_cache.enabled and s.snapshot_max_entries > 0:
+                pre_gen_snapshot.append(capture(cache))
+
+        remaining = prep.model_tokens[start:]
+        logits = prefill(model, work, remaining, s.prefill_step_size, checkpoint=checkpoint)
+        t_first = time.perf_counter()
+
+        stopper = StopMatcher(job.stop)
+        detok = self.loaded.tokenizer.detokenizer
+        detok.reset()
+        generated: list[int] = []
+        visible: list[str] = []
+        finish = "length"
+        aborted = False
+        watchdog = False
+
+        def should_stop() -> bool:
+            nonlocal watchdog
+            if deadline is not None and time.perf_counter() > deadline:
+                watchdog = True
+                return True
+            return job.is_cancelled()
+
+        params = job.params
+        stop_ids = params.stop_token_ids
+        stopped_by_string = False
+        for tok in decode(model, work, logits, prep.model_tokens, params, should_stop):
+            generated.append(tok)
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            detok.add_token(tok)
+            out, hit = stopper.push(detok.last_segment)
+            if out:
+                visible.append(out)
+                job.emit(out)
+            if hit:
+                finish, stopped_by_string = "stop", True
+                break
+        if watchdog:
+            aborted, finish = True, "length"
+            st.counters.bump("watchdog_aborts")
+        elif job.is_cancelled():
+            aborted, finish = True, "cancelled"
+            st.counters.bump("disconnects")
+        if not stopped_by_string and not aborted:
+            detok.finalize()
+            out, hit = stopper.push(detok.last_segment)
+            tail = out if hit else out + stopper.flush()
+            if tail:
+                visible.append(tail)
+                job.emit(tail)
+        t_end = time.perf_counter()
+
+        raw_ids = [t for t in generated if t not in stop_ids]
+        raw_text = self.loaded.tokenizer.decode(raw_ids)
+        if not aborted and st.prompt_cache.enabled:
+            self._store(prep, session.session_id, match, work, generated, pre_gen_snapshot)
+        if not aborted:
+            st.turns.update(session.session_id, prep.canonical)
+
+        prefill_s = t_first - t_prep
+        decode_s = t_end - t_first
+        outcome = ChatOutcome(
+            text="".join(visible), raw_text=raw_text, finish_reason=finish,
+            prompt_tokens=len(prep.model_tokens), cached_tokens=match.depth,
+            completion_tokens=len(generated), match_type=match.match_type if match.hit else "miss",
+            thinking_started=thinking_started,
+            session_id=session.session_id, aborted=aborted,
+            timings={
+                "prepare_ms": round((t_prep - t0) * 1000, 2),
+                "ttft_s": round(t_first - t0, 4),
+                "prefill_s": round(prefill_s, 4),
+                "prefill_tok_s": round(len(remaining) / prefill_s, 1) if prefill_s > 0 else 0.0,
+                "decode_tok_s": round(len(generated) / decode_s, 1) if decode_s > 0 and generated else 0.0,
+                "total_s": round(t_end - t0, 4),
+                "prefilled_tokens": len(remaining),
+                "stable_prefix_msgs": stable_msgs,
+                "key_delta_chars": prep.key_delta_chars,
+            },
+        )
+        st.record(job, outcome, prep)
+        return outcome
+
+    def _store(self, prep: PreparedPrompt, session_id: str, match: MatchResult, work: list[Any],
+               generated: list[int], pre_gen_snapshot: list[Any]) -> None:
+        st = self.state
+        parent = match.entry.session_id if match.hit else None
+        all_model = prep.model_tokens + generated
+        state = capture(work)
+        depth = state.offset
+        extra = max(0, depth - len(prep.model_tokens))
+        key = prep.key_tokens + generated[:extra]
+        pool = POOL_KV if state.trimmable else POOL_SNAPSHOT
+        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes,
+                                       trimmable=state.trimmable, pool=pool, session_id=session_id)
+        if entry is not None:
+            st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
+        for snap in pre_gen_snapshot:
+            snap_entry = st.prompt_cache.insert(prep.key_tokens, prep.model_tokens[:snap.offset], snap,
+                                                nbytes=snap.nbytes, trimmable=False, pool=POOL_SNAPSHOT,
+                                                session_id=session_id)
+            if snap_entry is not None:
+                st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)

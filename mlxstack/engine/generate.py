@@ -1,0 +1,128 @@
+"""Prefill and decode on an explicit cache: the one generation loop every request uses.
+
+    logits = prefill(model, cache, tokens[P:], step=512)          # feeds all but nothing more
+    for tok in decode(model, cache, logits, history, params):      # yields token ids
+        ...
+
+Unlike ``mlx_lm.generate_step``, the repetition penalty sees the *whole* history (cached prefix
+included), so a cache hit never changes sampling, and the caller can checkpoint the cache right
+before the last prompt token is fed (the pre-generation snapshot for hybrid models).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
+
+from .mlx_stream import generation_stream
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 256
+    max_tokens: int = 256
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int], step: int) -> None:
+    """Run ``tokens`` through the model into ``cache`` in chunks (no logits kept)."""
+    with mx.stream(generation_stream()):
+        for start in range(0, len(tokens), step):
+            chunk = mx.array(list(tokens[start:start + step]), dtype=mx.int32)[None]
+            model(chunk, cache=cache)
+            mx.eval([c.state for c in cache])
+    mx.clear_cache()
+
+
+def last_logits(model: nn.Module, cache: list[Any], token: int) -> mx.array:
+    """Feed one token and return its next-token logits (float32, shape [vocab])."""
+    with mx.stream(generation_stream()):
+        logits = model(mx.array([[token]], dtype=mx.int32), cache=cache)[:, -1, :]
+        logits = logits.astype(mx.float32).squeeze(0)
+        mx.eval(logits)
+    return logits
+
+
+def prefill(
+    model: nn.Module,
+    cache: list[Any],
+    tokens: Sequence[int],
+    step: int = 512,
+    checkpoint: Callable[[list[Any]], None] | None = None,
+) -> mx.array:
+    """Feed ``tokens`` (>= 1) and return the logits after the last one.
+
+    ``checkpoint(cache)`` runs after all but the last token were fed: the cache then covers
+    exactly ``prompt[:-1]``, the state a later turn extending this prompt can restore.
+    """
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    feed(model, cache, tokens[:-1], step)
+    if checkpoint is not None:
+        checkpoint(cache)
+    return last_logits(model, cache, tokens[-1])
+
+
+def decode(
+    model: nn.Module,
+    cache: list[Any],
+    first_logits: mx.array,
+    history: Sequence[int],
+    params: SamplingParams,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[int]:
+    """Yield sampled token ids until max_tokens, a stop token, or ``should_stop()``.
+
+    The next step is dispatched asynchronously before the current token is yielded (as in
+    mlx-lm), so the cache may hold one token more than was consumed: callers read the
+    physical offset from the cache rather than counting.
+    """
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    sampler = make_sampler(params.temperature, params.top_p, params.min_p, 1, params.top_k)
+    penalty = (
+        make_repetition_penalty(params.repetition_penalty, params.repetition_context_size)
+        if params.repetition_penalty and params.repetition_penalty != 1.0 else None
+    )
+    ctx = params.repetition_context_size
+    recent = list(history[-ctx:])
+    stream = generation_stream()
+
+    def sample(logits: mx.array) -> mx.array:
+        logits = logits[None] if logits.ndim == 1 else logits
+        if penalty is not None and recent:
+            logits = penalty(mx.array(recent[-ctx:], dtype=mx.int32), logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs)
+
+    def step(tok: mx.array) -> mx.array:
+        with mx.stream(stream):
+            logits = model(tok.reshape(1, 1), cache=cache)[:, -1, :]
+            return sample(logits)
+
+    with mx.stream(stream):
+        y = sample(first_logits)
+    mx.async_eval(y)
+    produced = 0
+    while produced < params.max_tokens:
+        tok = int(y.item())
+        recent.append(tok)
+        del recent[:-ctx]
+        produced += 1
+        done = tok in params.stop_token_ids or produced >= params.max_tokens
+        if not done:
+            next_y = step(y)
+            mx.async_eval(next_y)
+        yield tok
+        if done or should_stop():
+            return
+        y = next_y

@@ -1,0 +1,136 @@
+"""Model loading: embedded SmolLM2 (default), a local folder, or a Hugging Face repo id.
+
+    loaded = load_model(settings)   # LoadedModel(model, tokenizer, model_id, ...)
+
+On CPU-only MLX (Linux) weights are dequantized/upcast to float32 when ``CPU_FLOAT32`` is on:
+the CPU kernels for quantized and half-precision matmuls are far slower than an f32 BLAS sgemm.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says why and how to fix it."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any                 # mlx_lm TokenizerWrapper
+    model_id: str                  # served name (/v1/models)
+    path: Path
+    config: dict
+    family: str                    # qwen3 | glm4 | generic
+    context_length: int
+    is_vlm: bool = False
+    processor: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "eos_token_ids", set()) or set())
+
+
+def detect_family(config: dict, path: str, override: str = "auto") -> str:
+    if override != "auto":
+        return override
+    text = (str(config.get("model_type", "")) + " " + path).lower()
+    if "glm" in text:
+        return "glm4"
+    if "qwen" in text:
+        return "qwen3"
+    return "generic"
+
+
+def _is_cpu_only() -> bool:
+    try:
+        return not mx.metal.is_available() and mx.default_device() == mx.cpu
+    except Exception:  # pragma: no cover - older mlx
+        return mx.default_device() == mx.cpu
+
+
+def upcast_for_cpu(model: nn.Module) -> bool:
+    """Dequantize quantized layers and cast floating weights to float32. Returns True if changed."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    params = tree_flatten(model.parameters())
+    quantized = any(name.endswith(".scales") for name, _ in params)
+    if quantized:
+        dequantize_model(model)
+    changed = quantized
+    if any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters())):
+        model.set_dtype(mx.float32)
+        changed = True
+    if changed:
+        mx.eval(model.parameters())
+    return changed
+
+
+def resolve_model_path(settings: Settings, progress: Callable[[str], None] | None = None) -> tuple[Path, str]:
+    """(local folder, served model name). Converts the embedded GGUF on first use."""
+    if not settings.model_path:
+        from .embedded_model import embedded_model_name, ensure_embedded_model
+
+        path = ensure_embedded_model(settings.model_cache_path, float32=settings.cpu_float32)
+        return Path(path), embedded_model_name()
+    candidate = Path(settings.model_path).expanduser()
+    if candidate.exists():
+        if not (candidate / "config.json").exists():
+            raise ModelLoadError(f"MODEL_PATH={settings.model_path!r} has no config.json; point it at an MLX model folder.")
+        return candidate, candidate.name
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(settings.model_path, local_files_only=True)
+        return Path(local), settings.model_path.rstrip("/").split("/")[-1]
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
+        raise ModelLoadError(
+            f"MODEL_PATH={settings.model_path!r} is neither a local folder nor a cached Hugging Face repo "
+            f"({type(exc).__name__}). This machine is offline: download it elsewhere "
+            "(huggingface-cli download <repo>) or point MODEL_PATH at a local folder. "
+            "Leave MODEL_PATH empty to use the embedded SmolLM2 model."
+        ) from None
+
+
+def load_model(settings: Settings, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    say = progress or (lambda msg: log.info(msg))
+    say("preparing model files")
+    path, name = resolve_model_path(settings, progress)
+    config = json.loads((path / "config.json").read_text())
+    from .vlm import is_vlm_config
+
+    if is_vlm_config(config):
+        from .vlm import load_vlm
+
+        return load_vlm(path, name, config, settings)
+    say(f"loading {name} from {path}")
+    from mlx_lm import load as mlx_load
+
+    model, tokenizer = mlx_load(str(path))
+    if settings.cpu_float32 and _is_cpu_only() and upcast_for_cpu(model):
+        say("CPU: weights upcast to float32 for BLAS prefill")
+    context = int(config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 8192)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
+        family=detect_family(config, str(path), settings.model_family), context_length=context,
+    )
+
+
+def hf_offline_env() -> None:
+    """Never reach for a hub at run time (this stack runs offline)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,122 @@
+"""Everything the engine keeps between requests: prompt cache, session layers, healing seam,
+counters and the recent-request rows served by /v1/cache/stats.
+
+Only the inference thread mutates these; stats readers take ``rows_lock`` / the counters' lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
+from ..cache.hashing import namespace_seed, template_hash
+from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
+from ..cache.sessions import SessionIndex, SessionTurnStore
+from ..config.settings import Settings
+from .memory import default_cache_budget
+
+log = logging.getLogger("mlxstack.request")
+
+
+class EngineState:
+    def __init__(self, settings: Settings, model_id: str, template_source: str = "") -> None:
+        self.settings = settings
+        self.counters = CacheCounters()
+        budget = settings.prompt_cache_max_bytes or default_cache_budget()
+        self.cache_budget = budget
+        config = PromptCacheConfig(
+            block_size=settings.prompt_cache_block_size,
+            max_entries=settings.prompt_cache_max_entries_global,
+            max_bytes=budget,
+            ttl_seconds=settings.prompt_cache_ttl_seconds,
+            use_block_index=settings.cache_use_block_index,
+            snapshot_max_entries=settings.snapshot_max_entries,
+            snapshot_ttl_seconds=settings.snapshot_ttl_seconds,
+        )
+        seed = namespace_seed(model_id, template_hash=template_hash(template_source))
+        self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict)
+        self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds)
+        self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
+                                     max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
+        self.heal: Callable[[list[dict]], list[dict]] = lambda messages: messages
+        self.rows: deque[dict] = deque(maxlen=200)
+        self.rows_lock = threading.Lock()
+        self.request_logger: Any = None
+        self.on_record: list[Callable[[dict], None]] = []
+
+    def new_cache(self, model: Any) -> list[Any]:
+        return make_prompt_cache(model)
+
+    def _on_evict(self, entry: CacheEntry, reason: str) -> None:
+        self.sessions.forget_entry(entry.entry_id)
+        entry.payload = None
+        mx.clear_cache()  # hand freed buffers back to the allocator / OS
+
+    def record(self, job: Any, outcome: Any, prep: Any) -> None:
+        row = {
+            "time": time.time(),
+            "request_id": job.request_id,
+            "session": outcome.session_id[:16],
+            "prompt_tokens": outcome.prompt_tokens,
+            "cached_tokens": outcome.cached_tokens,
+            "prefilled_tokens": outcome.timings["prefilled_tokens"],
+            "completion_tokens": outcome.completion_tokens,
+            "match_type": outcome.match_type,
+            "finish_reason": outcome.finish_reason,
+            **{k: outcome.timings[k] for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s",
+                                                "stable_prefix_msgs", "key_delta_chars", "prepare_ms")},
+        }
+        with self.rows_lock:
+            self.rows.append(row)
+        self.counters.bump("requests")
+        self.counters.bump("cached_tokens", outcome.cached_tokens)
+        self.counters.bump("prefilled_tokens", row["prefilled_tokens"])
+        log.info(
+            "req=%s session=%s prompt=%d cached=%d match=%s prefilled=%d delta_chars=%d stable_msgs=%d "
+            "ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s finish=%s",
+            job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
+            row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["ttft_s"],
+            row["prefill_tok_s"], row["decode_tok_s"], row["finish_reason"],
+        )
+        for hook in self.on_record:
+            try:
+                hook({**row, "prep": prep, "outcome": outcome, "job": job})
+            except Exception:  # noqa: BLE001 - observability must never fail a request
+                log.exception("record hook failed")
+
+    def stats(self) -> dict:
+        pc = self.prompt_cache
+        entries = pc.entries()
+        counters = self.counters.snapshot()
+        with self.rows_lock:
+            rows = list(self.rows)
+        return {
+            "enabled": pc.enabled,
+            "entries": len(entries),
+            "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
+            "tokens": sum(e.depth for e in entries),
+            "bytes": sum(e.nbytes for e in entries),
+            "budget_bytes": self.cache_budget,
+            "max_entries": pc.config.max_entries,
+            "block_size": pc.config.block_size,
+            "sessions": len(self.sessions),
+            "turn_records": len(self.turns),
+            "correctness": {k: counters.get(k, 0) for k in CORRECTNESS_COUNTERS},
+            "hits": {k[5:]: v for k, v in counters.items() if k.startswith("hits_")},
+            "misses": counters.get("misses", 0),
+            "evictions": counters.get("evictions", 0),
+            "counters": counters,
+            "entry_list": [
+                {"id": e.entry_id, "pool": e.pool, "tokens": e.depth, "bytes": e.nbytes, "hits": e.hits,
+                 "trimmable": e.trimmable, "session": e.session_id[:16],
+                 "age_s": round(time.monotonic() - e.created, 1)}
+                for e in entries
+            ],
+            "recent": rows[-50:],
+        }

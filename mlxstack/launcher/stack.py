@@ -1,0 +1,198 @@
+"""Bring up MLX server → LiteLLM proxy, print the ready line, supervise, shut down cleanly.
+
+Order matters: LiteLLM is started only after the MLX server's /health says ready, because its
+config needs the model id the server actually serves, and a proxy that accepts requests before
+its backend exists only produces confusing 500s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Callable
+
+from mlxstack.config.settings import REPO_ROOT, Settings
+from mlxstack.launcher import litellm_config as lc
+from mlxstack.launcher import ports
+from mlxstack.launcher.supervisor import Child, Supervisor, describe_exit
+
+
+class LaunchError(RuntimeError):
+    """Start-up cannot continue; the message says why and what to do."""
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):  # noqa: ARG001
+    raise _Stop()
+
+
+def get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        body, status = e.read(), e.code
+    try:
+        return status, json.loads(body or b"null")
+    except ValueError:
+        return status, None
+
+
+def free_port(kind: str, host: str, port: int, repo: Path, pidfile: Path, extra: tuple[str, ...], say) -> None:
+    """Stop our own leftover on ``port``; refuse (LaunchError) when anything else holds it."""
+    if port == 0:
+        return
+    owners = ports.port_owners(port)
+    action, who = ports.stale_decision(owners, kind, repo, extra, ports.read_pidfile(pidfile))
+    if action == "refuse":
+        desc = "; ".join(f"pid {o.pid}: {o.command}" for o in who)
+        raise LaunchError(f"port {port} (needed for {kind}) is held by another program — {desc}. "
+                          f"Stop it, or choose another port in .env.")
+    for owner in who:
+        say(f"stopping leftover {kind} from a previous run on port {port} (pid {owner.pid})")
+        ports.terminate_pid(owner.pid)
+    if action == "free" and not ports.port_is_free(host, port):
+        raise LaunchError(f"port {port} on {host} is in use by a process we cannot identify "
+                          "(another user's?). Free it or choose another port in .env.")
+    if not ports.wait_port_free(host, port, 5.0):
+        raise LaunchError(f"port {port} is still busy after stopping the leftover {kind}.")
+
+
+def mlx_env(settings: Settings) -> dict[str, str]:
+    env = {**os.environ, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
+    try:
+        from mlxstack.engine.blas import blas_preload_env
+    except ImportError:
+        return env
+    extra = blas_preload_env(settings) or {}
+    if extra.get("LD_PRELOAD") and env.get("LD_PRELOAD"):
+        extra = {**extra, "LD_PRELOAD": f"{extra['LD_PRELOAD']}:{env['LD_PRELOAD']}"}
+    return {**env, **extra}
+
+
+def litellm_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HOST", "PORT")}
+    env.update(LITELLM_MASTER_KEY=settings.litellm_master_key, LITELLM_LOCAL_MODEL_COST_MAP="True",
+               LITELLM_TELEMETRY="False", PYTHONUNBUFFERED="1")
+    return env
+
+
+def litellm_command(python: str, config: Path, host: str, port: int) -> list[str]:
+    script = Path(python).parent / "litellm"
+    base = [python, str(script)] if script.exists() else [
+        python, "-c", "import sys; from litellm import run_server; sys.argv[0] = 'litellm'; sys.exit(run_server())"]
+    return base + ["--config", str(config), "--host", host, "--port", str(port)]
+
+
+def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, what: str, say) -> dict:
+    """Poll ``probe`` until it returns a dict; show elapsed time so a long model preparation
+    never looks like a hang."""
+    start, last_note = time.monotonic(), 0.0
+    tty = sys.stdout.isatty()
+    while True:
+        if child.poll() is not None:
+            raise LaunchError(f"{child.name} exited during start-up ({describe_exit(child.poll())}); see its output above.")
+        result = probe()
+        if result is not None:
+            return result
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
+            raise LaunchError(f"{what} not ready after {timeout:g}s (raise the *_STARTUP_TIMEOUT_SECONDS setting?).")
+        if elapsed - last_note >= (5 if tty else 15):
+            last_note = elapsed
+            say(f"waiting for {what} ... {elapsed:.0f}s")
+        time.sleep(0.5)
+
+
+def _mlx_probe(base: str) -> Callable[[], dict | None]:
+    def probe() -> dict | None:
+        try:
+            status, body = get_json(f"{base}/health")
+        except OSError:
+            return None
+        return body if status == 200 and isinstance(body, dict) and body.get("ready") else None
+    return probe
+
+
+def _proxy_probe(base: str) -> Callable[[], dict | None]:
+    def probe() -> dict | None:
+        try:  # never /health: on LiteLLM it makes a real model call
+            status, _ = get_json(f"{base}/health/liveliness")
+        except OSError:
+            return None
+        return {} if status == 200 else None
+    return probe
+
+
+def ready_text(settings: Settings, names: list[str]) -> str:
+    proxy, mlx = lc.proxy_base_url(settings), lc.mlx_base_url(settings)
+    body = json.dumps({"model": names[0], "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return "\n".join([
+        f"READY  proxy {proxy}/v1  model {names[0]}  |  MLX server {mlx}/v1  dashboard {mlx}/dashboard",
+        "  curl:  KEY=$(sed -n 's/^LITELLM_MASTER_KEY=//p' .env)",
+        f"         curl {proxy}/v1/chat/completions -H \"Authorization: Bearer $KEY\" "
+        f"-H 'Content-Type: application/json' -d '{body}'",
+        f"  OpenClaw / PI / any OpenAI-compatible client: base URL {proxy}/v1, API key = LITELLM_MASTER_KEY "
+        f"from .env, model {' or '.join(names)}",
+        "  Ctrl-C stops both servers.",
+    ])
+
+
+def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = REPO_ROOT,
+              mlx_cmd: list[str] | None = None, out: IO[str] | None = None) -> int:
+    """Run until a child dies (exit 1) or we are asked to stop (exit 0)."""
+    sup = Supervisor(out)
+    say = sup.say
+    if not settings.litellm_master_key:
+        say("LITELLM_MASTER_KEY is empty: LiteLLM refuses to start without one. "
+            "Run python3 install_and_run.py (it writes one into .env) or set it yourself.")
+        return 2
+    logs = settings.log_root_path
+    logs.mkdir(parents=True, exist_ok=True)
+    config_path, mlx_pid, proxy_pid = logs / "litellm_config.yaml", logs / ".mlx.pid", logs / ".litellm.pid"
+    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_stop)}
+    code = 1
+    try:
+        free_port("mlx", settings.mlx_host, settings.mlx_port, repo, mlx_pid, (), say)
+        free_port("litellm", settings.proxy_host, settings.proxy_port, repo, proxy_pid, (str(config_path),), say)
+        say(f"starting MLX server on {lc.mlx_base_url(settings)} (model: {settings.model_path or lc.EMBEDDED_MODEL_NAME})")
+        mlx = sup.start("mlx", mlx_cmd or [python, "-m", "mlxstack.serve"], mlx_env(settings), cwd=str(repo))
+        mlx_pid.write_text(f"{mlx.pid}\n")
+        health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
+                            "MLX server (loading / preparing the model; the first run converts it)", say)
+        served = str(health.get("model") or lc.model_name(settings))
+        say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
+        lc.write_config(settings, served, config_path)
+        proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
+                          litellm_env(settings), cwd=str(repo))
+        proxy_pid.write_text(f"{proxy.pid}\n")
+        wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), settings.proxy_startup_timeout_seconds, "LiteLLM proxy", say)
+        say(ready_text(settings, lc.proxy_model_names(settings)))
+        dead = sup.wait_any()
+        say(f"{dead.name} (pid {dead.pid}) stopped unexpectedly: {describe_exit(dead.poll())}. Stopping the stack.")
+    except LaunchError as exc:
+        say(f"ERROR: {exc}")
+    except (KeyboardInterrupt, _Stop):
+        say("stopping ...")
+        code = 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean stop short
+        try:
+            sup.stop_all(grace=3.0)
+        except KeyboardInterrupt:
+            sup.stop_all(grace=0.5)
+        signal.signal(signal.SIGTERM, old[signal.SIGTERM])
+        for f in (mlx_pid, proxy_pid):
+            f.unlink(missing_ok=True)
+    if code == 0:
+        say("stopped; ports freed")
+    return code

@@ -1,0 +1,127 @@
+"""Which agent session a request belongs to: pure function over body, headers and tokens.
+
+Usage:
+    ctx = extract_session_context(body, handler.headers, canonical_tokens)
+    ctx.session_id, ctx.source   # e.g. ("abc-123", "body.session_id")
+
+Lookup order (first non-empty value wins):
+  1. Body ids ``session_id`` > ``conversation_id`` > ``thread_id`` > ``chat_id``, each looked up at
+     the top level, then under ``extra_body``, then under ``metadata``
+     (source ``"body.<path>"``, e.g. ``"body.metadata.thread_id"``).
+     LiteLLM 1.106 forwards a top-level ``session_id`` but drops ``metadata`` and ``user``.
+  2. Headers ``x-session-affinity`` > ``x-session-id`` > ``x-claude-code-session-id``
+     (case-insensitive; source ``"header.<name>"``). LiteLLM forwards these; PI and OpenClaw send
+     ``session_id`` / ``x-session-affinity`` only when configured to.
+  3. Claude Code's ``metadata.user_id``, which embeds the session (``user_…_session_<uuid>`` or a JSON
+     string with ``session_id``) (source ``"body.metadata.user_id"``) — only reaches us on direct calls.
+  4. SHA-1 of the first 128 canonical tokens (source ``"prefix-hash"``): requests sharing their
+     opening (system prompt + first user turn) share a session.
+
+Ids are strings (ints are accepted and stringified), stripped; ids longer than 256 characters
+are replaced by ``"sha1:<hex>"`` so logs and keys stay bounded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+BODY_ID_KEYS = ("session_id", "conversation_id", "thread_id", "chat_id")
+BODY_LOCATIONS = ((), ("extra_body",), ("metadata",))
+HEADER_KEYS = ("x-session-affinity", "x-session-id", "x-claude-code-session-id")
+PREFIX_HASH_TOKENS = 128
+MAX_ID_CHARS = 256
+
+_CLAUDE_USER_SESSION = re.compile(r"_session_([0-9A-Za-z][0-9A-Za-z-]{7,})\s*$")
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """A request's session: ``session_id`` keys the session turn store / index; ``source`` says
+    where it came from (``"body.session_id"``, ``"header.x-session-id"``, ``"prefix-hash"``, …)."""
+
+    session_id: str
+    source: str
+
+
+def _clean_id(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None
+    text = str(value).strip()
+    if not text:
+        return None
+    if len(text) > MAX_ID_CHARS:
+        return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()
+    return text
+
+
+def _container(body: Mapping[str, Any], location: tuple[str, ...]) -> Mapping[str, Any] | None:
+    node: Any = body
+    for key in location:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return node if isinstance(node, Mapping) else None
+
+
+def _claude_code_session(metadata: Mapping[str, Any] | None) -> str | None:
+    if metadata is None or not isinstance(metadata.get("user_id"), str):
+        return None
+    user_id = metadata["user_id"].strip()
+    if user_id.startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except ValueError:
+            return None
+        return _clean_id(parsed.get("session_id")) if isinstance(parsed, dict) else None
+    match = _CLAUDE_USER_SESSION.search(user_id)
+    return _clean_id(match.group(1)) if match else None
+
+
+def prefix_hash_session_id(canonical_tokens: Sequence[int], n_tokens: int = PREFIX_HASH_TOKENS) -> str:
+    """SHA-1 hex of the first ``n_tokens`` canonical token ids (8-byte little-endian each)."""
+    head = np.asarray(list(canonical_tokens[:n_tokens]), dtype="<i8")
+    return hashlib.sha1(head.tobytes()).hexdigest()
+
+
+def extract_session_context(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str] | None,
+    canonical_tokens: Sequence[int],
+) -> SessionContext:
+    """Session id for a request (see the module docstring for the order).
+
+    Args:
+        body: parsed JSON request body.
+        headers: request headers (any case; ``http.client.HTTPMessage`` works too).
+        canonical_tokens: the canonical cache-key tokens (used only for the fallback).
+
+    Returns:
+        A ``SessionContext``; never fails.
+    """
+    body = body if isinstance(body, Mapping) else {}
+    containers = [(loc, _container(body, loc)) for loc in BODY_LOCATIONS]
+    for key in BODY_ID_KEYS:
+        for loc, container in containers:
+            if container is None:
+                continue
+            session_id = _clean_id(container.get(key))
+            if session_id is not None:
+                return SessionContext(session_id, "body." + "".join(f"{k}." for k in loc) + key)
+
+    lowered = {str(k).lower(): v for k, v in (headers or {}).items()}
+    for name in HEADER_KEYS:
+        session_id = _clean_id(lowered.get(name))
+        if session_id is not None:
+            return SessionContext(session_id, "header." + name)
+
+    session_id = _claude_code_session(_container(body, ("metadata",)))
+    if session_id is not None:
+        return SessionContext(session_id, "body.metadata.user_id")
+
+    return SessionContext(prefix_hash_session_id(canonical_tokens), "prefix-hash")
+
+
+__all__ = ["SessionContext", "extract_session_context", "prefix_hash_session_id"]

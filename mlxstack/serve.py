@@ -1,0 +1,54 @@
+"""MLX server entry point: ``python -m mlxstack.serve`` (start_llm.py runs it for you).
+
+Reads the same settings as the launcher (.env + environment), binds MLX_HOST:MLX_PORT at once
+(/health answers ready:false while the model loads), loads the model on the inference worker,
+and serves until SIGTERM / Ctrl-C.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from .config.settings import SettingsError, load_settings
+from .engine.loader import hf_offline_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hf_offline_env()
+    from .api.app import App, make_server
+
+    app = App(settings)
+    server = make_server(app, settings.mlx_host, settings.mlx_port)
+    host, port = server.server_address[:2]
+    logging.getLogger("mlxstack").info("MLX server listening on http://%s:%d (loading model)", host, port)
+    try:
+        from .engine.blas import blas_status
+
+        logging.getLogger("mlxstack").info("BLAS: %s", blas_status())
+    except Exception:  # noqa: BLE001
+        pass
+    app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
+
+    def stop(*_a) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        app.worker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
