@@ -215,9 +215,9 @@ def _pip(args, log):
         log.write(line + "\n")
         if line.startswith(("Collecting ", "Downloading ", "Installing collected", "Building ")):
             state["count"] += line.startswith("Collecting ")
-            state["line"] = line
+            state["line"] = line.split(" (from ")[0]
             if tty or time.monotonic() - state["shown"] > 5 or line.startswith("Installing collected"):
-                show(line)
+                show(state["line"])
         elif line.startswith(("ERROR", "Successfully installed")):  # WARNINGs: log only (index noise)
             print(("\n" if tty else "") + "  " + line[:300], flush=True)
     rc = proc.wait()

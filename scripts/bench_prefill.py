@@ -290,6 +290,10 @@ def section_breakdown(model_path: str, length: int, steps: list[int]) -> None:
     for st in steps:
         pre_s, _, _ = engine_run(model, tokenizer, prompt, 1, st)
         print(f"  step {st:>5}: {pre_s:7.2f} s  {length / pre_s:8.1f} tok/s")
+        if cpu_attention is not None and type(model).__module__ == "mlx_lm.models.llama":
+            with cpu_attention.patch_mlx_lm_attention(("mlx_lm.models.llama",)):
+                pre_b, _, _ = engine_run(model, tokenizer, prompt, 1, st)
+            print(f"  step {st:>5} + block_causal_sdpa (opt-in): {pre_b:7.2f} s  {length / pre_b:8.1f} tok/s")
 
 
 # ----------------------------------------------------------------------------- main

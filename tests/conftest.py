@@ -53,3 +53,93 @@ def tiny_vlm_path(tmp_path_factory, embedded_model_path) -> Path:
 # ===========================================================================
 # (end of tiny model fixtures)
 # ===========================================================================
+
+
+# ===========================================================================
+# Engine and live-server helpers (tests/test_engine*.py, tests/test_http*.py)
+# ===========================================================================
+
+
+def engine_settings(model_path: Path | str | None = None, **overrides):
+    """Settings for tests: deterministic sampling, no request logs unless asked."""
+    from mlxstack.config.settings import load_settings
+
+    env = {
+        "MODEL_PATH": str(model_path or ""),
+        "MODEL_CACHE_DIR": str(_model_cache_dir()),
+        "DEFAULT_TEMPERATURE": "0",
+        "DEFAULT_REPETITION_PENALTY": "1.0",
+        "DEFAULT_THINKING": "false",
+        "ENABLE_REQUEST_LOGGING": "false",
+        "MLX_PORT": "0",
+    }
+    env.update({k.upper(): str(v) for k, v in overrides.items()})
+    return load_settings(env=env)
+
+
+def build_engine(settings):
+    """(engine, app-less state) for driving ChatEngine.run() directly on the test thread."""
+    from mlxstack.engine.chat import ChatEngine
+    from mlxstack.engine.loader import load_model
+    from mlxstack.engine.state import EngineState
+    from mlxstack.pipeline.render import ChatRenderer
+
+    loaded = load_model(settings)
+    renderer = ChatRenderer(loaded.tokenizer, preserve_thinking=settings.preserve_thinking)
+    state = EngineState(settings, loaded.model_id, renderer.template_source)
+    return ChatEngine(loaded, renderer, state, settings)
+
+
+class LiveServer:
+    """A real MLX server (App + ThreadingHTTPServer) on a free port, in this process."""
+
+    def __init__(self, settings):
+        import threading
+
+        from mlxstack.api.app import App, make_server
+
+        self.app = App(settings)
+        self.httpd = make_server(self.app, "127.0.0.1", 0)
+        self.port = self.httpd.server_address[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.app.start_loading().result(timeout=300)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.app.worker.stop()
+
+
+def http_json(url: str, body=None, headers=None, method=None, timeout=120):
+    """(status, parsed JSON or raw text, headers) with no exception for 4xx/5xx."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status, hdrs = resp.read(), resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        raw, status, hdrs = err.read(), err.code, dict(err.headers)
+    try:
+        return status, json.loads(raw), hdrs
+    except ValueError:
+        return status, raw.decode("utf-8", "replace"), hdrs
+
+
+@pytest.fixture(scope="session")
+def embedded_server(embedded_model_path, tmp_path_factory):
+    """One live MLX server on the embedded SmolLM2 model, shared by HTTP tests."""
+    server = LiveServer(engine_settings(None, log_root=str(tmp_path_factory.mktemp("logs"))))
+    yield server
+    server.close()
+
+
+# ===========================================================================
+# (end of engine and live-server helpers)
+# ===========================================================================

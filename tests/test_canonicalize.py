@@ -396,8 +396,21 @@ def test_canonicalisation_is_idempotent():
 
 def test_alias_and_odd_inputs():
     assert _canonicalize_messages is canonicalize_messages
-    odd = [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "user"}, {"role": "user", "content": 5}]
+    odd = [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "user"}, {"role": "user", "content": 5},
+           {"role": ["weird"], "content": "Stats: runtime 5s"}, "not-a-dict"]
     original, canonical = canonicalize_messages(odd)
-    assert original == canonical == odd
+    assert original == odd
+    assert canonical[:3] == odd[:3] and canonical[4] == "not-a-dict"
+    assert canonical[3]["content"] == STABLE_RUNTIME
     assert canonicalize_messages([]) == ([], [])
     assert canonicalize_messages(tuple(odd))[0] == odd
+
+
+def test_memoised_and_unmemoised_paths_agree():
+    from mlxstack.pipeline.canonicalize import _MEMO_MAX_CHARS, _canonicalize_text, canonicalize_text
+
+    short = openclaw_messages()[-1]["content"]
+    long = short + "\n" + "x" * (_MEMO_MAX_CHARS + 1)
+    for text in (short, long):
+        assert canonicalize_text(text, "user") == _canonicalize_text(text, "user")
+    assert canonicalize_text(long, "user").startswith(canonicalize_text(short, "user"))

@@ -14,20 +14,6 @@ from ..engine.worker import InferenceWorker
 
 log = logging.getLogger("mlxstack.app")
 
-# End-of-turn markers used by common chat templates; added to the stop set when the template uses them.
-TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<end_of_turn>", "<|endoftext|>",
-                   "<|user|>", "<|observation|>")
-
-
-def stop_token_ids(tokenizer: Any, template_source: str) -> frozenset[int]:
-    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    for tok in TURN_END_TOKENS:
-        if tok in template_source and tok in vocab:
-            ids.add(int(vocab[tok]))
-    return frozenset(ids)
-
-
 class App:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -40,7 +26,6 @@ class App:
         self.loaded: Any = None
         self.engine: Any = None
         self.state: Any = None
-        self.stop_token_ids: frozenset[int] = frozenset()
         self.started = time.time()
         self.status_counts: Counter[int] = Counter()
         self._status_lock = threading.Lock()
@@ -67,7 +52,6 @@ class App:
             self.model_id = loaded.model_id
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
             self.family = loaded.family
-            self.stop_token_ids = stop_token_ids(loaded.tokenizer, renderer.template_source)
             self._install_features()
             self.ready = True
             log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",

@@ -134,7 +134,7 @@ class Handler(BaseHTTPRequestHandler):
             params=SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
-                max_tokens=req.max_tokens, seed=req.seed, stop_token_ids=app.stop_token_ids,
+                max_tokens=req.max_tokens, seed=req.seed,
             ),
             stop=req.stop, body=body, headers={k.lower(): v for k, v in self.headers.items()},
             emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
@@ -22,7 +22,7 @@ from ..pipeline.scrub import scrub_cache_key
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.session_context import extract_session_context
 from .generate import SamplingParams, decode, prefill
-from .stop_strings import StopMatcher
+from .stopping import StopMatcher, stop_token_ids
 
 log = logging.getLogger("mlxstack.request")
 
@@ -84,6 +84,7 @@ class ChatEngine:
         self.renderer = renderer
         self.state = state          # engine/state.py: caches, counters, stores
         self.settings = settings
+        self.stop_ids = stop_token_ids(loaded.tokenizer, renderer.template_source)
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
@@ -111,6 +112,11 @@ class ChatEngine:
             return 0, 0
         text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
         return n, lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
+
+    def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
+        """Token index where the rendered history ends (generation prompt excluded)."""
+        text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)
+        return lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         cache = self.state.prompt_cache
@@ -150,14 +156,17 @@ class ChatEngine:
         assert start == match.depth, f"checkout offset {start} != match depth {match.depth}"
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
 
+        # Hybrid/recurrent caches cannot be trimmed: checkpoint them where a later turn will
+        # extend exactly -- the end of the history (before the generation prompt) and prompt[:-1].
         pre_gen_snapshot: list[Any] = []
-        trimmable = is_trimmable(work)
-        def checkpoint(cache: list[Any]) -> None:
-            if not trimmable and st.prompt_cache.enabled and s.snapshot_max_entries > 0:
-                pre_gen_snapshot.append(capture(cache))
+        checkpoints: list[int] = []
+        if not is_trimmable(work) and st.prompt_cache.enabled and s.snapshot_max_entries > 0:
+            history_end = self._history_boundary(prep, job)
+            checkpoints = [k - start for k in (history_end, len(prep.model_tokens) - 1) if k > start]
 
         remaining = prep.model_tokens[start:]
-        logits = prefill(model, work, remaining, s.prefill_step_size, checkpoint=checkpoint)
+        logits = prefill(model, work, remaining, s.prefill_step_size,
+                         checkpoint=lambda cache: pre_gen_snapshot.append(capture(cache)), at=checkpoints)
         t_first = time.perf_counter()
 
         stopper = StopMatcher(job.stop)
@@ -176,8 +185,8 @@ class ChatEngine:
                 return True
             return job.is_cancelled()
 
-        params = job.params
-        stop_ids = params.stop_token_ids
+        stop_ids = job.params.stop_token_ids | self.stop_ids
+        params = replace(job.params, stop_token_ids=stop_ids)
         stopped_by_string = False
         for tok in decode(model, work, logits, prep.model_tokens, params, should_stop):
             generated.append(tok)
@@ -252,7 +261,7 @@ class ChatEngine:
         if entry is not None:
             st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
         for snap in pre_gen_snapshot:
-            snap_entry = st.prompt_cache.insert(prep.key_tokens, prep.model_tokens[:snap.offset], snap,
+            snap_entry = st.prompt_cache.insert(prep.key_tokens[:snap.offset], prep.model_tokens[:snap.offset], snap,
                                                 nbytes=snap.nbytes, trimmable=False, pool=POOL_SNAPSHOT,
                                                 session_id=session_id)
             if snap_entry is not None:

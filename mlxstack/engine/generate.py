@@ -58,17 +58,23 @@ def prefill(
     tokens: Sequence[int],
     step: int = 512,
     checkpoint: Callable[[list[Any]], None] | None = None,
+    at: Sequence[int] = (),
 ) -> mx.array:
     """Feed ``tokens`` (>= 1) and return the logits after the last one.
 
-    ``checkpoint(cache)`` runs after all but the last token were fed: the cache then covers
-    exactly ``prompt[:-1]``, the state a later turn extending this prompt can restore.
+    ``checkpoint(cache)`` runs whenever the fed count reaches a position in ``at`` (0 < k < len),
+    e.g. the end of the last history message (a point the next turn will extend) or
+    ``len(tokens) - 1``: the cache then covers exactly ``tokens[:k]``.
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
-    feed(model, cache, tokens[:-1], step)
-    if checkpoint is not None:
-        checkpoint(cache)
+    done = 0
+    for k in sorted({k for k in at if 0 < k < len(tokens)}):
+        feed(model, cache, tokens[done:k], step)
+        done = k
+        if checkpoint is not None:
+            checkpoint(cache)
+    feed(model, cache, tokens[done:-1], step)
     return last_logits(model, cache, tokens[-1])
 
 

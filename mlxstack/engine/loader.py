@@ -80,12 +80,51 @@ def upcast_for_cpu(model: nn.Module) -> bool:
     return changed
 
 
+class TqdmProgress:
+    """A ``progress(message, fraction)`` callback drawing a tqdm bar (percent, ETA) on stderr.
+
+    The bar is created on the first call, so an already converted model prints nothing. Each
+    new message also goes to ``say`` (the server log) for logs that are not a terminal.
+    """
+
+    def __init__(self, desc: str, say: Callable[[str], None] | None = None) -> None:
+        self.desc = desc
+        self.say = say
+        self._bar: Any = None
+        self._last_msg = ""
+
+    def __call__(self, message: str, fraction: float) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=100, desc=self.desc, unit="%", mininterval=0.5,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
+        self._bar.n = round(100 * fraction, 1)
+        self._bar.set_postfix_str(message, refresh=False)
+        self._bar.refresh()
+        # Only the first "converting weights" line goes to the log; the bar shows the rest.
+        head = message.split(" ")[0] + " " + (message.split(" ")[1] if " " in message else "")
+        if self.say is not None and head != self._last_msg:
+            self._last_msg = head
+            with self._bar.external_write_mode():  # keep the log line off the bar's line
+                self.say(f"{self.desc}: {message} ({100 * fraction:.0f}%)")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
 def resolve_model_path(settings: Settings, progress: Callable[[str], None] | None = None) -> tuple[Path, str]:
     """(local folder, served model name). Converts the embedded GGUF on first use."""
     if not settings.model_path:
         from .embedded_model import embedded_model_name, ensure_embedded_model
 
-        path = ensure_embedded_model(settings.model_cache_path, float32=settings.cpu_float32)
+        bar = TqdmProgress(f"preparing {embedded_model_name()}", say=progress)
+        try:
+            path = ensure_embedded_model(settings.model_cache_path, float32=settings.cpu_float32, progress=bar)
+        finally:
+            bar.close()
         return Path(path), embedded_model_name()
     candidate = Path(settings.model_path).expanduser()
     if candidate.exists():

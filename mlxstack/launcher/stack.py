@@ -73,10 +73,8 @@ def mlx_env(settings: Settings) -> dict[str, str]:
         from mlxstack.engine.blas import blas_preload_env
     except ImportError:
         return env
-    extra = blas_preload_env(settings) or {}
-    if extra.get("LD_PRELOAD") and env.get("LD_PRELOAD"):
-        extra = {**extra, "LD_PRELOAD": f"{extra['LD_PRELOAD']}:{env['LD_PRELOAD']}"}
-    return {**env, **extra}
+    # it keeps an existing LD_PRELOAD from ``environ`` (BLAS first), so its value replaces ours
+    return {**env, **(blas_preload_env(settings, environ=env) or {})}
 
 
 def litellm_env(settings: Settings) -> dict[str, str]:

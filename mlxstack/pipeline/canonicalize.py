@@ -49,9 +49,11 @@ level, before any template renders it:
   older ``Stats: runtime 1m 3s | tokens …`` / ``• sessionKey …`` shapes) -> ``__STABLE_RUNTIME__``
   (the whole line).
 
-All text rules are line-scoped (no pattern crosses a newline except the bounded, fence-aware
-inbound-context section), and they apply to string content and to ``{"type": "text"}`` /
-``{"type": "input_text"}`` parts of list content. Canonicalisation can only ever merge keys;
+All text rules are line-scoped except two bounded multi-line ones: a metadata header plus its
+JSON block (ends at the first closing fence / closing-brace line; unterminated -> untouched) and
+the fence-aware inbound-context section (ends at the next heading or the cache boundary). They
+apply to string content and to ``{"type": "text"}`` / ``{"type": "input_text"}`` parts of list
+content; other parts (images, tool calls) are copied as they are. Canonicalisation can only ever merge keys;
 acceptance of a hit is verified on model tokens, so over-normalising costs a rejected
 candidate (counted), never a wrong reuse.
 
@@ -60,6 +62,7 @@ With ``enabled=False`` the canonical list is a plain deep copy of the original.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any, Callable, Sequence
 
@@ -157,7 +160,7 @@ def canonicalize_messages(
     original = copy.deepcopy(list(messages))
     if strip_billing_header:
         for message in original:
-            if isinstance(message, dict) and message.get("role") in _SYSTEM_ROLES:
+            if isinstance(message, dict) and _role(message) in _SYSTEM_ROLES:
                 _strip_billing_line(message)
     canonical = copy.deepcopy(original)
     if enabled:
@@ -177,6 +180,19 @@ def strip_billing_header_line(text: str) -> str:
 
 def canonicalize_text(text: str, role: str | None) -> str:
     """All text-level canonical rules for one piece of message text of the given role."""
+    if len(text) <= _MEMO_MAX_CHARS:
+        return _canonicalize_text_memo(text, role)
+    return _canonicalize_text(text, role)
+
+
+# Agent clients resend the whole history every turn, so the same (text, role) pairs recur on
+# every request; the rules are pure, so a bounded memo of short texts (where per-call overhead
+# dominates) is safe. Worst-case memory: _MEMO_SIZE * _MEMO_MAX_CHARS * 2 characters.
+_MEMO_MAX_CHARS = 8192
+_MEMO_SIZE = 2048
+
+
+def _canonicalize_text(text: str, role: str | None) -> str:
     text = remove_inbound_context(text)
     text = normalize_untrusted_metadata(text)
     if "[message_id:" in text:
@@ -188,6 +204,9 @@ def canonicalize_text(text: str, role: str | None) -> str:
     if role in _SYSTEM_ROLES:
         text = normalize_boundary_datetime(text)
     return text
+
+
+_canonicalize_text_memo = functools.lru_cache(maxsize=_MEMO_SIZE)(_canonicalize_text)
 
 
 def remove_inbound_context(text: str) -> str:
@@ -282,6 +301,11 @@ def _inbound_section_end(lines: list[str], heading: int) -> int:
     return len(lines)
 
 
+def _role(message: dict[str, Any]) -> str | None:
+    role = message.get("role")
+    return role if isinstance(role, str) else None
+
+
 def _map_text(message: dict[str, Any], fn: Callable[[str], str]) -> None:
     """Apply ``fn`` to the message's string content or to each text part of list content."""
     content = message.get("content")
@@ -315,7 +339,7 @@ def _canonicalize_message(message: dict[str, Any]) -> None:
     metadata = message.get("metadata")
     if isinstance(metadata, dict) and "message_id" in metadata:
         metadata["message_id"] = STABLE_MSG_ID
-    role = message.get("role")
+    role = _role(message)
     _map_text(message, lambda text: canonicalize_text(text, role))
 
 

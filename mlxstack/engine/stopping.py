@@ -1,4 +1,5 @@
-"""Streaming stop-string matcher: text is released only once it cannot start a stop string.
+"""Stopping: end-of-turn token ids, and a streaming stop-string matcher that releases text
+only once it cannot start a stop string.
 
     m = StopMatcher(["</answer>"])
     out, hit = m.push("hello </ans")   # -> ("hello ", False): "</ans" is held back
@@ -6,6 +7,22 @@
     rest = m.flush()                    # held text at end of stream
 """
 from __future__ import annotations
+
+from typing import Any
+
+# End-of-turn markers used by common chat templates; added to the stop set when the template uses them
+# (Qwen3's <|im_end|> differs from its tokenizer eos <|endoftext|>; harmony ends with <|end|>/<|return|>).
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<end_of_turn>", "<|endoftext|>",
+                   "<|user|>", "<|observation|>")
+
+
+def stop_token_ids(tokenizer: Any, template_source: str) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for tok in TURN_END_TOKENS:
+        if tok in template_source and tok in vocab:
+            ids.add(int(vocab[tok]))
+    return frozenset(ids)
 
 
 class StopMatcher:

@@ -1,0 +1,213 @@
+// Live prompt-cache dashboard: polls /v1/cache/stats every 2 s and redraws (no build step).
+// window.dashboardState exposes what is drawn (point counts per chart, counters) for tests.
+(function () {
+  "use strict";
+  const REFRESH_MS = 2000;
+  const MEM_HISTORY = 300;            // memory samples kept client-side (10 min at 2 s)
+  const MATCH_ORDER = ["prefix", "supersequence", "lcp", "exact", "session", "snapshot"];
+  const C = { cached: "#16a34a", prefilled: "#f59e0b", accent: "#2563eb", decode: "#7c3aed", budget: "#dc2626" };
+
+  const state = window.dashboardState = {
+    refreshes: 0, errors: 0, lastError: null, lastUpdate: null, ready: false,
+    points: { ttft: 0, speed: 0, match: 0, memory: 0 },
+    correctness: {}, hits: {}, misses: 0, recentRows: 0,
+  };
+  const memHistory = { t: [], used: [], budget: [] };
+  const charts = {};
+
+  const $ = (id) => document.getElementById(id);
+  const fmtInt = (n) => (n == null ? "–" : Number(n).toLocaleString("en-US"));
+  const fmtNum = (n, d = 1) => (n == null || isNaN(n) ? "–" : Number(n).toFixed(d));
+  function fmtBytes(b) {
+    if (b == null) return "–";
+    const u = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0, v = Number(b);
+    while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
+    return v.toFixed(i ? 1 : 0) + " " + u[i];
+  }
+  function esc(s) {
+    return String(s == null ? "" : s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+  }
+
+  // ------------------------------------------------------------------ charts
+  function width(el) { return Math.max(240, el.clientWidth || 400); }
+
+  function makeChart(id, series, opts) {
+    const el = $(id);
+    const u = new uPlot(Object.assign({
+      width: width(el), height: opts.height || 220,
+      scales: { x: { time: false } },
+      legend: { live: true },
+      cursor: { drag: { x: false, y: false } },
+      axes: [
+        { label: opts.xlabel || "request #", size: 40, labelSize: 16 },
+        { label: opts.ylabel || "", size: 60, labelSize: 16, values: opts.yvalues },
+      ],
+      series: [{ label: opts.xlabel || "request #" }].concat(series),
+    }, opts.extra || {}), [[]].concat(series.map(() => [])), el);
+    charts[id] = u;
+    return u;
+  }
+
+  function bars() { return uPlot.paths.bars({ size: [0.7, 40] }); }
+
+  function initCharts() {
+    makeChart("c-ttft", [
+      { label: "TTFT s", stroke: C.accent, width: 2, points: { show: true, size: 6, fill: C.accent },
+        value: (u, v) => fmtNum(v, 3) },
+    ], { ylabel: "seconds" });
+    makeChart("c-speed", [
+      { label: "prefill tok/s", stroke: C.prefilled, width: 2, points: { show: true, size: 6, fill: C.prefilled } },
+      { label: "decode tok/s", stroke: C.decode, width: 2, points: { show: true, size: 5, fill: C.decode } },
+    ], { ylabel: "tokens / s" });
+    // Stacked by hand: the "prefilled" series is drawn as cached+prefilled first, "from cache" on top of it.
+    const match = { cached: [], prefilled: [] };
+    charts.matchRaw = match;
+    makeChart("c-match", [
+      { label: "prefilled", fill: C.prefilled, stroke: C.prefilled, paths: bars(), points: { show: false },
+        value: (u, v, si, i) => (i == null ? "–" : fmtInt(match.prefilled[i])) },
+      { label: "from cache", fill: C.cached, stroke: C.cached, paths: bars(), points: { show: false },
+        value: (u, v, si, i) => (i == null ? "–" : fmtInt(match.cached[i])) },
+    ], { ylabel: "prompt tokens", extra: { scales: { x: { time: false, range: (u, min, max) => [min - 0.6, max + 0.6] }, y: { range: (u, min, max) => [0, Math.max(1, max)] } } } });
+    makeChart("c-mem", [
+      { label: "used", stroke: C.accent, width: 2, fill: "rgba(37,99,235,0.12)", value: (u, v) => fmtBytes(v) },
+      { label: "budget", stroke: C.budget, width: 1, dash: [6, 4], value: (u, v) => fmtBytes(v) },
+    ], { height: 130, xlabel: "time", yvalues: (u, vals) => vals.map(fmtBytes),
+         extra: { scales: { x: { time: true } }, axes: [{ size: 30 }, { size: 70, values: (u, vals) => vals.map(fmtBytes) }] } });
+    window.addEventListener("resize", () => {
+      for (const id of ["c-ttft", "c-speed", "c-match", "c-mem"]) {
+        const u = charts[id];
+        if (u) u.setSize({ width: width($(id)), height: u.height });
+      }
+    });
+  }
+
+  // ------------------------------------------------------------------ render
+  function renderCharts(rows, firstIndex) {
+    const xs = rows.map((_, i) => firstIndex + i);
+    charts["c-ttft"].setData([xs, rows.map((r) => r.ttft_s)]);
+    charts["c-speed"].setData([xs,
+      rows.map((r) => (r.prefilled_tokens > 0 && r.prefill_tok_s > 0 ? r.prefill_tok_s : null)),
+      rows.map((r) => (r.completion_tokens > 1 && r.decode_tok_s > 0 ? r.decode_tok_s : null))]);
+    const m = charts.matchRaw;
+    m.cached = rows.map((r) => r.cached_tokens || 0);
+    m.prefilled = rows.map((r) => r.prefilled_tokens || 0);
+    charts["c-match"].setData([xs, rows.map((r, i) => m.cached[i] + m.prefilled[i]), m.cached]);
+    state.points.ttft = rows.filter((r) => r.ttft_s != null).length;
+    state.points.speed = rows.filter((r) => r.prefill_tok_s > 0 || r.decode_tok_s > 0).length;
+    state.points.match = rows.length;
+  }
+
+  function renderMemory(s) {
+    const used = s.bytes || 0, budget = s.budget_bytes || 0;
+    const pct = budget ? (100 * used) / budget : 0;
+    const fill = $("mem-fill");
+    fill.style.width = Math.min(100, pct).toFixed(1) + "%";
+    fill.classList.toggle("high", pct > 90);
+    $("mem-text").textContent = `${fmtBytes(used)} of ${fmtBytes(budget)} (${pct.toFixed(pct < 1 ? 2 : 1)}%) · ` +
+      `${fmtInt(s.entries)} entries, ${fmtInt(s.tokens)} tokens, ${fmtInt(s.evictions)} evictions`;
+    memHistory.t.push(Date.now() / 1000);
+    memHistory.used.push(used);
+    memHistory.budget.push(budget);
+    if (memHistory.t.length > MEM_HISTORY) { memHistory.t.shift(); memHistory.used.shift(); memHistory.budget.shift(); }
+    charts["c-mem"].setData([memHistory.t, memHistory.used, memHistory.budget]);
+    state.points.memory = memHistory.t.length;
+  }
+
+  function renderHits(s) {
+    const hits = s.hits || {};
+    const names = MATCH_ORDER.concat(Object.keys(hits).filter((k) => !MATCH_ORDER.includes(k)));
+    const rows = names.map((k) => [k, hits[k] || 0]).concat([["miss", s.misses || 0]]);
+    const max = Math.max(1, ...rows.map((r) => r[1]));
+    $("hits").innerHTML = rows.map(([k, n]) =>
+      `<div class="row${k === "miss" ? " miss" : ""}"><div>${esc(k)}</div>` +
+      `<div class="bar"><div style="width:${((100 * n) / max).toFixed(1)}%"></div></div><div class="n">${fmtInt(n)}</div></div>`).join("");
+    state.hits = hits;
+    state.misses = s.misses || 0;
+  }
+
+  function ctile(label, n, judged) {
+    const cls = judged ? (n ? "ctile nonzero" : "ctile") : "ctile neutral";
+    return `<div class="${cls}" data-counter="${esc(label)}"><div class="label">${esc(label)}</div><div class="value">${fmtInt(n)}</div></div>`;
+  }
+
+  function renderCounters(s) {
+    const corr = s.correctness || {};
+    $("correctness").innerHTML = Object.keys(corr).map((k) => ctile(k, corr[k], true)).join("");
+    const c = s.counters || {};
+    const robust = { disconnects: c.disconnects || 0, watchdog_aborts: c.watchdog_aborts || 0,
+                     cache_key_safety_fallback: c.cache_key_safety_fallback || 0 };
+    $("robust").innerHTML = Object.keys(robust).map((k) => ctile(k, robust[k], false)).join("");
+    state.correctness = corr;
+  }
+
+  function renderTiles(s, rows) {
+    const c = s.counters || {};
+    const hitsTotal = Object.values(s.hits || {}).reduce((a, b) => a + b, 0);
+    const lookups = hitsTotal + (s.misses || 0);
+    const cached = c.cached_tokens || 0, pre = c.prefilled_tokens || 0;
+    $("t-requests").textContent = fmtInt(c.requests || 0);
+    $("t-hitrate").textContent = lookups ? ((100 * hitsTotal) / lookups).toFixed(0) + "%" : "–";
+    $("t-cachedshare").textContent = cached + pre ? ((100 * cached) / (cached + pre)).toFixed(0) + "%" : "–";
+    const last = rows[rows.length - 1];
+    $("t-ttft").textContent = last ? fmtNum(last.ttft_s, 3) + " s" : "–";
+    $("t-entries").textContent = fmtInt(s.entries);
+    $("t-queue").textContent = fmtInt(s.queue_depth);
+    $("model").textContent = s.model || "";
+  }
+
+  function renderTable(rows, firstIndex) {
+    const body = $("recent").tBodies[0];
+    if (!rows.length) { body.innerHTML = '<tr><td colspan="13" class="muted">no requests yet</td></tr>'; return; }
+    const out = [];
+    for (let i = rows.length - 1; i >= Math.max(0, rows.length - 25); i--) {
+      const r = rows[i];
+      const when = r.time ? new Date(r.time * 1000).toLocaleTimeString() : "";
+      const mt = r.match_type || "";
+      out.push(`<tr><td>${firstIndex + i}</td><td>${esc(when)}</td><td><code>${esc(r.request_id)}</code></td>` +
+        `<td><code>${esc(r.session)}</code></td><td class="${mt === "miss" ? "miss" : "hit"}">${esc(mt)}</td>` +
+        `<td class="num">${fmtInt(r.prompt_tokens)}</td><td class="num">${fmtInt(r.cached_tokens)}</td>` +
+        `<td class="num">${fmtInt(r.prefilled_tokens)}</td><td class="num">${fmtInt(r.completion_tokens)}</td>` +
+        `<td class="num">${fmtNum(r.ttft_s, 3)}</td><td class="num">${fmtNum(r.prefill_tok_s)}</td>` +
+        `<td class="num">${fmtNum(r.decode_tok_s)}</td><td>${esc(r.finish_reason)}</td></tr>`);
+    }
+    body.innerHTML = out.join("");
+  }
+
+  function setStatus(text, cls) {
+    const el = $("status");
+    el.textContent = text;
+    el.className = "pill " + (cls || "");
+  }
+
+  async function refresh() {
+    try {
+      const resp = await fetch("/v1/cache/stats", { cache: "no-store" });
+      if (!resp.ok) throw new Error("HTTP " + resp.status);
+      const s = await resp.json();
+      if (s.ready === false) { setStatus("model loading", ""); return; }
+      const rows = s.recent || [];
+      const total = (s.counters && s.counters.requests) || rows.length;
+      const firstIndex = Math.max(1, total - rows.length + 1);
+      renderCharts(rows, firstIndex);
+      renderMemory(s);
+      renderHits(s);
+      renderCounters(s);
+      renderTiles(s, rows);
+      renderTable(rows, firstIndex);
+      state.ready = true;
+      state.recentRows = rows.length;
+      state.refreshes++;
+      state.lastUpdate = new Date().toISOString();
+      setStatus("live · " + new Date().toLocaleTimeString(), "ok");
+    } catch (err) {
+      state.errors++;
+      state.lastError = String(err);
+      setStatus("error: " + err, "err");
+    }
+  }
+
+  initCharts();
+  refresh();
+  setInterval(refresh, REFRESH_MS);
+})();

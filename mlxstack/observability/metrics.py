@@ -1,0 +1,159 @@
+"""Prometheus metrics for the MLX server: ``GET /metrics`` (text format 0.0.4).
+
+    metrics = install_metrics(app)     # once the model is loaded (api/features.py does it)
+    curl -s localhost:8080/metrics | grep mlxstack_
+
+Two sources, no double bookkeeping:
+- ``EngineCollector`` reads what the engine already counts (``state.counters``, ``state.stats()``,
+  ``app.status_counts``, the worker's queue) at scrape time.
+- Histograms (TTFT, prefill/decode tokens per second, cache reuse ratio) are fed per request by an
+  ``EngineState.on_record`` hook, because the engine keeps only the last rows, not distributions.
+
+Each ``RequestMetrics`` owns its ``CollectorRegistry``: several Apps in one process (tests) never
+share or collide in the global registry.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..cache.counters import CORRECTNESS_COUNTERS, MATCH_TYPES
+
+log = logging.getLogger("mlxstack.metrics")
+
+try:
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE
+except ImportError:  # older prometheus_client: its "latest" is 0.0.4
+    from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOK_S_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000)
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+
+
+class EngineCollector(Collector):
+    """Counters and gauges read from the live App at scrape time."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        app = self.app
+        with app._status_lock:
+            statuses = dict(app.status_counts)
+        responses = CounterMetricFamily("mlxstack_http_responses", "Chat responses by HTTP status.", labels=["status"])
+        for status, n in sorted(statuses.items()):
+            responses.add_metric([str(status)], n)
+        yield responses
+
+        yield GaugeMetricFamily("mlxstack_queue_depth", "Requests waiting for the inference worker.",
+                                value=app.worker.queue_depth)
+        yield GaugeMetricFamily("mlxstack_worker_busy", "1 while the inference worker runs a job.",
+                                value=1 if app.worker.busy else 0)
+        yield GaugeMetricFamily("mlxstack_model_ready", "1 once the model is loaded.", value=1 if app.ready else 0)
+        info = GaugeMetricFamily("mlxstack_model_info", "The served model (value is always 1).",
+                                 labels=["model", "family"])
+        info.add_metric([str(app.model_id), str(app.family)], 1)
+        yield info
+
+        state = app.state
+        if state is None:
+            return
+        c = state.counters.snapshot()
+        stats = state.stats()
+
+        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=c.get(key, 0))
+
+        yield counter("mlxstack_requests", "Chat requests the engine completed (any finish reason).", "requests")
+        yield counter("mlxstack_cached_tokens", "Prompt tokens served from the prompt cache.", "cached_tokens")
+        yield counter("mlxstack_prefilled_tokens", "Prompt tokens computed by prefill (not from cache).",
+                      "prefilled_tokens")
+        hits = CounterMetricFamily("mlxstack_cache_hits", "Prompt cache hits by match type.", labels=["match_type"])
+        for mt in sorted(set(MATCH_TYPES) | {k[5:] for k in c if k.startswith("hits_")}):
+            hits.add_metric([mt], c.get(f"hits_{mt}", 0))
+        yield hits
+        yield counter("mlxstack_cache_misses", "Requests with no reusable cache entry.", "misses")
+        yield counter("mlxstack_cache_evictions", "Cache entries evicted (all reasons).", "evictions")
+        by_reason = CounterMetricFamily("mlxstack_cache_evictions_by_reason", "Cache entries evicted, by reason.",
+                                        labels=["reason"])
+        for key in sorted(k for k in c if k.startswith("evictions_")):
+            by_reason.add_metric([key[len("evictions_"):]], c[key])
+        yield by_reason
+        correctness = CounterMetricFamily(
+            "mlxstack_cache_correctness",
+            "Correctness counters; any non-zero value is a cache bug to investigate (see cache/counters.py).",
+            labels=["kind"])
+        for kind in CORRECTNESS_COUNTERS:
+            correctness.add_metric([kind], c.get(kind, 0))
+        yield correctness
+        yield counter("mlxstack_cache_key_safety_fallbacks",
+                      "Requests whose canonical cache key was dropped for the model tokens (safety fallback).",
+                      "cache_key_safety_fallback")
+        yield counter("mlxstack_client_disconnects", "Generations stopped because the client went away.",
+                      "disconnects")
+        yield counter("mlxstack_watchdog_aborts", "Generations stopped by GENERATION_WATCHDOG_SECONDS.",
+                      "watchdog_aborts")
+
+        gauges = (
+            ("mlxstack_cache_bytes", "Bytes held by prompt cache entries.", "bytes"),
+            ("mlxstack_cache_budget_bytes", "Prompt cache memory budget (PROMPT_CACHE_MAX_BYTES or derived).",
+             "budget_bytes"),
+            ("mlxstack_cache_entries", "Prompt cache entries (all pools).", "entries"),
+            ("mlxstack_cache_snapshot_entries", "Prompt cache entries in the snapshot pool.", "snapshot_entries"),
+            ("mlxstack_cache_tokens", "Tokens held by prompt cache entries.", "tokens"),
+            ("mlxstack_cache_sessions", "Sessions tracked by the session index.", "sessions"),
+        )
+        for name, doc, key in gauges:
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0) or 0)
+
+
+class RequestMetrics:
+    """The per-App registry: the scrape-time collector plus per-request histograms."""
+
+    def __init__(self, app: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(app))
+        self.ttft = Histogram("mlxstack_ttft_seconds", "Time to first token (queue excluded: from worker start).",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.prefill = Histogram("mlxstack_prefill_tokens_per_second",
+                                 "Prefill speed per request (requests that prefilled at least one token).",
+                                 buckets=TOK_S_BUCKETS, registry=self.registry)
+        self.decode = Histogram("mlxstack_decode_tokens_per_second",
+                                "Decode speed per request (requests that generated at least two tokens).",
+                                buckets=TOK_S_BUCKETS, registry=self.registry)
+        self.reuse = Histogram("mlxstack_cache_reuse_ratio", "Per request: cached tokens / prompt tokens.",
+                               buckets=RATIO_BUCKETS, registry=self.registry)
+        self.total = Histogram("mlxstack_request_duration_seconds", "Engine time per request (prepare to last token).",
+                               buckets=TTFT_BUCKETS, registry=self.registry)
+
+    def observe(self, row: dict) -> None:
+        """``EngineState.on_record`` hook: one call per finished request."""
+        if row.get("ttft_s") is not None:
+            self.ttft.observe(float(row["ttft_s"]))
+        if row.get("total_s") is not None:
+            self.total.observe(float(row["total_s"]))
+        # An exact hit prefills nothing: its "speed" would be 0 or infinite, so it is not a sample.
+        if row.get("prefilled_tokens", 0) > 0 and (row.get("prefill_tok_s") or 0) > 0:
+            self.prefill.observe(float(row["prefill_tok_s"]))
+        if row.get("completion_tokens", 0) > 1 and (row.get("decode_tok_s") or 0) > 0:
+            self.decode.observe(float(row["decode_tok_s"]))
+        prompt = row.get("prompt_tokens") or 0
+        if prompt > 0:
+            self.reuse.observe(min(1.0, (row.get("cached_tokens") or 0) / prompt))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def install_metrics(app: Any) -> RequestMetrics:
+    """Register the histogram hook and ``GET /metrics`` on a loaded App."""
+    metrics = RequestMetrics(app)
+    app.state.on_record.append(metrics.observe)
+    app.extra_get_routes["/metrics"] = lambda h: h._send(200, metrics.render(), CONTENT_TYPE)
+    app.metrics = metrics
+    return metrics

@@ -1,0 +1,100 @@
+"""BLAS preload discovery / env logic (fake trees) and a real preload check where OpenBLAS exists."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxstack.config.settings import SettingsError, load_settings
+from mlxstack.engine import blas
+
+ELF = b"\x7fELF" + b"\0" * 60
+
+
+def _fake_lib(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(ELF)
+    return path
+
+
+def _trip() -> str:
+    return blas._triplets()[0]
+
+
+def test_find_prefers_debian_pthread(tmp_path: Path):
+    _fake_lib(tmp_path / "usr/lib" / _trip() / "libopenblas.so.0")
+    want = _fake_lib(tmp_path / "usr/lib" / _trip() / "openblas-pthread/libopenblas.so.0")
+    assert blas.find_optimized_blas([tmp_path / "usr/lib"], use_ldconfig=False) == want
+
+
+def test_find_fedora_layout(tmp_path: Path):
+    want = _fake_lib(tmp_path / "usr/lib64/libopenblasp.so.0")
+    _fake_lib(tmp_path / "usr/lib64/libopenblas.so.0")
+    assert blas.find_optimized_blas([tmp_path / "usr/lib", tmp_path / "usr/lib64"], use_ldconfig=False) == want
+
+
+def test_find_ignores_non_elf_and_missing(tmp_path: Path):
+    (tmp_path / "libopenblas.so.0").write_text("not a library")
+    assert blas.find_optimized_blas([tmp_path], use_ldconfig=False) is None
+    assert blas.find_optimized_blas([tmp_path / "nope"], use_ldconfig=False) is None
+
+
+def test_env_auto_found_merges_existing(tmp_path: Path):
+    lib = _fake_lib(tmp_path / "libopenblas.so.0")
+    s = load_settings(env={"BLAS_PRELOAD": "auto"})
+    env = blas.blas_preload_env(s, environ={"LD_PRELOAD": "/x/libfoo.so"}, system="linux", roots=[tmp_path], use_ldconfig=False)
+    assert env["LD_PRELOAD"] == f"{lib}:/x/libfoo.so"
+    assert int(env["OPENBLAS_NUM_THREADS"]) >= 1
+    env2 = blas.blas_preload_env(s, environ={"OPENBLAS_NUM_THREADS": "1", "LD_PRELOAD": str(lib)}, system="linux", roots=[tmp_path], use_ldconfig=False)
+    assert env2 == {"LD_PRELOAD": str(lib)}  # no duplicate, user's thread count kept
+
+
+def test_env_auto_not_found_warns(tmp_path: Path, caplog):
+    s = load_settings(env={})
+    with caplog.at_level("WARNING"):
+        assert blas.blas_preload_env(s, environ={}, system="linux", roots=[tmp_path], use_ldconfig=False) == {}
+    assert "apt-get install libopenblas0-pthread" in caplog.text
+
+
+def test_env_off_and_non_linux(tmp_path: Path):
+    _fake_lib(tmp_path / "libopenblas.so.0")
+    assert blas.blas_preload_env(load_settings(env={"BLAS_PRELOAD": "off"}), environ={}, system="linux", roots=[tmp_path]) == {}
+    assert blas.blas_preload_env(load_settings(env={}), environ={}, system="darwin", roots=[tmp_path]) == {}
+
+
+def test_env_explicit_path(tmp_path: Path):
+    lib = _fake_lib(tmp_path / "custom/libmyblas.so")
+    env = blas.blas_preload_env(load_settings(env={"BLAS_PRELOAD": str(lib)}), environ={}, system="linux")
+    assert env["LD_PRELOAD"] == str(lib)
+    with pytest.raises(SettingsError, match="BLAS_PRELOAD"):
+        blas.blas_preload_env(load_settings(env={"BLAS_PRELOAD": str(tmp_path / "missing.so")}), environ={}, system="linux")
+
+
+def test_blas_status_is_a_line():
+    line = blas.blas_status()
+    assert line.startswith("BLAS:") and "\n" not in line
+
+
+_REAL = blas.find_optimized_blas() if sys.platform.startswith("linux") else None
+
+
+@pytest.mark.skipif(_REAL is None, reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)")
+def test_preload_env_activates_openblas_in_child():
+    pytest.importorskip("mlx.core")
+    import os
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env.update(blas.blas_preload_env(load_settings(env={}), environ={}))
+    code = (
+        "import mlx.core as mx; mx.eval(mx.ones((64,64)) @ mx.ones((64,64)));"
+        "from mlxstack.engine.blas import optimized_blas_active, blas_status;"
+        "print(optimized_blas_active()); print(blas_status())"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "openblas" in out.stdout.splitlines()[0].lower()
+    assert "optimised" in out.stdout

@@ -1,0 +1,116 @@
+"""ChatEngine end to end on tiny real models: multi-turn parity with the cache on vs off,
+hybrid snapshots, watchdog and cancellation never storing partial state, stop strings."""
+from __future__ import annotations
+
+import pytest
+
+from mlxstack.engine.chat import ChatJob
+from mlxstack.engine.generate import SamplingParams
+from tests.conftest import build_engine, engine_settings
+
+SYSTEM = "You are a careful coding agent. " * 12
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+def job(messages, *, max_tokens=10, tools=None, stop=(), session="s1", cancel=lambda: False, thinking=False):
+    out: list[str] = []
+    j = ChatJob(
+        request_id="t", messages=messages, tools=tools, enable_thinking=thinking,
+        params=SamplingParams(temperature=0.0, max_tokens=max_tokens), stop=list(stop),
+        body={"session_id": session}, headers={}, emit=out.append, is_cancelled=cancel,
+    )
+    return j, out
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def engines(request, tiny_dense_path, tiny_hybrid_path):
+    path = tiny_dense_path if request.param == "dense" else tiny_hybrid_path
+    warm = build_engine(engine_settings(path))
+    cold = build_engine(engine_settings(path, prompt_cache_max_entries_global=0))
+    return request.param, warm, cold
+
+
+def conversation(engine, turns, tools=None):
+    """Drive a multi-turn chat, echoing each reply back as history; returns outcomes."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    outcomes = []
+    for user in turns:
+        messages.append({"role": "user", "content": user})
+        j, _ = job(list(messages), tools=tools)
+        o = engine.run(j)
+        outcomes.append(o)
+        messages.append({"role": "assistant", "content": o.text})
+    return outcomes
+
+
+def test_multi_turn_parity_cache_on_vs_off(engines):
+    kind, warm, cold = engines
+    turns = ["Explain what a KV cache is.", "And why does reuse matter?", "Summarise in one line."]
+    w = conversation(warm, turns)
+    c = conversation(cold, turns)
+    assert [o.raw_text for o in w] == [o.raw_text for o in c]
+    assert all(o.cached_tokens == 0 for o in c)
+    assert w[0].cached_tokens == 0
+    for o in w[1:]:
+        assert o.cached_tokens > 0.6 * o.prompt_tokens, (kind, o.match_type, o.cached_tokens, o.prompt_tokens)
+        assert o.timings["prefilled_tokens"] == o.prompt_tokens - o.cached_tokens
+    if kind == "hybrid":
+        assert {o.match_type for o in w[1:]} <= {"snapshot", "session"}
+        assert warm.state.counters.get("hits_snapshot") + warm.state.counters.get("hits_session") >= 2
+    assert warm.state.counters.get("exact_key_rejected_by_model_lcp") == 0
+
+
+def test_tool_loop_parity(engines):
+    kind, warm, cold = engines
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Open README.md"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "read_file", "arguments": "{\"path\": \"README.md\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "# Project\nA server."},
+    ]
+    outs = {}
+    for name, eng in (("warm", warm), ("cold", cold)):
+        first, _ = job(list(history), tools=TOOLS, session=f"tool-{kind}")
+        o1 = eng.run(first)
+        second_msgs = history + [{"role": "assistant", "content": o1.text},
+                                 {"role": "user", "content": "Now summarise it."}]
+        second, _ = job(second_msgs, tools=TOOLS, session=f"tool-{kind}")
+        outs[name] = (o1, eng.run(second))
+    assert outs["warm"][0].raw_text == outs["cold"][0].raw_text
+    assert outs["warm"][1].raw_text == outs["cold"][1].raw_text
+    assert outs["warm"][1].cached_tokens > 0.6 * outs["warm"][1].prompt_tokens
+
+
+def test_watchdog_aborts_and_stores_nothing(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path, generation_watchdog_seconds=0.000001))
+    j, _ = job([{"role": "user", "content": "hello there"}], max_tokens=50)
+    o = eng.run(j)
+    assert o.finish_reason == "length" and o.aborted
+    assert len(eng.state.prompt_cache) == 0
+    assert len(eng.state.turns) == 0
+    assert eng.state.counters.get("watchdog_aborts") == 1
+
+
+def test_cancelled_mid_stream_stops_within_a_token_and_stores_nothing(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path))
+    emitted: list[str] = []
+    j, emitted = job([{"role": "user", "content": "count to one hundred"}], max_tokens=60,
+                     cancel=lambda: len(emitted) >= 3)
+    o = eng.run(j)
+    assert o.aborted and o.completion_tokens <= 4 + 1
+    assert len(eng.state.prompt_cache) == 0 and len(eng.state.turns) == 0
+    assert eng.state.counters.get("disconnects") == 1
+
+
+def test_stop_string_never_leaks(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path))
+    j, _ = job([{"role": "user", "content": "say something"}], max_tokens=20)
+    full = eng.run(j).text
+    assert len(full) > 6
+    stop = full[3:6]
+    j2, streamed = job([{"role": "user", "content": "say something"}], max_tokens=20, stop=[stop])
+    o = eng.run(j2)
+    assert stop not in o.text and o.text == full[:full.index(stop)]
+    assert "".join(streamed) == o.text and o.finish_reason == "stop"

@@ -1,0 +1,209 @@
+"""PromptCache index behaviour on opaque fake payloads (no tensors): matching, selection,
+eviction order, TTL, prefix culling, block index vs linear scan."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from mlxstack.cache.counters import CacheCounters
+from mlxstack.cache.hashing import namespace_seed
+from mlxstack.cache.prompt_cache import POOL_SNAPSHOT, PromptCache, PromptCacheConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(clock=None, **kw) -> PromptCache:
+    cfg = PromptCacheConfig(**{"block_size": 4, "max_entries": 8, **kw})
+    return PromptCache(cfg, namespace_seed("test-model"), CacheCounters(), clock=clock or Clock())
+
+
+def put(cache, tokens, model=None, nbytes=100, trimmable=True, **kw):
+    return cache.insert(tokens, model if model is not None else tokens, payload=object(),
+                        nbytes=nbytes, trimmable=trimmable, **kw)
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+def test_prefix_match_reuses_whole_entry():
+    c = make()
+    e = put(c, toks(10))
+    m = c.lookup(toks(20), toks(20))
+    assert (m.entry.entry_id, m.depth, m.match_type) == (e.entry_id, 10, "prefix")
+
+
+def test_exact_match_leaves_one_token_to_prefill():
+    c = make()
+    put(c, toks(12))
+    m = c.lookup(toks(12), toks(12))
+    assert (m.depth, m.match_type) == (11, "exact")
+
+
+def test_supersequence_trims_to_request():
+    c = make()
+    put(c, toks(30))
+    m = c.lookup(toks(12), toks(12))
+    assert (m.depth, m.match_type) == (11, "supersequence")
+
+
+def test_divergent_lcp_is_token_level_not_block_rounded():
+    c = make()
+    put(c, toks(30))
+    req = toks(13) + [999] + toks(10, 100)
+    m = c.lookup(req, req)
+    assert (m.depth, m.match_type) == (13, "lcp")
+
+
+def test_longest_candidate_wins_over_short_entry():
+    c = make()
+    put(c, toks(8))
+    long = put(c, toks(40), trimmable=False)  # non-trimmable: not culled; still selected when deepest
+    req = toks(40) + [7, 7]
+    m = c.lookup(req, req)
+    assert m.entry.entry_id == long.entry_id and m.depth == 40
+
+
+def test_model_tokens_cap_reuse_even_when_canonical_matches():
+    c = make()
+    key = toks(20)
+    model = toks(6) + [555] + toks(13, 7)
+    put(c, key, model)
+    m = c.lookup(toks(24), toks(24))  # canonical extends the entry; model diverges at 6
+    assert m.depth == 6
+    assert c.counters.get("exact_key_rejected_by_model_lcp") == 1
+
+
+def test_clean_traffic_keeps_correctness_counters_zero():
+    c = make()
+    put(c, toks(20))
+    c.lookup(toks(40), toks(40))
+    c.lookup(toks(8) + [1, 2, 3], toks(8) + [1, 2, 3])
+    assert c.counters.correctness() == {"vlm_retreat": 0, "hybrid_trim_miss": 0, "exact_key_rejected_by_model_lcp": 0}
+
+
+def test_non_trimmable_only_reused_at_exact_depth():
+    c = make()
+    put(c, toks(16), trimmable=False)
+    assert c.lookup(toks(20), toks(20)).depth == 16           # extends exactly: reuse
+    miss = c.lookup(toks(10) + [9] * 10, toks(10) + [9] * 10)  # would need a trim
+    assert miss.depth == 0
+    assert c.counters.get("hybrid_trim_miss") >= 1
+
+
+def test_namespaces_never_share_entries():
+    a = PromptCache(PromptCacheConfig(block_size=4), namespace_seed("model-a"))
+    b = PromptCache(PromptCacheConfig(block_size=4), namespace_seed("model-b"))
+    put(a, toks(16))
+    assert set(a.hashes(toks(16))).isdisjoint(b.hashes(toks(16)))
+    assert b.lookup(toks(20), toks(20)).depth == 0
+
+
+def test_disabled_cache_never_stores():
+    c = make(max_entries=0)
+    assert put(c, toks(16)) is None
+    assert c.lookup(toks(20), toks(20)).depth == 0
+
+
+def test_prefix_culling_keeps_longest_prefix_as_safety_net():
+    c = make()
+    a = put(c, toks(8))
+    b = put(c, toks(12))
+    d = put(c, toks(20))
+    ids = {e.entry_id for e in c.entries()}
+    assert ids == {b.entry_id, d.entry_id}
+    assert (a.entry_id, "prefix_cull") in c.eviction_log
+
+
+def test_identical_model_tokens_replace_not_duplicate():
+    c = make()
+    put(c, toks(16))
+    put(c, toks(16))
+    assert len(c) == 1
+
+
+def test_eviction_order_by_cost_score():
+    clock = Clock()
+    c = make(clock, max_entries=3)
+    e1 = put(c, toks(8, 100))       # short
+    clock.t += 10
+    e2 = put(c, toks(64, 200))      # long
+    clock.t += 10
+    e3 = put(c, toks(8, 300))       # short, newer
+    clock.t += 10
+    c.lookup(toks(8, 300) + [1], toks(8, 300) + [1])   # e3 gets a hit
+    clock.t += 10
+    e4 = put(c, toks(8, 400))
+    # scores at insertion of e4 (now = 1040): e1 age 40/sqrt(8)/ln(e) ~ 14.1; e2 30/8 = 3.75;
+    # e3 age 10/(sqrt 8 * ln(e+1)) ~ 2.7 -> e1 evicted first.
+    assert [eid for eid, why in c.eviction_log if why == "count"] == [e1.entry_id]
+    clock.t += 100
+    put(c, toks(8, 500))
+    # now e2: 130/8=16.25, e3: 110/(2.83*1.31)=29.6, e4: 100/2.83=35.4 -> e4 next
+    assert [eid for eid, why in c.eviction_log if why == "count"] == [e1.entry_id, e4.entry_id]
+    assert {e.entry_id for e in c.entries()} == {e2.entry_id, e3.entry_id, e4.entry_id + 1}
+
+
+def test_score_is_finite_for_never_hit_entries():
+    c = make()
+    e = put(c, toks(8))
+    assert math.isfinite(c.score(e, e.last_used + 5)) and c.score(e, e.last_used + 5) > 0
+
+
+def test_byte_budget_evicts_until_under_budget():
+    clock = Clock()
+    c = make(clock, max_bytes=250)
+    a = put(c, toks(8, 0), nbytes=100)
+    clock.t += 1
+    b = put(c, toks(8, 50), nbytes=100)
+    clock.t += 1
+    put(c, toks(8, 90), nbytes=100)
+    assert c.nbytes <= 250
+    assert [eid for eid, why in c.eviction_log if why == "bytes"] == [a.entry_id]
+    assert b.entry_id in {e.entry_id for e in c.entries()}
+
+
+def test_ttl_expires_idle_entries():
+    clock = Clock()
+    c = make(clock, ttl_seconds=60)
+    put(c, toks(16))
+    clock.t += 61
+    assert c.lookup(toks(20), toks(20)).depth == 0
+    assert len(c) == 0 and c.eviction_log[-1][1] == "ttl"
+
+
+def test_snapshot_pool_has_its_own_count_limit():
+    c = make(snapshot_max_entries=2)
+    for i in range(4):
+        put(c, toks(8, 100 * i), trimmable=False, pool=POOL_SNAPSHOT)
+    put(c, toks(8, 900))
+    assert len(c.entries(POOL_SNAPSHOT)) == 2 and len(c.entries("kv")) == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_block_index_and_linear_scan_agree(seed):
+    rng = random.Random(seed)
+    with_index = make(max_entries=50, use_block_index=True)
+    linear = make(max_entries=50, use_block_index=False)
+    base = [rng.randrange(50) for _ in range(64)]
+    for _ in range(20):
+        cut = rng.randrange(4, 64)
+        entry = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
+        trim = rng.random() < 0.7
+        put(with_index, entry, trimmable=trim)
+        put(linear, entry, trimmable=trim)
+    for _ in range(30):
+        cut = rng.randrange(1, 64)
+        req = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+        for broad in (False, True):
+            a = with_index.lookup(req, req, broad=broad)
+            b = linear.lookup(req, req, broad=broad)
+            assert (a.depth, a.match_type, a.entry and a.entry.entry_id) == (b.depth, b.match_type, b.entry and b.entry.entry_id)
