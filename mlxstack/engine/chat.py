@@ -76,6 +76,7 @@ class PreparedPrompt:
     model_tokens: list[int]
     key_tokens: list[int]
     key_delta_chars: int
+    extras: dict = field(default_factory=dict)   # backend-specific (e.g. VLM images, image spans)
 
 
 class ChatEngine:
@@ -132,6 +133,25 @@ class ChatEngine:
             match = match._replace(match_type="snapshot")
         return match, stable_msgs
 
+    # ---------------------------------------------------------------- backend seams (VLM overrides)
+    @property
+    def decode_model(self) -> Any:
+        """The module decode steps call (a VLM decodes through its language model)."""
+        return self.loaded.model
+
+    def new_cache(self) -> list[Any]:
+        return self.state.new_cache(self.loaded.model)
+
+    def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
+        """Last check on a hit before checkout (VLM: never cut inside an image)."""
+        return match
+
+    def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
+                checkpoint: Callable[[list[Any]], None], at: list[int]) -> Any:
+        """Feed model_tokens[start:] into ``work``; return the last position's logits."""
+        return prefill(self.loaded.model, work, prep.model_tokens[start:], self.settings.prefill_step_size,
+                       checkpoint=checkpoint, at=at)
+
     # ---------------------------------------------------------------- request
     def run(self, job: ChatJob) -> ChatOutcome:
         if job.is_cancelled():
@@ -147,11 +167,11 @@ class ChatEngine:
         t_prep = time.perf_counter()
 
         match, stable_msgs = self.lookup(prep, session.session_id, job) if st.prompt_cache.enabled else (MISS, 0)
-        model = self.loaded.model
+        match = self.validate_match(prep, match)
         if match.hit:
             work = checkout(match.entry.payload, match.depth)
         else:
-            work = st.new_cache(model)
+            work = self.new_cache()
         start = kv_offset(work)
         assert start == match.depth, f"checkout offset {start} != match depth {match.depth}"
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
@@ -165,8 +185,7 @@ class ChatEngine:
             checkpoints = [k - start for k in (history_end, len(prep.model_tokens) - 1) if k > start]
 
         remaining = prep.model_tokens[start:]
-        logits = prefill(model, work, remaining, s.prefill_step_size,
-                         checkpoint=lambda cache: pre_gen_snapshot.append(capture(cache)), at=checkpoints)
+        logits = self.prefill(work, prep, start, lambda cache: pre_gen_snapshot.append(capture(cache)), checkpoints)
         t_first = time.perf_counter()
 
         stopper = StopMatcher(job.stop)
@@ -188,7 +207,7 @@ class ChatEngine:
         stop_ids = job.params.stop_token_ids | self.stop_ids
         params = replace(job.params, stop_token_ids=stop_ids)
         stopped_by_string = False
-        for tok in decode(model, work, logits, prep.model_tokens, params, should_stop):
+        for tok in decode(self.decode_model, work, logits, prep.model_tokens, params, should_stop):
             generated.append(tok)
             if tok in stop_ids:
                 finish = "stop"
