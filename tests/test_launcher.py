@@ -148,27 +148,30 @@ def _spawn_listener(port: int, *argv: str) -> subprocess.Popen:
 
 def test_free_port_stops_our_leftover_and_refuses_foreign(tmp_path):
     port = free_tcp_port()
-    leftover = _spawn_listener(port, "litellm", str(REPO))
+    procs = [_spawn_listener(port, "litellm", str(REPO))]
     notes = []
     try:
         free_port("litellm", "127.0.0.1", port, REPO, tmp_path / "pid", (), notes.append)
-        assert leftover.wait(timeout=5) is not None and ports.port_is_free("127.0.0.1", port)
-        assert f"pid {leftover.pid}" in notes[0]
-        foreign = _spawn_listener(port, "litellm", "/somewhere/else")
-        with pytest.raises(LaunchError, match=f"port {port} .*pid {foreign.pid}: .*python"):
+        assert procs[0].wait(timeout=5) is not None and ports.port_is_free("127.0.0.1", port)
+        assert f"pid {procs[0].pid}" in notes[0]
+        procs.append(_spawn_listener(port, "litellm", "/somewhere/else"))
+        with pytest.raises(LaunchError, match=f"port {port} .*pid {procs[1].pid}: .*python"):
             free_port("litellm", "127.0.0.1", port, REPO, tmp_path / "pid", (), notes.append)
-        assert foreign.poll() is None
-        foreign.kill()
-        foreign.wait()
+        assert procs[1].poll() is None
     finally:
-        leftover.kill()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_terminate_pid_escalates_to_sigkill():
     proc = _spawn_listener(free_tcp_port(), "ignore-term")
-    start = time.monotonic()
-    assert ports.terminate_pid(proc.pid, grace=0.5)
-    assert proc.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - start < 3
+    try:
+        start = time.monotonic()
+        assert ports.terminate_pid(proc.pid, grace=0.5)
+        assert proc.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - start < 3
+    finally:
+        proc.kill()
 
 
 # --- supervision --------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
 from ..cache.lcp import lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..pipeline.canonicalize import canonicalize_messages
+from ..pipeline.healing import history_digest
 from ..pipeline.render import encode
 from ..pipeline.scrub import scrub_cache_key
-from ..parsing.reasoning import prompt_opens_thinking
+from ..parsing.reasoning import prompt_opens_thinking, split_output
 from ..pipeline.session_context import extract_session_context
 from .generate import SamplingParams, decode, prefill
 from .stopping import StopMatcher, stop_token_ids
@@ -241,6 +242,7 @@ class ChatEngine:
             self._store(prep, session.session_id, match, work, generated, pre_gen_snapshot)
         if not aborted:
             st.turns.update(session.session_id, prep.canonical)
+            self._remember_reply(job, prep, raw_text, "".join(visible), thinking_started)
 
         prefill_s = t_first - t_prep
         decode_s = t_end - t_first
@@ -264,6 +266,16 @@ class ChatEngine:
         )
         st.record(job, outcome, prep)
         return outcome
+
+    def _remember_reply(self, job: ChatJob, prep: PreparedPrompt, raw_text: str, visible: str,
+                        thinking_started: bool) -> None:
+        """Healing store: the reply as the client will see it -> the text as generated."""
+        healing = self.state.healing
+        if healing is None:
+            return
+        parsed = split_output(visible, thinking_started=thinking_started, tools=job.tools, family=self.loaded.family)
+        extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
+        healing.remember(history_digest(prep.canonical), parsed.content, parsed.tool_calls, extra + raw_text)
 
     def _store(self, prep: PreparedPrompt, session_id: str, match: MatchResult, work: list[Any],
                generated: list[int], pre_gen_snapshot: list[Any]) -> None:

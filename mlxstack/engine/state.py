@@ -19,6 +19,8 @@ from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
 from ..config.settings import Settings
+from ..pipeline.canonicalize import canonicalize_messages
+from ..pipeline.healing import HealingStore
 from .memory import default_cache_budget
 
 log = logging.getLogger("mlxstack.request")
@@ -44,11 +46,19 @@ class EngineState:
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
-        self.heal: Callable[[list[dict]], list[dict]] = lambda messages: messages
+        self.healing = HealingStore(settings.healing_store_max_entries, self._canonical_one) if settings.healing_store else None
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
+
+    def _canonical_one(self, message: dict) -> Any:
+        s = self.settings
+        return canonicalize_messages([message], enabled=s.cache_canonicalize_tool_context,
+                                     strip_billing_header=s.strip_billing_header)[1][0]
+
+    def heal(self, messages: list[dict]) -> list[dict]:
+        return self.healing.heal(messages) if self.healing is not None else messages
 
     def new_cache(self, model: Any) -> list[Any]:
         return make_prompt_cache(model)
@@ -107,6 +117,7 @@ class EngineState:
             "block_size": pc.config.block_size,
             "sessions": len(self.sessions),
             "turn_records": len(self.turns),
+            "healing": {"entries": len(self.healing), "healed": self.healing.healed} if self.healing else None,
             "correctness": {k: counters.get(k, 0) for k in CORRECTNESS_COUNTERS},
             "hits": {k[5:]: v for k, v in counters.items() if k.startswith("hits_")},
             "misses": counters.get("misses", 0),

@@ -57,6 +57,7 @@ class ChatRenderer:
         self.supports_thinking = "enable_thinking" in source
         self.preserve_thinking = preserve_thinking and self._probe_preserve_thinking(source)
         self.template_source = source
+        self._opener_extra: dict[tuple[bool, bool], str] = {}
 
     # Probe once at start-up: the same decision is used for every render (key and model).
     def _probe_preserve_thinking(self, source: str) -> bool:
@@ -134,6 +135,32 @@ class ChatRenderer:
                 except Exception:  # noqa: BLE001
                     pass
             raise TemplateError(f"chat template could not render the messages: {exc}") from None
+
+
+    def generation_extra(self, enable_thinking: bool, has_tools: bool) -> str:
+        """Text the generation prompt adds after the template's own assistant-turn opener
+        (e.g. ``<think>\n`` for Qwen3 with thinking on). The KV holds it before the generated
+        tokens, so a healed assistant turn must start with it to re-render identically."""
+        key = (enable_thinking, has_tools)
+        if key not in self._opener_extra:
+            self._opener_extra[key] = self._probe_generation_extra(enable_thinking)
+        return self._opener_extra[key]
+
+    def _probe_generation_extra(self, enable_thinking: bool) -> str:
+        marker = "\u2063PROBE\u2063"
+        history = [{"role": "user", "content": "probe"}]
+        try:
+            base = self.render(history, None, enable_thinking, add_generation_prompt=False)
+            gen = self.render(history, None, enable_thinking, add_generation_prompt=True)
+            probe = self.render(history + [{"role": "assistant", "content": marker}], None, enable_thinking,
+                                add_generation_prompt=False)
+        except TemplateError:
+            return ""
+        if not (gen.startswith(base) and probe.startswith(base) and marker in probe):
+            return ""
+        opener = probe[len(base):probe.index(marker)]
+        tail = gen[len(base):]
+        return tail[len(opener):] if tail.startswith(opener) else ""
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -32,19 +32,28 @@
   // ------------------------------------------------------------------ charts
   function width(el) { return Math.max(240, el.clientWidth || 400); }
 
+  const INT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
+  const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+  const clock = (u, vals) => vals.map((v) => new Date(v * 1000).toLocaleTimeString());
+
+  // opts: height, xlabel, ylabel, xtime (x is epoch seconds, else request #), yvalues, yrange, xrange
   function makeChart(id, series, opts) {
     const el = $(id);
-    const u = new uPlot(Object.assign({
+    const xaxis = opts.xtime
+      ? { incrs: TIME_INCRS, values: clock, space: 70, size: 30 }
+      : { label: opts.xlabel || "request #", labelSize: 16, size: 40, incrs: INT_INCRS, space: 40 };
+    const xscale = { time: !!opts.xtime };
+    if (opts.xrange) xscale.range = opts.xrange;
+    const yaxis = { label: opts.ylabel || "", labelSize: 16, size: opts.ysize || 60 };
+    if (opts.yvalues) yaxis.values = opts.yvalues;   // uPlot takes a present-but-undefined key literally
+    const u = new uPlot({
       width: width(el), height: opts.height || 220,
-      scales: { x: { time: false } },
-      legend: { live: true },
+      scales: { x: xscale, y: { range: opts.yrange || ((u, min, max) => [0, max > 0 ? max * 1.1 : 1]) } },
+      legend: { live: false },
       cursor: { drag: { x: false, y: false } },
-      axes: [
-        { label: opts.xlabel || "request #", size: 40, labelSize: 16 },
-        { label: opts.ylabel || "", size: 60, labelSize: 16, values: opts.yvalues },
-      ],
+      axes: [xaxis, yaxis],
       series: [{ label: opts.xlabel || "request #" }].concat(series),
-    }, opts.extra || {}), [[]].concat(series.map(() => [])), el);
+    }, [[]].concat(series.map(() => [])), el);
     charts[id] = u;
     return u;
   }
@@ -53,27 +62,27 @@
 
   function initCharts() {
     makeChart("c-ttft", [
-      { label: "TTFT s", stroke: C.accent, width: 2, points: { show: true, size: 6, fill: C.accent },
-        value: (u, v) => fmtNum(v, 3) },
+      { label: "TTFT (s)", stroke: C.accent, width: 2, points: { show: true, size: 7, fill: C.accent } },
     ], { ylabel: "seconds" });
     makeChart("c-speed", [
-      { label: "prefill tok/s", stroke: C.prefilled, width: 2, points: { show: true, size: 6, fill: C.prefilled } },
-      { label: "decode tok/s", stroke: C.decode, width: 2, points: { show: true, size: 5, fill: C.decode } },
+      { label: "prefill tok/s", stroke: C.prefilled, width: 2, points: { show: true, size: 7, fill: C.prefilled } },
+      { label: "decode tok/s", stroke: C.decode, width: 2, points: { show: true, size: 6, fill: C.decode } },
     ], { ylabel: "tokens / s" });
-    // Stacked by hand: the "prefilled" series is drawn as cached+prefilled first, "from cache" on top of it.
-    const match = { cached: [], prefilled: [] };
-    charts.matchRaw = match;
+    // Stacked by hand: "prefilled" is drawn as cached+prefilled first, "from cache" on top of its lower part.
+    charts.matchRaw = { cached: [], prefilled: [] };
     makeChart("c-match", [
-      { label: "prefilled", fill: C.prefilled, stroke: C.prefilled, paths: bars(), points: { show: false },
-        value: (u, v, si, i) => (i == null ? "–" : fmtInt(match.prefilled[i])) },
-      { label: "from cache", fill: C.cached, stroke: C.cached, paths: bars(), points: { show: false },
-        value: (u, v, si, i) => (i == null ? "–" : fmtInt(match.cached[i])) },
-    ], { ylabel: "prompt tokens", extra: { scales: { x: { time: false, range: (u, min, max) => [min - 0.6, max + 0.6] }, y: { range: (u, min, max) => [0, Math.max(1, max)] } } } });
+      { label: "prefilled", fill: C.prefilled, stroke: C.prefilled, paths: bars(), points: { show: false } },
+      { label: "from cache", fill: C.cached, stroke: C.cached, paths: bars(), points: { show: false } },
+    ], { ylabel: "prompt tokens", xrange: (u, min, max) => [min - 0.6, max + 0.6] });
+    // The budget is usually far above what is used: keep the axis on usage unless the budget is near.
     makeChart("c-mem", [
-      { label: "used", stroke: C.accent, width: 2, fill: "rgba(37,99,235,0.12)", value: (u, v) => fmtBytes(v) },
-      { label: "budget", stroke: C.budget, width: 1, dash: [6, 4], value: (u, v) => fmtBytes(v) },
-    ], { height: 130, xlabel: "time", yvalues: (u, vals) => vals.map(fmtBytes),
-         extra: { scales: { x: { time: true } }, axes: [{ size: 30 }, { size: 70, values: (u, vals) => vals.map(fmtBytes) }] } });
+      { label: "used", stroke: C.accent, width: 2, fill: "rgba(37,99,235,0.12)" },
+      { label: "budget", stroke: C.budget, width: 1, dash: [6, 4] },
+    ], { height: 140, xtime: true, ysize: 70, yvalues: (u, vals) => vals.map(fmtBytes),
+         yrange: (u) => {
+           const used = Math.max(1, ...memHistory.used), budget = Math.max(0, ...memHistory.budget);
+           return [0, budget && budget < used * 2 ? budget * 1.05 : used * 1.25];
+         } });
     window.addEventListener("resize", () => {
       for (const id of ["c-ttft", "c-speed", "c-match", "c-mem"]) {
         const u = charts[id];
@@ -102,10 +111,10 @@
     const used = s.bytes || 0, budget = s.budget_bytes || 0;
     const pct = budget ? (100 * used) / budget : 0;
     const fill = $("mem-fill");
-    fill.style.width = Math.min(100, pct).toFixed(1) + "%";
+    fill.style.width = used ? `max(3px, ${Math.min(100, pct).toFixed(1)}%)` : "0";
     fill.classList.toggle("high", pct > 90);
     $("mem-text").textContent = `${fmtBytes(used)} of ${fmtBytes(budget)} (${pct.toFixed(pct < 1 ? 2 : 1)}%) · ` +
-      `${fmtInt(s.entries)} entries, ${fmtInt(s.tokens)} tokens, ${fmtInt(s.evictions)} evictions`;
+      `${fmtInt(s.entries)} entries, ${fmtInt(s.tokens)} tokens, ${fmtInt(s.evictions)} evicted`;
     memHistory.t.push(Date.now() / 1000);
     memHistory.used.push(used);
     memHistory.budget.push(budget);
