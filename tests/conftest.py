@@ -78,16 +78,11 @@ def engine_settings(model_path: Path | str | None = None, **overrides):
 
 
 def build_engine(settings):
-    """(engine, app-less state) for driving ChatEngine.run() directly on the test thread."""
-    from mlxstack.engine.chat import ChatEngine
+    """An engine (ChatEngine, or VLMChatEngine for a VLM) for driving run() on the test thread."""
+    from mlxstack.engine.factory import make_engine
     from mlxstack.engine.loader import load_model
-    from mlxstack.engine.state import EngineState
-    from mlxstack.pipeline.render import ChatRenderer
 
-    loaded = load_model(settings)
-    renderer = ChatRenderer(loaded.tokenizer, preserve_thinking=settings.preserve_thinking)
-    state = EngineState(settings, loaded.model_id, renderer.template_source)
-    return ChatEngine(loaded, renderer, state, settings)
+    return make_engine(load_model(settings), settings)
 
 
 class LiveServer:

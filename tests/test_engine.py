@@ -114,3 +114,18 @@ def test_stop_string_never_leaks(tiny_dense_path):
     o = eng.run(j2)
     assert stop not in o.text and o.text == full[:full.index(stop)]
     assert "".join(streamed) == o.text and o.finish_reason == "stop"
+
+
+def test_implicit_session_id_is_stable_as_a_short_conversation_grows(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ids = []
+    for follow_up in ("more", "and more"):
+        j, _ = job(list(messages), max_tokens=3)
+        j.body = {}  # no explicit session id: derived from the opening tokens
+        o = eng.run(j)
+        ids.append(o.session_id)
+        messages += [{"role": "assistant", "content": o.text}, {"role": "user", "content": follow_up}]
+    other, _ = job([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "bye"}], max_tokens=3)
+    other.body = {}
+    assert ids[0] == ids[1] != eng.run(other).session_id

@@ -38,17 +38,15 @@ class App:
         return self.worker.submit(lambda: self._load(progress))
 
     def _load(self, progress: Callable[[str], None] | None) -> None:
-        from ..engine.chat import ChatEngine
+        from ..engine.factory import make_engine
         from ..engine.loader import load_model
-        from ..engine.state import EngineState
-        from ..pipeline.render import ChatRenderer
 
         try:
             loaded = load_model(self.settings, progress)
-            renderer = ChatRenderer(loaded.tokenizer, preserve_thinking=self.settings.preserve_thinking)
-            state = EngineState(self.settings, loaded.model_id, renderer.template_source)
+            engine = make_engine(loaded, self.settings)
+            state = engine.state
             self.loaded, self.state = loaded, state
-            self.engine = ChatEngine(loaded, renderer, state, self.settings)
+            self.engine = engine
             self.model_id = loaded.model_id
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
             self.family = loaded.family

@@ -26,7 +26,8 @@ from ..engine.generate import SamplingParams
 from ..engine.worker import QueueFull
 from .errors import APIError, internal, not_found, unavailable
 from .responses import StreamAssembler, completion_body
-from .validation import model_matches, parse_chat_request, parse_json
+from ..pipeline.images import ImageError
+from .validation import model_matches, parse_chat_request, parse_json, reject_images
 
 log = logging.getLogger("mlxstack.http")
 
@@ -105,9 +106,24 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise APIError(400, "invalid Content-Length header") from None
         if n > limit:
+            self._drain(n)
             raise APIError(413, f"request body of {n} bytes exceeds MAX_REQUEST_BYTES={limit}",
                            code="request_too_large")
         return self.rfile.read(n)
+
+    def _drain(self, n: int, cap: int = 256 * 1024 * 1024) -> None:
+        """Read and discard a refused body so the client sees our 413, not a broken pipe."""
+        if n > cap:
+            return
+        try:
+            self.connection.settimeout(10)
+            while n > 0:
+                chunk = self.rfile.read(min(n, 1 << 20))
+                if not chunk:
+                    break
+                n -= len(chunk)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ chat
     def chat_completions(self) -> None:
@@ -118,6 +134,8 @@ class Handler(BaseHTTPRequestHandler):
         req = parse_chat_request(body, app.settings)
         if not model_matches(req.model, app.model_id, app.aliases):
             raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}", code="model_not_found")
+        if not getattr(app.loaded, "is_vlm", False):
+            reject_images(req.messages, app.model_id)
         completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
         cancelled = threading.Event()
         sock = self.connection
@@ -158,9 +176,9 @@ class Handler(BaseHTTPRequestHandler):
                 if not future.done() and is_cancelled():
                     return  # the worker sees the flag between tokens; nobody to answer
             outcome = self._result(future)
+            app.count_status(200)
             self._json(200, completion_body(completion_id, app.model_id, outcome, tools=req.tools,
                                             family=app.family, enable_thinking=req.enable_thinking))
-            app.count_status(200)
             app.after_response(job, outcome)
 
     def _result(self, future: Any) -> Any:
@@ -173,6 +191,8 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(499, str(exc), code="client_closed")
         if isinstance(exc, ValueError) and exc.__class__.__name__ == "TemplateError":
             raise APIError(400, str(exc), code="template_error")
+        if isinstance(exc, ImageError):
+            raise APIError(400, str(exc), param="messages", code="invalid_image")
         rid = uuid.uuid4().hex[:12]
         log.error("generation failed (request id %s)", rid, exc_info=exc)
         raise internal(rid)

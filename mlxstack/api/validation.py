@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.settings import Settings
+from ..pipeline.images import image_parts
 from ..pipeline.thinking import resolve_enable_thinking
 from .errors import APIError, bad_request
 
@@ -136,6 +137,14 @@ def parse_chat_request(body: dict, settings: Settings) -> ChatRequest:
     )
 
 
+def reject_images(messages: list[dict], model_id: str) -> None:
+    """A text-only model cannot see images: say so instead of silently dropping them."""
+    for i, j, part in image_parts(messages):
+        raise bad_request(f"model {model_id} does not accept images (messages[{i}].content[{j}] is "
+                          f"{part.get('type', 'image_url')!r}); send text only or serve a vision-language model",
+                          param=f"messages[{i}].content", code="images_not_supported")
+
+
 def model_matches(requested: str | None, served: str, aliases: set[str]) -> bool:
     if not requested:
         return True
@@ -144,4 +153,4 @@ def model_matches(requested: str | None, served: str, aliases: set[str]) -> bool
     return requested in names or bare in names or requested.rsplit("/", 1)[-1] in names
 
 
-__all__ = ["APIError", "ChatRequest", "parse_chat_request", "parse_json", "model_matches"]
+__all__ = ["APIError", "ChatRequest", "parse_chat_request", "parse_json", "model_matches", "reject_images"]

@@ -115,6 +115,15 @@ class ChatEngine:
         text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
         return n, lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
 
+    def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        """Tokens a session without an explicit id is recognised by: the canonical key up to the
+        end of the first user message (at most 128 tokens are hashed), so the id stays the same
+        as the conversation grows even when that opening is shorter than 128 tokens."""
+        first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
+        text = scrub_cache_key(self.renderer.render(prep.canonical[: first_user + 1], job.tools, job.enable_thinking,
+                                                    add_generation_prompt=False))
+        return prep.key_tokens[: lcp(encode(self.loaded.tokenizer, text), prep.key_tokens)]
+
     def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
         """Token index where the rendered history ends (generation prompt excluded)."""
         text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)
@@ -162,7 +171,7 @@ class ChatEngine:
         st = self.state
         deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         prep = self.prepare(job)
-        session = extract_session_context(job.body, job.headers, prep.key_tokens)
+        session = extract_session_context(job.body, job.headers, self._session_key_tokens(prep, job))
         thinking_started = prompt_opens_thinking(prep.model_text)
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()

@@ -267,3 +267,22 @@ def markers_in(key_tokens: Sequence[int]) -> list[tuple[int, int]]:
         else:
             i += 1
     return out
+
+
+def expand_image_pads(tokens: Sequence[int], image_pad_id: int, counts: Sequence[int]) -> list[int]:
+    """Replace the k-th run of ``image_pad_id`` with ``counts[k]`` pads (a text-only render has one
+    pad per image; the processor expands it to the image's patch count).
+
+    Runs beyond ``len(counts)`` are a ValueError (the text and the images disagree).
+    """
+    runs = image_pad_runs(tokens, image_pad_id)
+    if len(runs) > len(counts):
+        raise ValueError(f"{len(runs)} image placeholders in the text but {len(counts)} images")
+    out: list[int] = []
+    prev = 0
+    for (start, end), n in zip(runs, counts):
+        out.extend(tokens[prev:start])
+        out.extend([image_pad_id] * n)
+        prev = end
+    out.extend(tokens[prev:])
+    return out

@@ -5,7 +5,8 @@
 
 Messages arrive validated (api/validation.py). Before the template sees them:
 - ``developer`` becomes ``system`` (PI sends its system prompt as developer);
-- list content is joined to text for text models;
+- list content is joined to text for text models (an image part is a TemplateError: 400);
+  the VLM renderer (engine/vlm_chat.py) overrides ``render_content`` to keep image parts;
 - an assistant ``reasoning_content`` is re-inserted as a ``<think>`` block when the template does
   not render that field itself, so a turn whose reasoning the client kept is a cache hit;
 - mid-conversation system messages stay where they occur. If the template refuses a non-leading
@@ -20,6 +21,7 @@ import json
 from typing import Any
 
 from ..parsing.tool_calls import inject_tool_prompt
+from .images import IMAGE_PART_TYPES
 
 
 class TemplateError(ValueError):
@@ -76,13 +78,22 @@ class ChatRenderer:
             if m.get("role") == "developer":
                 m["role"] = "system"
             if not isinstance(m.get("content"), str) and m.get("content") is not None:
-                m["content"] = content_text(m["content"])
+                m["content"] = self.render_content(m["content"], i)
             if m.get("role") == "assistant":
                 m = self._assistant(m)
             out.append(m)
         if tools and not self.supports_tools:
             return inject_tool_prompt(out, tools), None
         return out, tools or None
+
+    def render_content(self, content: list, index: int) -> Any:
+        """List content for the template: joined text (a VLM renderer keeps image parts)."""
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise TemplateError(f"this model is text-only and does not accept images (messages[{index}]"
+                                    f".content[{j}] is {part.get('type')!r}); send text only or serve a "
+                                    "vision-language model")
+        return content_text(content)
 
     def _assistant(self, m: dict) -> dict:
         reasoning = m.get("reasoning_content") or m.get("reasoning")

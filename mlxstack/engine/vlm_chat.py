@@ -1,0 +1,295 @@
+"""The chat engine for vision-language models (mlx-vlm): same cache, same API, same streaming.
+
+    engine = VLMChatEngine(loaded, VLMChatRenderer(loaded.tokenizer), state, settings)
+    outcome = engine.run(job)          # ChatEngine.run with the VLM backend seams below
+
+What differs from the text engine (engine/chat.py):
+- ``prepare``: images are decoded per message (pipeline/images.py); the model tokens come from
+  the processor with each image's placeholder expanded to its patch count. The cache key is the
+  text-only tokenizer's render of the canonical messages with the same expansion, plus a
+  2-token identity marker after each image's pad run (CACHE_VLM_IMAGE_IDENTITY).
+- ``validate_match``: the cache accepts reuse by model-token LCP, and two images of the same size
+  expand to identical pad tokens. So a hit may only cover an image whose marker in the entry's
+  key equals the request's; otherwise the reuse is cut back to that image's first pad token. A
+  reuse that would end inside a run of the *same* image (never on clean traffic) evicts the entry,
+  retreats to a fresh prefill and bumps ``vlm_retreat``.
+- ``prefill`` from offset P: embeddings for ``model_tokens[P:]`` (text embeddings with the image
+  rows replaced by vision-tower features; the tower runs only for images at or after P, one
+  image at a time so cold and warm runs compute identical features) are fed to the language
+  model with *explicit* position ids. For mrope models (Qwen2/2.5/3-VL) the positions are
+  ``get_rope_index`` over the full prompt and all image grids, sliced to ``[P:]``: a token's
+  position depends only on the tokens and images before it, so the slice equals what a cold
+  prefill uses, and the cached prefix was written with the same positions by the earlier request.
+  Decode steps use ``offset + rope_delta`` (``rope_delta = max position + 1 - prompt length``),
+  mlx-vlm's own rule, without the language model's per-instance ``_rope_deltas`` state (which
+  would leak between requests and be wrong after a cache hit).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..cache.kv_ops import kv_offset
+from ..cache.lcp import lcp
+from ..cache.prompt_cache import MISS, MatchResult
+from ..pipeline.canonicalize import canonicalize_messages
+from ..pipeline.images import (
+    ImageError,
+    ImageLimits,
+    expand_image_pads,
+    extract_images,
+    image_marker_tokens,
+    image_pad_runs,
+    inject_image_markers,
+    is_image_part,
+)
+from ..pipeline.render import ChatRenderer, content_text, encode
+from ..pipeline.scrub import scrub_cache_key
+from .chat import ChatEngine, ChatJob, PreparedPrompt
+from .mlx_stream import generation_stream
+
+log = logging.getLogger("mlxstack.request")
+
+
+class VLMChatRenderer(ChatRenderer):
+    """Keeps image parts (as ``{"type": "image"}``, the form VLM templates expect) in place."""
+
+    def render_content(self, content: list, index: int) -> Any:
+        if not any(is_image_part(p) for p in content):
+            return content_text(content)
+        parts: list[dict] = []
+        for part in content:
+            if is_image_part(part):
+                parts.append({"type": "image"})
+            elif isinstance(part, str):
+                parts.append({"type": "text", "text": part})
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+        return parts
+
+
+def _count_image_parts(messages: Sequence[Any]) -> int:
+    return sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"] if is_image_part(p))
+
+
+class _DecodeLM:
+    """``model(tokens[None], cache=cache) -> logits`` over the VLM's language model, with
+    positions ``offset + rope_delta`` (mrope) so decode continues the prompt's position stream."""
+
+    def __init__(self, lm: Any, mrope: bool, rope_delta: int) -> None:
+        self.lm = lm
+        self.mrope = mrope
+        self.rope_delta = rope_delta
+
+    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        if not self.mrope:
+            return self.lm(tokens, cache=cache).logits
+        off = kv_offset(cache) + self.rope_delta
+        n = tokens.shape[1]
+        pos = mx.broadcast_to(mx.arange(off, off + n, dtype=mx.int32)[None, None], (3, 1, n))
+        return self.lm(tokens, cache=cache, position_ids=pos).logits
+
+
+class VLMChatEngine(ChatEngine):
+    def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
+        super().__init__(loaded, renderer, state, settings)
+        model = loaded.model
+        cfg = getattr(model, "config", None)
+        self.lm = model.language_model
+        self.image_pad_id = int(getattr(cfg, "image_token_id", None)
+                                if getattr(cfg, "image_token_id", None) is not None
+                                else loaded.config.get("image_token_id", loaded.config.get("image_token_index")))
+        vision = getattr(cfg, "vision_config", None)
+        self.merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+        self.vocab_size = int(loaded.config.get("vocab_size") or loaded.config.get("text_config", {}).get("vocab_size") or 0)
+        # Qwen2/2.5/3-VL family: multimodal rope computed by the language model from the grids.
+        self.mrope = hasattr(self.lm, "get_rope_index")
+        self.per_image_vision = (self.mrope and hasattr(model, "vision_tower")
+                                 and hasattr(model, "merge_input_ids_with_image_features"))
+        self.limits = ImageLimits.from_settings(settings)
+        self._decoder = _DecodeLM(self.lm, self.mrope, 0)
+
+    # ---------------------------------------------------------------- pipeline
+    def prepare(self, job: ChatJob) -> PreparedPrompt:
+        s = self.settings
+        messages = self.state.heal(job.messages)
+        original, canonical = canonicalize_messages(
+            messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
+        images = extract_images(original, self.limits)
+        if _count_image_parts(canonical) != len(images):
+            raise RuntimeError(f"bug: canonical messages hold {_count_image_parts(canonical)} images, "
+                               f"original {len(images)}")
+        model_text = self.renderer.render(original, job.tools, job.enable_thinking)
+        canon_text = scrub_cache_key(self.renderer.render(canonical, job.tools, job.enable_thinking))
+        tok = self.loaded.tokenizer
+        extras: dict[str, Any] = {"images": images, "spans": [], "counts": [], "markers": [],
+                                  "pixel_values": [], "grids": []}
+        if not images:
+            if image_pad_runs(encode(tok, model_text), self.image_pad_id):
+                raise ImageError("the text contains image placeholder tokens but the request has no images")
+            model_tokens = encode(tok, model_text)
+        else:
+            from mlx_vlm.utils import prepare_inputs
+
+            inputs = prepare_inputs(self.loaded.processor, images=[im.image for im in images], prompts=model_text)
+            model_tokens = inputs["input_ids"][0].tolist()
+            grids = inputs["image_grid_thw"].tolist()
+            counts = [int(t * h * w) // (self.merge ** 2) for t, h, w in grids]
+            spans = image_pad_runs(model_tokens, self.image_pad_id)
+            if len(spans) != len(images) or [e - b for b, e in spans] != counts:
+                raise ImageError(f"the prompt's image placeholders ({len(spans)}) do not match the {len(images)} "
+                                 "images sent (does the text contain literal image tokens?)")
+            rows = [int(t * h * w) for t, h, w in grids]
+            pixel_values = inputs["pixel_values"]
+            cuts = np.cumsum([0] + rows).tolist()
+            extras.update(spans=spans, counts=counts, grids=grids,
+                          pixel_values=[pixel_values[a:b] for a, b in zip(cuts[:-1], cuts[1:])],
+                          markers=[image_marker_tokens(im.digest, self.vocab_size) for im in images])
+        counts = extras["counts"]
+        if canon_text == model_text:
+            key_tokens = list(model_tokens)
+        else:
+            key_tokens = expand_image_pads(encode(tok, canon_text), self.image_pad_id, counts)
+        if images and s.cache_vlm_image_identity:
+            key_tokens = inject_image_markers(key_tokens, self.image_pad_id, [im.digest for im in images],
+                                              self.vocab_size)
+        n_markers = 2 * len(images) if s.cache_vlm_image_identity else 0
+        if s.cache_norm_safety_check and len(key_tokens) - n_markers < 0.9 * len(model_tokens):
+            log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
+                        job.request_id, len(key_tokens), len(model_tokens))
+            self.state.counters.bump("cache_key_safety_fallback")
+            key_tokens = (inject_image_markers(model_tokens, self.image_pad_id, [im.digest for im in images],
+                                               self.vocab_size) if n_markers else list(model_tokens))
+        if s.vlm_cache_debug:
+            log.info("%s vlm images=%d spans=%s first ids=%s", job.request_id, len(images), extras["spans"],
+                     model_tokens[:64])
+        return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
+                              len(model_text) - len(canon_text), extras)
+
+    def _expanded(self, text: str, prep: PreparedPrompt) -> list[int]:
+        return expand_image_pads(encode(self.loaded.tokenizer, text), self.image_pad_id, prep.extras["counts"])
+
+    def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
+        n = self.state.turns.stable_prefix(session_id, prep.canonical)
+        if n <= 0:
+            return 0, 0
+        text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
+        return n, lcp(self._expanded(text, prep), prep.model_tokens)
+
+    def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
+        text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)
+        return lcp(self._expanded(text, prep), prep.model_tokens)
+
+    # ---------------------------------------------------------------- backend seams
+    @property
+    def decode_model(self) -> Any:
+        return self._decoder
+
+    def new_cache(self) -> list[Any]:
+        return make_prompt_cache(self.lm)
+
+    def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
+        """Never reuse KV for an image unless the entry saw the same image, never cut inside one."""
+        spans = prep.extras.get("spans") or []
+        if not match.hit or not spans:
+            return match
+        entry = match.entry
+        depth = match.depth
+        identity = bool(self.settings.cache_vlm_image_identity)
+        key = np.asarray(entry.key_tokens)
+        neg = np.flatnonzero(key < 0).tolist()
+        entry_markers = [(int(key[a]), int(key[b])) for a, b in zip(neg[0::2], neg[1::2])]
+        for k, (start, end) in enumerate(spans):
+            if depth <= start:
+                break  # a cut exactly at an image's first pad token is clean
+            same = identity and k < len(entry_markers) and entry_markers[k] == prep.extras["markers"][k]
+            if not same:
+                depth = start  # a different (or unverifiable) image: reuse only up to it
+                break
+            if depth < end:
+                log.warning("vlm retreat: entry %d would be reused to %d, inside image %d [%d, %d); evicting",
+                            entry.entry_id, depth, k, start, end)
+                self.state.counters.bump("vlm_retreat")
+                self.state.prompt_cache.remove(entry.entry_id, "vlm_retreat")
+                return MISS
+        if depth == match.depth:
+            return match
+        if depth <= 0 or not entry.trimmable:
+            return MISS
+        return match._replace(depth=depth, match_type="lcp")
+
+    def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
+                checkpoint: Callable[[list[Any]], None], at: list[int]) -> Any:
+        tokens = prep.model_tokens
+        n = len(tokens)
+        if start >= n:
+            raise ValueError("prefill needs at least one token")
+        ids = mx.array(tokens, dtype=mx.int32)[None]
+        with mx.stream(generation_stream()):
+            embeds = self._embeddings(ids, prep, start)        # (1, n - start, hidden)
+            positions, delta = self._positions(ids, prep)      # (3, 1, n) or None
+        self._decoder = _DecodeLM(self.lm, self.mrope, delta)
+        step = max(1, int(self.settings.prefill_step_size))
+        bounds = sorted({start + k for k in at if 0 < k < n - start})
+        logits = None
+        done = start
+        for stop in bounds + [n]:
+            for a in range(done, stop, step):
+                b = min(a + step, stop)
+                with mx.stream(generation_stream()):
+                    kwargs = {} if positions is None else {"position_ids": positions[..., a:b]}
+                    out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work, **kwargs)
+                    if b == n:
+                        logits = out.logits[:, -1, :].astype(mx.float32).squeeze(0)
+                        mx.eval(logits)
+                    else:
+                        mx.eval([c.state for c in work])
+            done = stop
+            if stop < n:
+                checkpoint(work)
+        mx.clear_cache()
+        return logits
+
+    # ---------------------------------------------------------------- helpers
+    def _positions(self, ids: mx.array, prep: PreparedPrompt) -> tuple[mx.array | None, int]:
+        if not self.mrope:
+            return None, 0
+        n = ids.shape[1]
+        if not prep.extras["spans"]:
+            return mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n)), 0
+        grid = mx.array(prep.extras["grids"], dtype=mx.int32)
+        positions, deltas = self.lm.get_rope_index(ids, grid, None, None)
+        return positions.astype(mx.int32), int(deltas.reshape(-1)[0].item())
+
+    def _embeddings(self, ids: mx.array, prep: PreparedPrompt, start: int) -> mx.array:
+        model = self.loaded.model
+        spans = prep.extras["spans"]
+        if not spans:
+            return self.lm.model.embed_tokens(ids[:, start:])
+        if not self.per_image_vision:
+            # Generic VLM: mlx-vlm's own merge over the whole prompt, then the tail.
+            pv = mx.concatenate(prep.extras["pixel_values"], axis=0)
+            feats = model.get_input_embeddings(ids, pv, image_grid_thw=mx.array(prep.extras["grids"]))
+            return feats.inputs_embeds[:, start:]
+        embeds = self.lm.model.embed_tokens(ids[:, start:])
+        dtype = model.vision_tower.patch_embed.proj.weight.dtype
+        pieces, cursor = [], start
+        for k, (s, e) in enumerate(spans):
+            if s < start:
+                if e > start:
+                    raise RuntimeError(f"bug: prefill from {start} cuts image {k} [{s}, {e})")
+                continue
+            grid = mx.array([prep.extras["grids"][k]], dtype=mx.int32)
+            feats = model.vision_tower(prep.extras["pixel_values"][k].astype(dtype), grid,
+                                       output_hidden_states=False)
+            if feats.shape[0] != e - s:
+                raise RuntimeError(f"bug: image {k} gave {feats.shape[0]} features for {e - s} pad tokens")
+            pieces += [embeds[:, cursor - start:s - start], feats.astype(embeds.dtype)[None]]
+            cursor = e
+        pieces.append(embeds[:, cursor - start:])
+        return mx.concatenate(pieces, axis=1)
