@@ -330,7 +330,7 @@ def main(argv):
         say("clients authenticate with the header  Authorization: Bearer <LITELLM_MASTER_KEY from %s>" % env_path)
     py = str(venv_python(VENV))
     os.chdir(str(REPO))
-    argv_out = [py, "-m", "pytest"] + test_args if test_args is not None else [py, str(REPO / "start_llm.py")] + rest
+    argv_out = [py, "-m", "mlxstack.launcher.test_runner"] + test_args if test_args is not None else [py, str(REPO / "start_llm.py")] + rest
     say("exec: " + " ".join(argv_out))
     sys.stdout.flush()
     os.execv(py, argv_out)

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

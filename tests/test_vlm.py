@@ -42,9 +42,13 @@ def job(messages: list[dict], max_tokens: int = 10) -> ChatJob:
 
 @pytest.fixture
 def engines(tiny_vlm_path):
-    """(warm engine with the prompt cache, cold engine without), fresh per test."""
-    warm = build_engine(engine_settings(tiny_vlm_path))
-    cold = build_engine(engine_settings(tiny_vlm_path, prompt_cache_max_entries_global=0))
+    """(warm engine with the prompt cache, cold engine without), fresh per test.
+
+    The healing store is off in both: it rewrites echoed assistant turns from the warm engine's
+    history, so the cold engine would see a different prompt (healing has its own parity test).
+    """
+    warm = build_engine(engine_settings(tiny_vlm_path, healing_store=False))
+    cold = build_engine(engine_settings(tiny_vlm_path, prompt_cache_max_entries_global=0, healing_store=False))
     yield warm, cold
     # Clean traffic never cuts inside an image.
     assert warm.state.counters.get("vlm_retreat") == 0

@@ -1,7 +1,6 @@
 """The application object: owns the worker, the loaded model, the engine and the routes."""
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time

@@ -15,12 +15,10 @@ import queue
 import select
 import socket
 import threading
-import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-from ..config.settings import Settings
 from ..engine.chat import ChatJob, ClientGone, PromptReady
 from ..engine.generate import SamplingParams
 from ..engine.worker import QueueFull

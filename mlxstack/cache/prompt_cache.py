@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np

@@ -1,0 +1,153 @@
+"""The whole product: start_llm's stack (real MLX server on the embedded model + real LiteLLM
+proxy) on free ports, driven through port "4000" with the OpenAI SDK, raw HTTP and the
+Anthropic /v1/messages shape Claude Code uses. Ends by checking SIGTERM frees both ports."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mlxstack.launcher import ports
+from tests.conftest import http_json
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "sk-e2e-test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, tmp: Path, embedded_cache: str) -> None:
+        self.mlx_port, self.proxy_port = free_port(), free_port()
+        env = {"MLX_PORT": str(self.mlx_port), "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY,
+               "LOG_ROOT": str(tmp / "logs"), "MODEL_CACHE_DIR": embedded_cache, "DEFAULT_TEMPERATURE": "0",
+               "DEFAULT_MAX_TOKENS": "24", "PROXY_STARTUP_TIMEOUT_SECONDS": "180"}
+        code = ("import sys; from mlxstack.config.settings import load_settings; "
+                "from mlxstack.launcher.stack import run_stack; "
+                f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO)!r})))")
+        self.log_path = tmp / "stack.log"
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while "READY" not in self.log_path.read_text():
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "stack never printed its READY line"
+            time.sleep(0.5)
+        self.base = f"http://127.0.0.1:{self.proxy_port}"
+        self.mlx = f"http://127.0.0.1:{self.mlx_port}"
+
+    def post(self, path, body, key=KEY, headers=None):
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        return http_json(self.base + path, body, headers={**auth, **(headers or {})}, timeout=180)
+
+    def recent(self) -> list[dict]:
+        return http_json(self.mlx + "/v1/cache/stats")[1]["recent"]
+
+    def stop(self) -> float:
+        self.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        code = self.proc.wait(timeout=15)
+        while not (ports.port_is_free("127.0.0.1", self.mlx_port) and ports.port_is_free("127.0.0.1", self.proxy_port)):
+            assert time.monotonic() - start < 5, "ports still busy 5 s after SIGTERM"
+            time.sleep(0.1)
+        self.log.close()
+        return code
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, embedded_model_path):
+    s = Stack(tmp_path_factory.mktemp("stack"), str(embedded_model_path.parent))
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_ready_line_and_capital_of_france_with_usage(stack):
+    log = stack.log_path.read_text()
+    assert f"http://127.0.0.1:{stack.proxy_port}/v1" in log and MODEL in log
+    for model in (f"openai/{MODEL}", MODEL):
+        status, body, _ = stack.post("/v1/chat/completions", {"model": model, "messages": Q, "max_tokens": 24})
+        assert status == 200, body
+        assert "Paris" in body["choices"][0]["message"]["content"]
+        assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] > 0
+
+
+def test_missing_or_wrong_key_is_401(stack):
+    assert stack.post("/v1/chat/completions", {"model": MODEL, "messages": Q}, key=None)[0] == 401
+    # A wrong key is refused too; LiteLLM 1.106 without a database answers it 400 "No connected db."
+    # (it looks the key up as a virtual key). Documented in the README's troubleshooting.
+    status, body, _ = stack.post("/v1/chat/completions", {"model": MODEL, "messages": Q}, key="sk-wrong")
+    assert status in (400, 401) and "choices" not in body
+
+
+def test_openai_sdk_streaming_and_cached_tokens(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.base + "/v1", api_key=KEY)
+    system = {"role": "system", "content": "You answer in one short sentence. " * 15}
+    msgs = [system, {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, extra_body={"session_id": "sdk-1"})
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Another."}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"session_id": "sdk-1"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage][-1]
+    assert text.strip()
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert stack.recent()[-1]["session"].startswith("sdk-1")
+
+
+def test_session_affinity_header_reaches_the_backend(stack):
+    stack.post("/v1/chat/completions", {"model": MODEL, "messages": Q, "max_tokens": 4},
+               headers={"x-session-affinity": "affinity-42"})
+    assert stack.recent()[-1]["session"].startswith("affinity-42")
+
+
+def test_anthropic_messages_shape_claude_code(stack):
+    body = {"model": MODEL, "max_tokens": 24, "system": "x-anthropic-billing-header: cc_version=2.1; cch=ab12;\nYou are Claude Code.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]}
+    status, reply, _ = stack.post("/v1/messages", body)
+    assert status == 200, reply
+    assert reply["type"] == "message" and reply["role"] == "assistant"
+    assert any(b["type"] == "text" and b["text"] for b in reply["content"])
+    assert reply["usage"]["input_tokens"] > 0
+    # streaming variant: Anthropic SSE event names
+    req = urllib.request.Request(stack.base + "/v1/messages", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", "x-api-key": KEY})
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        raw = resp.read().decode()
+    assert "event: message_start" in raw and "event: content_block_delta" in raw and "event: message_stop" in raw
+
+
+def test_anthropic_tool_use_round_trip(stack):
+    tools = [{"name": "read_file", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+    messages = [
+        {"role": "user", "content": "Read README.md"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "README.md"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "# Title\nA server."}]},
+    ]
+    status, reply, _ = stack.post("/v1/messages", {"model": MODEL, "max_tokens": 16, "tools": tools, "messages": messages})
+    assert status == 200, reply
+    assert reply["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_sigterm_frees_both_ports(stack):
+    assert stack.stop() == 0
