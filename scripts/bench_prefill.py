@@ -83,39 +83,24 @@ def _no_eos_processor(tokenizer: Any) -> Callable:
     return proc
 
 
-def _greedy(logprobs: Any) -> Any:
-    import mlx.core as mx
-
-    return mx.argmax(logprobs, axis=-1)
-
-
 # ----------------------------------------------------------------------------- (a) our engine path
-# SWAP: when mlxstack.engine.generate exists, replace the body of engine_run with a call to it
-# (same contract: prompt token ids in, (prefill_seconds, decode_tokens, decode_seconds) out).
-
-
 def engine_run(model: Any, tokenizer: Any, prompt: list[int], decode_tokens: int, prefill_step_size: int) -> tuple[float, int, float]:
-    """Prefill ``prompt`` into a fresh prompt cache, then decode greedily.
+    """The server's own path (mlxstack.engine.generate): prefill into a fresh cache, then decode
+    greedily with no stop tokens, so every run decodes exactly ``decode_tokens``.
 
     Returns (time to first token, tokens decoded after the first, seconds for those).
     """
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxstack.engine.generate import SamplingParams, decode, prefill
 
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
+    logits = prefill(model, cache, prompt, prefill_step_size)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens)
     t_first = None
     n = 0
-    for _tok, _lp in generate_step(
-        mx.array(prompt),
-        model,
-        max_tokens=decode_tokens,
-        sampler=_greedy,
-        logits_processors=[_no_eos_processor(tokenizer)],
-        prompt_cache=cache,
-        prefill_step_size=prefill_step_size,
-    ):
+    for _tok in decode(model, cache, logits, prompt, params):
         n += 1
         if t_first is None:
             t_first = time.perf_counter()
@@ -178,7 +163,7 @@ def print_compare(rows: list[dict[str, Any]], step: int, model_path: str) -> Non
 
     print(f"\nmodel: {model_path}")
     print(blas_status())
-    print(f"engine = generate_step + make_prompt_cache, prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
+    print(f"engine = mlxstack.engine.generate (prefill + decode), prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
     head = f"{'prompt':>7} | {'engine prefill':>14} {'mlx-lm prefill':>14} {'ratio':>6} | {'engine decode':>13} {'mlx-lm decode':>13} {'ratio':>6}"
     print(head)
     print("-" * len(head))

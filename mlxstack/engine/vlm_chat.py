@@ -242,7 +242,7 @@ class VLMChatEngine(ChatEngine):
             for a in range(done, stop, step):
                 b = min(a + step, stop)
                 with mx.stream(generation_stream()):
-                    kwargs = {} if positions is None else {"position_ids": mx.broadcast_to(mx.arange(a, b, dtype=mx.int32)[None, None], (3, 1, b - a))}
+                    kwargs = {} if positions is None else {"position_ids": positions[..., a:b]}
                     out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work, **kwargs)
                     if b == n:
                         logits = out.logits[:, -1, :].astype(mx.float32).squeeze(0)
