@@ -129,3 +129,33 @@ def test_implicit_session_id_is_stable_as_a_short_conversation_grows(tiny_dense_
     other, _ = job([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "bye"}], max_tokens=3)
     other.body = {}
     assert ids[0] == ids[1] != eng.run(other).session_id
+
+
+def test_request_whose_client_already_left_is_dropped_without_running(tiny_dense_path):
+    from mlxstack.engine.chat import ClientGone
+
+    eng = build_engine(engine_settings(tiny_dense_path))
+    j, _ = job([{"role": "user", "content": "hello"}], cancel=lambda: True)
+    with pytest.raises(ClientGone):
+        eng.run(j)
+    assert len(eng.state.prompt_cache) == 0 and eng.state.counters.get("requests") == 0
+
+
+def test_norm_safety_check_falls_back_to_original_tokens(tiny_dense_path):
+    inbound = "## Inbound Context (trusted metadata)\n```json\n" + '{"k": "' + "v" * 400 + '"}\n```\n'
+    messages = [{"role": "system", "content": "Be brief.\n" + inbound}, {"role": "user", "content": "hi"}]
+    off = build_engine(engine_settings(tiny_dense_path))
+    on = build_engine(engine_settings(tiny_dense_path, cache_norm_safety_check=True))
+    p_off, p_on = off.prepare(job(messages)[0]), on.prepare(job(messages)[0])
+    assert len(p_off.key_tokens) < 0.9 * len(p_off.model_tokens)   # canonicalisation removed a lot
+    assert p_on.key_tokens == p_on.model_tokens                        # guarded: original tokens as key
+    assert on.state.counters.get("cache_key_safety_fallback") == 1
+
+
+def test_billing_header_is_stripped_from_the_model_input(tiny_dense_path):
+    billing = "x-anthropic-billing-header: cc_version=2.0.1; cc_entrypoint=cli; cch=9f8e7d;"
+    messages = [{"role": "system", "content": billing + "\nYou are Claude Code."}, {"role": "user", "content": "hi"}]
+    on = build_engine(engine_settings(tiny_dense_path)).prepare(job(messages)[0])
+    off = build_engine(engine_settings(tiny_dense_path, strip_billing_header=False)).prepare(job(messages)[0])
+    assert "x-anthropic-billing-header" not in on.model_text and "You are Claude Code." in on.model_text
+    assert "cch=9f8e7d" in off.model_text

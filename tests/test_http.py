@@ -151,3 +151,27 @@ def test_queue_full_answers_503_with_retry_after(embedded_model_path):
         assert chat(server, {"messages": Q, "max_tokens": 2})[0] == 200
     finally:
         server.close()
+
+
+def test_multi_turn_parity_cache_on_vs_off_over_http(embedded_server):
+    from tests.conftest import LiveServer, engine_settings
+
+    cold = LiveServer(engine_settings(None, prompt_cache_max_entries_global=0))
+    try:
+        transcripts = {}
+        for name, server in (("warm", embedded_server), ("cold", cold)):
+            msgs = [{"role": "system", "content": "You are a helpful assistant. " * 10}]
+            replies, cached = [], []
+            for turn in ("What is a cache?", "Give an example.", "Thanks, and in one word?"):
+                msgs.append({"role": "user", "content": turn})
+                status, body, _ = chat(server, {"messages": msgs, "max_tokens": 16, "session_id": f"parity-{name}"})
+                assert status == 200, body
+                replies.append(body["choices"][0]["message"]["content"])
+                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+                msgs.append({"role": "assistant", "content": replies[-1]})
+            transcripts[name] = (replies, cached)
+        assert transcripts["warm"][0] == transcripts["cold"][0]
+        assert transcripts["cold"][1] == [0, 0, 0]
+        assert all(c > 0 for c in transcripts["warm"][1][1:])
+    finally:
+        cold.close()

@@ -89,10 +89,11 @@ class EngineState:
         self.counters.bump("prefilled_tokens", row["prefilled_tokens"])
         log.info(
             "req=%s session=%s prompt=%d cached=%d match=%s prefilled=%d delta_chars=%d stable_msgs=%d "
-            "ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s finish=%s",
+            "ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s finish=%s correctness=%s",
             job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
             row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["ttft_s"],
             row["prefill_tok_s"], row["decode_tok_s"], row["finish_reason"],
+            ",".join(f"{k}:{v}" for k, v in self.counters.correctness().items()),
         )
         for hook in self.on_record:
             try:
