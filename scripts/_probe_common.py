@@ -748,7 +748,7 @@ def simulate_stripped(text: str) -> str:
 
 
 def replay_stripped_reasoning(rec: Recorder, *, sys_tokens: int = 800, tag: str = "", session: str | None = None,
-                              shape: str = "stripped-reasoning", turns: int = 4) -> list[Turn]:
+                              shape: str = "stripped-reasoning", turns: int = 3) -> list[Turn]:
     """Every assistant reply is echoed back with its reasoning stripped (see ``simulate_stripped``):
     the rendered history no longer equals the tokens the server generated."""
     start = len(rec.turns)

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import default_api_key, default_mlx_url, print_table  # noqa: E402
+from _probe_common import default_mlx_url, print_table  # noqa: E402
 
 
 def human(n: float | int | None) -> str:

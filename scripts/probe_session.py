@@ -26,8 +26,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _probe_common import (ProbeError, Recorder, TURN_HEADERS, add_client_args, assistant_echo,  # noqa: E402
-                           client_from_args, filler_paragraphs, nonce, openclaw_inbound_context,
-                           openclaw_system_prompt, openclaw_user, pi_system_prompt, print_table, turn_rows)
+                           client_from_args, filler_paragraphs, nonce, openclaw_system_prompt, openclaw_user, pi_system_prompt, print_table, turn_rows)
 
 SCENARIOS = ("continuation", "drift", "semantic", "insertion")
 

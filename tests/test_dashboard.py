@@ -84,7 +84,9 @@ def test_dashboard_renders_charts_in_headless_chromium(dash_server, tmp_path):
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(
                 str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-                args=[a for a in CHROMIUM_ARGS if a != "--headless"], viewport={"width": 1440, "height": 1100})
+                args=[a for a in CHROMIUM_ARGS if a != "--headless"], viewport={"width": 1440, "height": 1100},
+                # the test process may run with OpenBLAS in LD_PRELOAD (test_runner); Chromium crashes with it
+                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
             try:
                 page = ctx.new_page()
                 errors: list[str] = []

@@ -110,7 +110,9 @@ def test_stale_decision():
 
 def _spawn_listener(port: int, *argv: str) -> subprocess.Popen:
     # cwd outside the repo: a process whose cwd is the repo counts as ours
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER, str(port), *argv], stdout=subprocess.PIPE, cwd="/")
+    # and the base interpreter: the repo's own .venv/bin/python in a command line also ties it to us
+    python = getattr(sys, "_base_executable", None) or sys.executable
+    proc = subprocess.Popen([python, "-c", LISTENER, str(port), *argv], stdout=subprocess.PIPE, cwd="/")
     assert proc.stdout.readline().strip() == b"listening"
     return proc
 

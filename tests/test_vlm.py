@@ -235,3 +235,27 @@ def test_vlm_over_http(tiny_vlm_path):
         assert server.app.state.counters.get("vlm_retreat") == 0
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------------------- key helpers
+def test_key_prefix_keeps_markers_of_covered_images(engines):
+    warm, _ = engines
+    prep = warm.prepare(job([SYSTEM, user("Compare.", image_url(0), image_url(1))]))
+    (s0, e0), (s1, e1) = prep.extras["spans"]
+    (m0, m1) = prep.extras["markers"]
+    assert warm.key_prefix(prep, s0) == prep.key_tokens[:s0]
+    assert warm.key_prefix(prep, e0)[-2:] == list(m0)
+    assert warm.key_prefix(prep, e1)[-2:] == list(m1)
+    assert warm.key_prefix(prep, len(prep.model_tokens)) == prep.key_tokens
+
+
+def test_implicit_session_ids_differ_by_opening_image(engines):
+    warm, _ = engines
+    a = [SYSTEM, user("Describe it.", image_url(0))]
+    b = [SYSTEM, user("Describe it.", image_url(1))]
+    ka = warm._session_key_tokens(warm.prepare(job(a)), job(a))
+    kb = warm._session_key_tokens(warm.prepare(job(b)), job(b))
+    assert ka != kb and len(ka) > warm.prepare(job(a)).extras["spans"][0][1]
+    # Stable as the conversation grows.
+    longer = a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert warm._session_key_tokens(warm.prepare(job(longer)), job(longer)) == ka

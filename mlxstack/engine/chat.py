@@ -22,7 +22,7 @@ from ..pipeline.render import encode
 from ..pipeline.scrub import scrub_cache_key
 from ..parsing.reasoning import prompt_opens_thinking, split_output
 from ..pipeline.session_context import extract_session_context
-from .generate import SamplingParams, decode, prefill
+from .generate import SamplingParams, decode, feed, prefill
 from .stopping import StopMatcher, stop_token_ids
 
 log = logging.getLogger("mlxstack.request")
@@ -152,6 +152,10 @@ class ChatEngine:
     def new_cache(self) -> list[Any]:
         return self.state.new_cache(self.loaded.model)
 
+    def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
+        """The cache key of ``model_tokens[:depth]`` (a VLM key carries image markers too)."""
+        return prep.key_tokens[:depth]
+
     def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
         """Last check on a hit before checkout (VLM: never cut inside an image)."""
         return match
@@ -248,7 +252,8 @@ class ChatEngine:
         raw_ids = [t for t in generated if t not in stop_ids]
         raw_text = self.loaded.tokenizer.decode(raw_ids)
         if not aborted and st.prompt_cache.enabled:
-            self._store(prep, session.session_id, match, work, generated, pre_gen_snapshot)
+            continuation = self._close_turn(work, prep, raw_ids, job)
+            self._store(prep, session.session_id, match, work, continuation, pre_gen_snapshot)
         if not aborted:
             st.turns.update(session.session_id, prep.canonical)
             self._remember_reply(job, prep, raw_text, "".join(visible), thinking_started)
@@ -286,22 +291,38 @@ class ChatEngine:
         extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
         healing.remember(history_digest(prep.canonical), parsed.content, parsed.tool_calls, extra + raw_text)
 
+    def _close_turn(self, work: list[Any], prep: PreparedPrompt, content_ids: list[int], job: ChatJob) -> list[int]:
+        """Feed what the next turn is certain to contain after this reply: the last sampled
+        token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
+
+        Returns the tokens the KV now holds after the prompt. Correctness never depends on this
+        guess -- reuse is still accepted only up to the token LCP -- but it is what lets a
+        hybrid (exact-depth) cache continue straight into the next turn.
+        """
+        fed = kv_offset(work) - len(prep.model_tokens)
+        closer = self.renderer.assistant_closer(job.enable_thinking)
+        target = content_ids + (encode(self.loaded.tokenizer, closer) if closer else [])
+        if not 0 <= fed <= len(content_ids):
+            raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(content_ids)} were content")
+        feed(self.decode_model, work, target[fed:], self.settings.prefill_step_size)
+        return target
+
     def _store(self, prep: PreparedPrompt, session_id: str, match: MatchResult, work: list[Any],
-               generated: list[int], pre_gen_snapshot: list[Any]) -> None:
+               continuation: list[int], pre_gen_snapshot: list[Any]) -> None:
         st = self.state
         parent = match.entry.session_id if match.hit else None
-        all_model = prep.model_tokens + generated
+        all_model = prep.model_tokens + continuation
         state = capture(work)
         depth = state.offset
         extra = max(0, depth - len(prep.model_tokens))
-        key = prep.key_tokens + generated[:extra]
+        key = prep.key_tokens + continuation[:extra]
         pool = POOL_KV if state.trimmable else POOL_SNAPSHOT
         entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes,
                                        trimmable=state.trimmable, pool=pool, session_id=session_id)
         if entry is not None:
             st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
         for snap in pre_gen_snapshot:
-            snap_entry = st.prompt_cache.insert(prep.key_tokens[:snap.offset], prep.model_tokens[:snap.offset], snap,
+            snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.offset), prep.model_tokens[:snap.offset], snap,
                                                 nbytes=snap.nbytes, trimmable=False, pool=POOL_SNAPSHOT,
                                                 session_id=session_id)
             if snap_entry is not None:

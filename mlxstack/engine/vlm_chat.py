@@ -142,8 +142,9 @@ class VLMChatEngine(ChatEngine):
             counts = [int(t * h * w) // (self.merge ** 2) for t, h, w in grids]
             spans = image_pad_runs(model_tokens, self.image_pad_id)
             if len(spans) != len(images) or [e - b for b, e in spans] != counts:
-                raise ImageError(f"the prompt's image placeholders ({len(spans)}) do not match the {len(images)} "
-                                 "images sent (does the text contain literal image tokens?)")
+                raise ImageError(f"the rendered prompt has {len(spans)} image placeholders for the {len(images)} "
+                                 "images sent: the chat template drops images in some message roles, or the "
+                                 "text contains literal image tokens")
             rows = [int(t * h * w) for t, h, w in grids]
             pixel_values = inputs["pixel_values"]
             cuts = np.cumsum([0] + rows).tolist()
@@ -180,6 +181,26 @@ class VLMChatEngine(ChatEngine):
             return 0, 0
         text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
         return n, lcp(self._expanded(text, prep), prep.model_tokens)
+
+    def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        """As the text engine, but images in the opening are expanded and marked, so two sessions
+        that open with different images get different implicit ids."""
+        first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
+        text = scrub_cache_key(self.renderer.render(prep.canonical[: first_user + 1], job.tools, job.enable_thinking,
+                                                    add_generation_prompt=False))
+        tokens = self._expanded(text, prep)
+        n = len(image_pad_runs(tokens, self.image_pad_id))
+        if n and self.settings.cache_vlm_image_identity:
+            tokens = inject_image_markers(tokens, self.image_pad_id, [im.digest for im in prep.extras["images"][:n]],
+                                          self.vocab_size)
+        return prep.key_tokens[: lcp(tokens, prep.key_tokens)]
+
+    def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
+        """Key of ``model_tokens[:depth]``: the markers of the images that end by ``depth`` included."""
+        if not self.settings.cache_vlm_image_identity:
+            return prep.key_tokens[:depth]
+        covered = sum(1 for _, end in prep.extras.get("spans", []) if end <= depth)
+        return prep.key_tokens[: depth + 2 * covered]
 
     def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
         text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)

@@ -59,7 +59,7 @@ class ChatRenderer:
         self.supports_thinking = "enable_thinking" in source
         self.preserve_thinking = preserve_thinking and self._probe_preserve_thinking(source)
         self.template_source = source
-        self._opener_extra: dict[tuple[bool, bool], str] = {}
+        self._shape: dict[bool, tuple[str, str]] = {}
 
     # Probe once at start-up: the same decision is used for every render (key and model).
     def _probe_preserve_thinking(self, source: str) -> bool:
@@ -152,26 +152,40 @@ class ChatRenderer:
         """Text the generation prompt adds after the template's own assistant-turn opener
         (e.g. ``<think>\n`` for Qwen3 with thinking on). The KV holds it before the generated
         tokens, so a healed assistant turn must start with it to re-render identically."""
-        key = (enable_thinking, has_tools)
-        if key not in self._opener_extra:
-            self._opener_extra[key] = self._probe_generation_extra(enable_thinking)
-        return self._opener_extra[key]
+        return self._assistant_shape(enable_thinking)[0]
 
-    def _probe_generation_extra(self, enable_thinking: bool) -> str:
+    def assistant_closer(self, enable_thinking: bool) -> str:
+        """Text the template writes right after an assistant turn's content (e.g.
+        ``<|im_end|>\n``): the next turn's prompt is certain to contain it after the reply."""
+        return self._assistant_shape(enable_thinking)[1]
+
+    def _assistant_shape(self, enable_thinking: bool) -> tuple[str, str]:
+        if enable_thinking not in self._shape:
+            self._shape[enable_thinking] = self._probe_assistant_shape(enable_thinking)
+        return self._shape[enable_thinking]
+
+    def _probe_assistant_shape(self, enable_thinking: bool) -> tuple[str, str]:
         marker = "\u2063PROBE\u2063"
         history = [{"role": "user", "content": "probe"}]
         try:
             base = self.render(history, None, enable_thinking, add_generation_prompt=False)
             gen = self.render(history, None, enable_thinking, add_generation_prompt=True)
-            probe = self.render(history + [{"role": "assistant", "content": marker}], None, enable_thinking,
+            probe = self.render(history + [{"role": "assistant", "content": marker}, {"role": "user", "content": "next"}],
+                                None, enable_thinking, add_generation_prompt=False)
+            after = self.render(history + [{"role": "assistant", "content": marker}], None, enable_thinking,
                                 add_generation_prompt=False)
         except TemplateError:
-            return ""
-        if not (gen.startswith(base) and probe.startswith(base) and marker in probe):
-            return ""
+            return "", ""
+        if not (gen.startswith(base) and probe.startswith(base) and marker in probe and after.startswith(base)):
+            return "", ""
         opener = probe[len(base):probe.index(marker)]
         tail = gen[len(base):]
-        return tail[len(opener):] if tail.startswith(opener) else ""
+        extra = tail[len(opener):] if tail.startswith(opener) else ""
+        # The closer is what follows the content both as the last turn and before the next one.
+        close_last = after[after.index(marker) + len(marker):]
+        close_mid = probe[probe.index(marker) + len(marker):]
+        closer = close_last if close_mid.startswith(close_last) else ""
+        return extra, closer
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
