@@ -61,3 +61,11 @@ def test_env_example_loads_as_env_file(tmp_path: Path):
 def test_as_env_round_trip():
     s = load_settings(env={"DEFAULT_THINKING": "false", "MLX_PORT": "8123"})
     assert load_settings(env=s.as_env()) == s
+
+
+def test_readme_documents_every_variable():
+    from mlxstack.config.settings import REPO_ROOT, SPECS
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    missing = [s.name for s in SPECS if f"`{s.name}`" not in readme]
+    assert not missing, f"README configuration table lacks {missing}"

@@ -32,6 +32,13 @@ def message_diff(stored: Sequence[Any], incoming: Sequence[Any]) -> int:
     return n
 
 
+def expire_idle(items: dict[str, Any], max_idle: float, now: float) -> None:
+    """Drop values whose ``touched`` time is more than ``max_idle`` seconds old (0 = never)."""
+    if max_idle > 0:
+        for key in [k for k, v in items.items() if now - v.touched > max_idle]:
+            del items[key]
+
+
 @dataclass
 class _TurnRecord:
     messages: list[Any]
@@ -48,11 +55,7 @@ class SessionTurnStore:
         self.refused_writes = 0
 
     def _expire(self) -> None:
-        if self.max_idle <= 0:
-            return
-        now = self.clock()
-        for sid in [s for s, r in self._records.items() if now - r.touched > self.max_idle]:
-            del self._records[sid]
+        expire_idle(self._records, self.max_idle, self.clock())
 
     def stable_prefix(self, session_id: str, canonical_messages: Sequence[Any]) -> int:
         self._expire()
@@ -102,11 +105,7 @@ class SessionIndex:
         self._sessions: dict[str, _SessionInfo] = {}
 
     def _expire(self) -> None:
-        if self.max_idle <= 0:
-            return
-        now = self.clock()
-        for sid in [s for s, i in self._sessions.items() if now - i.touched > self.max_idle]:
-            del self._sessions[sid]
+        expire_idle(self._sessions, self.max_idle, self.clock())
 
     def record(self, session_id: str, entry_id: int, depth: int, parent: str | None = None) -> None:
         self._expire()
