@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    from .engine.blas import reexec_with_blas
+
+    reexec_with_blas(settings, ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hf_offline_env()
     from .api.app import App, make_server
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .engine.blas import blas_status
 
-        logging.getLogger("mlxstack").info("BLAS: %s", blas_status())
+        logging.getLogger("mlxstack").info("%s", blas_status())
     except Exception:  # noqa: BLE001
         pass
     app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))

@@ -22,12 +22,25 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import (Client, ProbeError, Recorder, ServerProcess, Turn, nonce,  # noqa: E402
-                           print_table, replay_many_sessions, replay_openclaw, replay_pi, replay_stripped_reasoning)
+from _probe_common import (
+    Client,
+    ProbeError,
+    Recorder,
+    ServerProcess,
+    Turn,
+    default_api_key,
+    nonce,
+    print_table,
+    replay_many_sessions,
+    replay_openclaw,
+    replay_pi,
+    replay_stripped_reasoning,
+)
 
 SHAPES = ("pi", "openclaw", "many-sessions", "stripped-reasoning")
 BENCH_EXTRA = {"repetition_penalty": 1.0}  # same sampling on both servers (greedy: temperature 0)
@@ -69,7 +82,7 @@ def summary(res: dict) -> dict:
     turns: list[Turn] = res["turns"]
     warm = [t for t in turns if t.warm]
     cold = [t for t in turns if not t.warm]
-    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     return {"warm_uncached": sum(t.uncached for t in warm), "warm_prompt": sum(t.prompt for t in warm),
             "cold_ttft": mean([t.ttft_s for t in cold]), "warm_ttft": mean([t.ttft_s for t in warm]),
             "wall_s": res["wall_s"], "n_warm": len(warm)}
@@ -133,7 +146,8 @@ def start_servers(args: Any) -> tuple[list[ServerProcess], str, str]:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ours-url", default=None, help="this stack's base URL (…/v1); default: start mlxstack.serve on a free port")
-    p.add_argument("--ours-key", default="", help="key for --ours-url (e.g. the LiteLLM master key when using :4000)")
+    p.add_argument("--ours-key", default=None,
+                   help="key for --ours-url (default: $LITELLM_MASTER_KEY or .env, used when --ours-url is given)")
     p.add_argument("--ours-model", default=None, help="model name for ours (default: first id of /models)")
     p.add_argument("--baseline-url", default=None, help="mlx_lm.server base URL; default: start it on a free port")
     p.add_argument("--baseline-model", default=None,
@@ -164,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[ServerProcess] = []
     try:
         procs, ours_url, base_url = start_servers(args)
-        ours = Client(ours_url, args.ours_key, model=args.ours_model)
+        key = args.ours_key if args.ours_key is not None else (default_api_key() if args.ours_url else "")
+        ours = Client(ours_url, key, model=args.ours_model)
         base = Client(base_url, "", model=args.baseline_model or "default_model")
         base._stats_ok = False  # mlx_lm.server has no /v1/cache/stats
         tag = nonce()

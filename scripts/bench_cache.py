@@ -23,14 +23,29 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _probe_common import (Client, ProbeError, ServerProcess, fake_file, fake_test_output, nonce,  # noqa: E402
-                           openclaw_subagent_report, openclaw_system_prompt, openclaw_user, pi_system_prompt,
-                           print_table, tool_call, tool_result, PI_TOOLS, filler_paragraphs)
+from _probe_common import (
+    PI_TOOLS,
+    Client,
+    ProbeError,
+    ServerProcess,
+    fake_file,
+    fake_test_output,
+    filler_paragraphs,
+    nonce,
+    openclaw_subagent_report,
+    openclaw_system_prompt,
+    openclaw_user,
+    pi_system_prompt,
+    print_table,
+    tool_call,
+    tool_result,
+)
 
 
 # ----------------------------------------------------------------------------- (a) machinery

@@ -27,12 +27,13 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import REPO_ROOT, print_table, setting  # noqa: E402
+from _probe_common import REPO_ROOT, print_table, setting
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 

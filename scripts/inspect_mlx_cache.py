@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import default_mlx_url, print_table  # noqa: E402
+from _probe_common import default_mlx_url, print_table
 
 
-def human(n: float | int | None) -> str:
+def human(n: float | None) -> str:
     if not isinstance(n, (int, float)):
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -20,8 +20,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import (ProbeError, Recorder, TURN_HEADERS, add_client_args, client_from_args, nonce,  # noqa: E402
-                           print_table, replay_pi, turn_rows)
+from _probe_common import (
+    TURN_HEADERS,
+    ProbeError,
+    Recorder,
+    add_client_args,
+    client_from_args,
+    nonce,
+    print_table,
+    replay_pi,
+    turn_rows,
+)
 
 # Measured on the embedded SmolLM2-135M (see README): warm turns reuse 0.87-1.00 of the prompt;
 # the lowest is the turn after the longest tool result (250-token file). 0.8 leaves a margin.

@@ -21,12 +21,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import (ProbeError, Recorder, TURN_HEADERS, add_client_args, assistant_echo,  # noqa: E402
-                           client_from_args, filler_paragraphs, nonce, openclaw_system_prompt, openclaw_user, pi_system_prompt, print_table, turn_rows)
+from _probe_common import (
+    TURN_HEADERS,
+    ProbeError,
+    Recorder,
+    add_client_args,
+    assistant_echo,
+    client_from_args,
+    filler_paragraphs,
+    nonce,
+    openclaw_system_prompt,
+    openclaw_user,
+    pi_system_prompt,
+    print_table,
+    turn_rows,
+)
 
 SCENARIOS = ("continuation", "drift", "semantic", "insertion")
 

@@ -26,9 +26,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe_common import (ChatResult, Client, ProbeError, add_client_args, assistant_echo,  # noqa: E402
-                           client_from_args, nonce, openclaw_subagent_report, openclaw_system_prompt,
-                           openclaw_user, pi_system_prompt, print_table, OPENCLAW_BOUNDARY)
+from _probe_common import (
+    OPENCLAW_BOUNDARY,
+    ChatResult,
+    Client,
+    ProbeError,
+    add_client_args,
+    assistant_echo,
+    client_from_args,
+    nonce,
+    openclaw_subagent_report,
+    openclaw_system_prompt,
+    openclaw_user,
+    pi_system_prompt,
+    print_table,
+)
 
 
 class Harness:

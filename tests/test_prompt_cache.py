@@ -207,3 +207,62 @@ def test_block_index_and_linear_scan_agree(seed):
             a = with_index.lookup(req, req, broad=broad)
             b = linear.lookup(req, req, broad=broad)
             assert (a.depth, a.match_type, a.entry and a.entry.entry_id) == (b.depth, b.match_type, b.entry and b.entry.entry_id)
+
+
+def test_superseded_safety_net_is_evicted_before_live_sessions():
+    """14 sessions x 2 turns with room for 24 entries: each session's turn-2 entry supersedes its
+    turn-1 entry; the superseded ones go first, every live session keeps its newest entry."""
+    clock = Clock()
+    c = make(clock, max_entries=24)
+    live = {}
+    for turn in (1, 2):
+        for s in range(14):
+            clock.t += 1
+            base = toks(8 * turn, 1000 * s)
+            if turn == 2:
+                c.lookup(base, base)                     # the session's warm turn hits turn 1
+            live[s] = put(c, base, session_id=f"s{s}").entry_id
+    kept = {e.entry_id for e in c.entries()}
+    assert set(live.values()) <= kept
+    evicted = [eid for eid, why in c.eviction_log if why == "count"]
+    assert len(evicted) == 4 and all(c.get(eid) is None for eid in evicted)
+
+
+def test_extension_inherits_hits_of_the_entry_it_supersedes():
+    c = make()
+    put(c, toks(8))
+    c.lookup(toks(12), toks(12))
+    c.lookup(toks(12), toks(12))
+    longer = put(c, toks(16))
+    assert longer.hits == 2
+    assert [e.superseded for e in sorted(c.entries(), key=lambda e: e.depth)] == [True, False]
+
+
+def test_matches_shorter_than_a_block_are_misses():
+    c = make()
+    put(c, toks(3) + [7] * 20)
+    m = c.lookup(toks(3) + [8] * 20, toks(3) + [8] * 20)
+    assert m.depth == 0 and m.match_type == "miss"
+
+
+def test_hybrid_trim_miss_counts_only_when_it_cost_reuse():
+    c = make()
+    put(c, toks(16), trimmable=False)                  # usable: exact extension
+    put(c, toks(12) + [9] * 12, trimmable=False)       # would need a trim to 12 < 16
+    assert c.lookup(toks(20), toks(20)).depth == 16
+    assert c.counters.get("hybrid_trim_miss") == 0
+    c2 = make()
+    put(c2, toks(30), trimmable=False)                 # would need a trim to 20
+    assert c2.lookup(toks(20) + [5, 5], toks(20) + [5, 5]).depth == 0
+    assert c2.counters.get("hybrid_trim_miss") == 1
+
+
+def test_incremental_hash_chain_equals_a_fresh_chain():
+    from mlxstack.cache.hashing import block_hash_chain
+
+    c = make()
+    rng = random.Random(3)
+    base = [rng.randrange(1000) for _ in range(103)]
+    c.hashes(base)
+    for extended in (base + [1, 2, 3, 4, 5], base[:50] + [9] * 30, base, base[:3]):
+        assert c.hashes(extended) == block_hash_chain(c.seed, extended, 4)

@@ -46,6 +46,7 @@ class CacheEntry:
     created: float
     last_used: float
     hits: int = 0
+    superseded: bool = False   # a longer entry now covers it (kept only as a safety net)
 
     @property
     def depth(self) -> int:
@@ -106,6 +107,7 @@ class PromptCache:
             POOL_SNAPSHOT: _PoolLimits(config.snapshot_max_entries, config.snapshot_ttl_seconds),
         }
         self.eviction_log: list[tuple[int, str]] = []  # (entry_id, reason), most recent last
+        self._recent_chains: list[tuple[np.ndarray, list[BlockHash]]] = []
 
     # ------------------------------------------------------------------ public API
     @property
@@ -113,7 +115,21 @@ class PromptCache:
         return self.config.max_entries > 0
 
     def hashes(self, key_tokens: Sequence[int]) -> list[BlockHash]:
-        return block_hash_chain(self.seed, key_tokens, self.config.block_size)
+        """Block-hash chain of a key. Agents resend a growing prefix, so the chain continues
+        from the longest block-aligned prefix of a recently hashed key (chained hashes make
+        ``chain(prefix) + chain(rest, seed=last)`` equal to ``chain(whole)``)."""
+        tokens = as_tokens(key_tokens)
+        bs = self.config.block_size
+        reuse: list[BlockHash] = []
+        for old_tokens, old_hashes in self._recent_chains:
+            n = min(lcp(old_tokens, tokens) // bs, len(old_hashes))
+            if n > len(reuse):
+                reuse = old_hashes[:n]
+        rest = block_hash_chain(reuse[-1] if reuse else self.seed, tokens[len(reuse) * bs:], bs)
+        chain = reuse + rest
+        self._recent_chains.append((tokens, chain))
+        del self._recent_chains[:-8]
+        return chain
 
     def lookup(
         self,
@@ -149,13 +165,22 @@ class PromptCache:
                 if eid in self._entries:
                     cands.setdefault(eid, shared.get(eid, 0))
             best = MISS
+            trim_loss = 0
+            hid = False
             for eid, nblocks in cands.items():
-                result = self._verify(self._entries[eid], key, model, nblocks)
+                result, would_be, hid_here = self._verify(self._entries[eid], key, model, nblocks)
+                trim_loss = max(trim_loss, would_be)
+                hid = hid or hid_here
                 if result.depth > best.depth or (
                     result.depth == best.depth and result.depth > 0 and best.entry is not None
                     and result.entry.last_used > best.entry.last_used
                 ):
                     best = result
+            # Counted once per lookup, and only when they cost reuse.
+            if trim_loss > best.depth:
+                self.counters.bump("hybrid_trim_miss")
+            if hid:
+                self.counters.bump("exact_key_rejected_by_model_lcp")
             if best.hit:
                 best.entry.hits += 1
                 best.entry.last_used = self.clock()
@@ -191,8 +216,7 @@ class PromptCache:
             self._entries[entry.entry_id] = entry
             for h in entry.block_hashes:
                 self._index.setdefault(h, set()).add(entry.entry_id)
-            if pool == POOL_KV and trimmable:
-                self._cull_prefixes(entry)
+            self._supersede_prefixes(entry, cull=pool == POOL_KV and trimmable)
             self._expire()
             self._enforce_limits(protect=entry.entry_id)
             return entry if entry.entry_id in self._entries else None
@@ -243,19 +267,18 @@ class PromptCache:
                 shared[e.entry_id] = n
         return shared
 
-    def _verify(self, e: CacheEntry, key: np.ndarray, model: np.ndarray, nblocks: int) -> MatchResult:
+    def _verify(self, e: CacheEntry, key: np.ndarray, model: np.ndarray, nblocks: int) -> tuple[MatchResult, int, bool]:
+        """(result, depth a trim would have given a non-trimmable entry, canonical-hid-a-difference)."""
         common = lcp(e.model_tokens, model)
         depth = min(common, e.depth, len(model) - 1)
-        # A canonical key fully matched but model tokens diverged before its end: the
-        # canonicalisation hid a real difference (expected 0 on clean traffic).
+        # The entry's canonical key matched in full but the model tokens diverged before its end:
+        # canonicalisation made two different model inputs look equal.
         key_common = lcp(e.key_tokens, key)
-        if key_common >= min(len(e.key_tokens), len(key)) and common < min(e.depth, len(model)):
-            self.counters.bump("exact_key_rejected_by_model_lcp")
-        if depth <= 0:
-            return MatchResult(e, 0, "miss", nblocks)
+        hid = key_common >= min(len(e.key_tokens), len(key)) and common < min(e.depth, len(model))
+        if depth < self.config.block_size:   # a few template-header tokens are not a hit
+            return MatchResult(e, 0, "miss", nblocks), 0, hid
         if not e.trimmable and depth != e.depth:
-            self.counters.bump("hybrid_trim_miss")
-            return MatchResult(e, 0, "miss", nblocks)
+            return MatchResult(e, 0, "miss", nblocks), depth, hid
         if common == e.depth == len(model):
             kind = "exact"
         elif common == e.depth:
@@ -264,7 +287,7 @@ class PromptCache:
             kind = "supersequence"
         else:
             kind = "lcp"
-        return MatchResult(e, depth, kind, nblocks)
+        return MatchResult(e, depth, kind, nblocks), 0, hid
 
     # ------------------------------------------------------------------ eviction
     def score(self, e: CacheEntry, now: float) -> float:
@@ -283,7 +306,7 @@ class PromptCache:
         pool_entries = [e for e in self._entries.values() if (pool is None or e.pool == pool) and e.entry_id != protect]
         if not pool_entries:
             return None
-        return max(pool_entries, key=lambda e: (self.score(e, now), -e.entry_id))
+        return max(pool_entries, key=lambda e: (e.superseded, self.score(e, now), -e.entry_id))
 
     def _enforce_limits(self, protect: int) -> None:
         for pool, limits in self._limits.items():
@@ -301,17 +324,25 @@ class PromptCache:
                 break
             self._remove(victim.entry_id, "bytes")
 
-    def _cull_prefixes(self, new: CacheEntry) -> None:
-        """Remove shorter KV entries whose model tokens are a strict prefix of ``new``'s,
-        keeping the longest of them as a safety net."""
+    def _supersede_prefixes(self, new: CacheEntry, cull: bool) -> None:
+        """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:
+        ``new`` inherits their hit count (it is the same conversation, one turn further), they
+        become the first eviction victims, and for trimmable KV all but the longest of them are
+        culled (the longest stays as a safety net)."""
         prefixes = [
             e for e in self._entries.values()
-            if e.pool == POOL_KV and e.entry_id != new.entry_id and e.trimmable
-            and e.depth < new.depth and lcp(e.model_tokens, new.model_tokens) == e.depth
+            if e.pool == new.pool and e.entry_id != new.entry_id and e.depth < new.depth
+            and lcp(e.model_tokens, new.model_tokens) == e.depth
         ]
+        if not prefixes:
+            return
+        new.hits = max(new.hits, max(e.hits for e in prefixes))
         prefixes.sort(key=lambda e: e.depth)
-        for e in prefixes[:-1]:
-            self._remove(e.entry_id, "prefix_cull")
+        for e in prefixes:
+            e.superseded = True
+        if cull:
+            for e in prefixes[:-1]:
+                self._remove(e.entry_id, "prefix_cull")
 
     def _remove(self, entry_id: int, reason: str) -> None:
         e = self._entries.pop(entry_id, None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
-from ..cache.lcp import lcp
+from ..cache.lcp import as_tokens, lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.healing import history_digest
@@ -78,6 +78,12 @@ class PreparedPrompt:
     key_tokens: list[int]
     key_delta_chars: int
     extras: dict = field(default_factory=dict)   # backend-specific (e.g. VLM images, image spans)
+    model_np: Any = None                         # the same tokens as int64 arrays (LCP, hashing)
+    key_np: Any = None
+
+    def __post_init__(self) -> None:
+        self.model_np = as_tokens(self.model_tokens)
+        self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
 
 
 class ChatEngine:
@@ -113,7 +119,7 @@ class ChatEngine:
         if n <= 0:
             return 0, 0
         text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
-        return n, lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
+        return n, lcp(encode(self.loaded.tokenizer, text), prep.model_np)
 
     def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
         """Tokens a session without an explicit id is recognised by: the canonical key up to the
@@ -131,11 +137,11 @@ class ChatEngine:
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         cache = self.state.prompt_cache
-        hashes = cache.hashes(prep.key_tokens)
-        match = cache.lookup(prep.key_tokens, prep.model_tokens, key_hashes=hashes)
+        hashes = cache.hashes(prep.key_np)
+        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes)
         stable_msgs, stable_tokens = self._stable_prefix_tokens(prep, session_id, job)
         if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
-            second = cache.lookup(prep.key_tokens, prep.model_tokens, broad=True, key_hashes=hashes,
+            second = cache.lookup(prep.key_np, prep.model_np, broad=True, key_hashes=hashes,
                                   extra_candidates=self.state.sessions.candidates(session_id))
             if second.depth > match.depth:
                 match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")

@@ -8,22 +8,18 @@ from __future__ import annotations
 import os
 import sys
 
-MARK = "MLXSTACK_TEST_BLAS_APPLIED"
 
 
 def main(argv: list[str]) -> None:
-    env = dict(os.environ)
-    if not env.get(MARK):
-        env[MARK] = "1"
-        try:
-            from ..config.settings import load_settings
-            from ..engine.blas import blas_preload_env
-
-            env.update(blas_preload_env(load_settings(env=env), environ=env))
-        except Exception as exc:  # noqa: BLE001 - tests still run, only slower
-            print(f"[tests] optimised BLAS not applied: {exc}", file=sys.stderr)
     args = argv or ["tests", "-q"]
-    os.execve(sys.executable, [sys.executable, "-m", "pytest", *args], env)
+    try:
+        from ..config.settings import load_settings
+        from ..engine.blas import reexec_with_blas
+
+        reexec_with_blas(load_settings(env=dict(os.environ)), ["-m", "mlxstack.launcher.test_runner", *args])
+    except Exception as exc:  # noqa: BLE001 - tests still run, only slower
+        print(f"[tests] optimised BLAS not applied: {exc}", file=sys.stderr)
+    os.execv(sys.executable, [sys.executable, "-m", "pytest", *args])
 
 
 if __name__ == "__main__":

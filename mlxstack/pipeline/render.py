@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from ..parsing.tool_calls import inject_tool_prompt
+from .tokenize import encoder_for
 from .images import IMAGE_PART_TYPES
 
 
@@ -189,4 +190,5 @@ class ChatRenderer:
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Token ids of rendered chat text (template text carries its own special tokens)."""
+    return encoder_for(tokenizer).encode(text)
