@@ -42,7 +42,10 @@ from _probe_common import (
     replay_stripped_reasoning,
 )
 
-SHAPES = ("pi", "openclaw", "many-sessions", "stripped-reasoning")
+SHAPES = ("pi", "openclaw", "many-sessions", "stripped-reasoning", "stripped-thinking")
+# Shapes that need a model whose template opens <think> (the tiny qwen3-style fixture, random
+# weights): both servers are started on it separately.
+THINKING_SHAPES = ("stripped-thinking",)
 BENCH_EXTRA = {"repetition_penalty": 1.0}  # same sampling on both servers (greedy: temperature 0)
 
 
@@ -56,7 +59,43 @@ def run_shape(shape: str, rec: Recorder, args: Any, tag: str) -> list[Turn]:
                                     sys_tokens=args.sub_system_tokens, task_tokens=args.task_tokens, tag=tag)
     if shape == "stripped-reasoning":
         return replay_stripped_reasoning(rec, sys_tokens=args.system_tokens, tag=tag, session=f"sr-{tag}")
+    if shape == "stripped-thinking":
+        return replay_stripped_thinking(rec, tag=tag, session=f"st-{tag}")
     raise ValueError(shape)
+
+
+def replay_stripped_thinking(rec: Recorder, *, tag: str, session: str, turns: int = 4) -> list[Turn]:
+    """Thinking on: the reply starts inside <think>. The client keeps only ``content`` (reasoning
+    stripped, as most clients do) when it echoes the reply, so the history no longer equals the
+    tokens in the KV; a server that cannot restore them re-prefills the reply."""
+    start = len(rec.turns)
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    msgs = [{"role": "system", "content": "You are a careful coding agent. " * 20 + tag},
+            {"role": "user", "content": "Plan the refactor of the parser module."}]
+    r = rec.send("stripped-thinking", "question", msgs, session=session, extra=think)
+    for i in range(2, turns + 1):
+        msgs = msgs + [{"role": "assistant", "content": r.text},
+                       {"role": "user", "content": f"Step {i}: continue."}]
+        r = rec.send("stripped-thinking", f"follow-up {i} (stripped)", msgs, session=session, extra=think)
+    return rec.turns[start:]
+
+
+def thinking_servers(args: Any) -> tuple[list[ServerProcess], str, str, str]:
+    """Ours and mlx_lm.server on the tiny thinking fixture (built in a temp dir)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fixtures.tiny_models import build_tiny_dense, tokenizer_source_dir
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-think-"))
+    model = str(build_tiny_dense(tmp / "tiny_think", tokenizer_source_dir()))
+    (tmp / "hf").mkdir()
+    ours = ServerProcess("ours", env={"MODEL_PATH": model, "ENABLE_REQUEST_LOGGING": "false",
+                                      "DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0"})
+    base = ServerProcess("mlx_lm", model_path=model, env={"HF_HUB_CACHE": str(tmp / "hf")})
+    for proc in (ours, base):
+        proc.wait_ready(timeout=300)
+    return [ours, base], ours.base_url, base.base_url, model
 
 
 class BenchRecorder(Recorder):
@@ -107,26 +146,45 @@ def compare(ours: dict[str, dict], base: dict[str, dict], *, markdown: bool = Tr
     print_table(["shape", "server", "warm turns", "uncached (warm)", "prompt (warm)", "reuse", "cold TTFT s",
                  "warm TTFT s", "wall s", "uncached ratio base/ours"], rows, markdown=markdown)
     print("\n### Uncached tokens per warm turn\n")
+    print("excess = uncached - new, where new = this prompt minus the session's previous prompt: the old\n"
+          "context a server had to prefill again (0 for a perfect cache). It compares servers fairly\n"
+          "even where their chat renderings differ (ours renders tools / tool calls for SmolLM2).\n")
     detail = []
     for shape in ours:
         if shape not in base:
             continue
         to, tb = ours[shape]["turns"], base[shape]["turns"]
-        for a, b in zip(to, tb):
+        ex_o, ex_b = excess(to), excess(tb)
+        for i, (a, b) in enumerate(zip(to, tb)):
             if not a.warm:
                 continue
             flag = ""
-            if a.uncached > b.uncached:
+            if ex_o[i] > ex_b[i]:
+                flag = "ours re-prefilled more"
+                problems.append(f"{shape} turn {a.turn} ({a.label}): excess ours {ex_o[i]} > baseline {ex_b[i]}")
+            elif a.uncached > b.uncached:
                 if a.prompt == b.prompt:
                     flag = "ours higher"
                     problems.append(f"{shape} turn {a.turn} ({a.label}): ours {a.uncached} > baseline {b.uncached}")
-                else:  # different rendering (e.g. ours renders tools / tool calls, the baseline template drops them)
-                    flag = "ours higher, prompts differ"
-            detail.append([shape, a.turn, a.label, a.prompt, a.uncached, b.prompt, b.uncached, a.match,
-                           f"{a.ttft_s:.2f}", f"{b.ttft_s:.2f}", flag])
-    print_table(["shape", "turn", "label", f"prompt ({names[0]})", f"uncached ({names[0]})", f"prompt ({names[1]})",
-                 f"uncached ({names[1]})", "match (ours)", "TTFT ours", "TTFT base", "note"], detail, markdown=markdown)
+                else:
+                    flag = "prompts differ (ours longer)"
+            detail.append([shape, a.turn, a.label, a.prompt, a.uncached, ex_o[i], b.prompt, b.uncached, ex_b[i],
+                           a.match, f"{a.ttft_s:.2f}", f"{b.ttft_s:.2f}", flag])
+    print_table(["shape", "turn", "label", f"prompt ({names[0]})", f"uncached ({names[0]})", "excess",
+                 f"prompt ({names[1]})", f"uncached ({names[1]})", "excess", "match (ours)", "TTFT ours",
+                 "TTFT base", "note"], detail, markdown=markdown)
     return problems
+
+
+def excess(turns: Sequence[Turn]) -> list[int]:
+    """Per turn: uncached tokens beyond what is new since the same session's previous prompt."""
+    last: dict[str, int] = {}
+    out = []
+    for t in turns:
+        prev = last.get(t.session)
+        out.append(t.uncached if prev is None else max(0, t.uncached - max(0, t.prompt - prev)))
+        last[t.session] = t.prompt
+    return out
 
 
 def start_servers(args: Any) -> tuple[list[ServerProcess], str, str]:
@@ -187,9 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         # Interleave per shape so both servers see the machine in the same state.
         res_ours: dict[str, dict] = {}
         res_base: dict[str, dict] = {}
-        for shape in shapes:
+        for shape in [s for s in shapes if s not in THINKING_SHAPES]:
             res_ours.update(replay_all(ours, [shape], args, tag, "mlxstack"))
             res_base.update(replay_all(base, [shape], args, tag, "mlx_lm.server"))
+        thinking = [s for s in shapes if s in THINKING_SHAPES]
+        if thinking:
+            more, t_ours, t_base, t_model = thinking_servers(args)
+            procs += more
+            res_ours.update(replay_all(Client(t_ours, ""), thinking, args, tag, "mlxstack"))
+            res_base.update(replay_all(Client(t_base, "", model=t_model), thinking, args, tag, "mlx_lm.server"))
     except ProbeError as exc:
         print(f"FAIL: {exc}", file=sys.stderr)
         return 2
