@@ -159,3 +159,11 @@ def test_billing_header_is_stripped_from_the_model_input(tiny_dense_path):
     off = build_engine(engine_settings(tiny_dense_path, strip_billing_header=False)).prepare(job(messages)[0])
     assert "x-anthropic-billing-header" not in on.model_text and "You are Claude Code." in on.model_text
     assert "cch=9f8e7d" in off.model_text
+
+
+def test_watchdog_abandons_a_long_prefill_between_chunks(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path, prefill_step_size=8, generation_watchdog_seconds=0.000001))
+    j, streamed = job([{"role": "user", "content": "word " * 200}], max_tokens=5)
+    o = eng.run(j)
+    assert o.aborted and o.finish_reason == "length" and o.completion_tokens == 0 and streamed == []
+    assert len(eng.state.prompt_cache) == 0

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from mlx_lm.models.cache import trim_prompt_cache
+
 from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
 from ..cache.lcp import as_tokens, lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
@@ -22,7 +24,7 @@ from ..pipeline.render import encode
 from ..pipeline.scrub import scrub_cache_key
 from ..parsing.reasoning import prompt_opens_thinking, split_output
 from ..pipeline.session_context import extract_session_context
-from .generate import SamplingParams, decode, feed, prefill
+from .generate import Aborted, SamplingParams, decode, feed, prefill
 from .stopping import StopMatcher, stop_token_ids
 
 log = logging.getLogger("mlxstack.request")
@@ -167,10 +169,11 @@ class ChatEngine:
         return match
 
     def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
-                checkpoint: Callable[[list[Any]], None], at: list[int]) -> Any:
+                checkpoint: Callable[[list[Any]], None], at: list[int],
+                should_stop: Callable[[], bool] | None = None) -> Any:
         """Feed model_tokens[start:] into ``work``; return the last position's logits."""
         return prefill(self.loaded.model, work, prep.model_tokens[start:], self.settings.prefill_step_size,
-                       checkpoint=checkpoint, at=at)
+                       checkpoint=checkpoint, at=at, should_stop=should_stop)
 
     # ---------------------------------------------------------------- request
     def run(self, job: ChatJob) -> ChatOutcome:
@@ -204,10 +207,6 @@ class ChatEngine:
             history_end = self._history_boundary(prep, job)
             checkpoints = [k - start for k in (history_end, len(prep.model_tokens) - 1) if k > start]
 
-        remaining = prep.model_tokens[start:]
-        logits = self.prefill(work, prep, start, lambda cache: pre_gen_snapshot.append(capture(cache)), checkpoints)
-        t_first = time.perf_counter()
-
         stopper = StopMatcher(job.stop)
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
@@ -224,10 +223,19 @@ class ChatEngine:
                 return True
             return job.is_cancelled()
 
+        remaining = prep.model_tokens[start:]
+        try:
+            logits = self.prefill(work, prep, start, lambda cache: pre_gen_snapshot.append(capture(cache)),
+                                  checkpoints, should_stop)
+        except Aborted:
+            logits = None
+        t_first = time.perf_counter()
+
         stop_ids = job.params.stop_token_ids | self.stop_ids
         params = replace(job.params, stop_token_ids=stop_ids)
         stopped_by_string = False
-        for tok in decode(self.decode_model, work, logits, prep.model_tokens, params, should_stop):
+        tokens = decode(self.decode_model, work, logits, prep.model_tokens, params, should_stop) if logits is not None else ()
+        for tok in tokens:
             generated.append(tok)
             if tok in stop_ids:
                 finish = "stop"
@@ -258,7 +266,7 @@ class ChatEngine:
         raw_ids = [t for t in generated if t not in stop_ids]
         raw_text = self.loaded.tokenizer.decode(raw_ids)
         if not aborted and st.prompt_cache.enabled:
-            continuation = self._close_turn(work, prep, raw_ids, job)
+            continuation = self._close_turn(work, prep, generated, raw_ids, job)
             self._store(prep, session.session_id, match, work, continuation, pre_gen_snapshot)
         if not aborted:
             st.turns.update(session.session_id, prep.canonical)
@@ -297,7 +305,8 @@ class ChatEngine:
         extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
         healing.remember(history_digest(prep.canonical), parsed.content, parsed.tool_calls, extra + raw_text)
 
-    def _close_turn(self, work: list[Any], prep: PreparedPrompt, content_ids: list[int], job: ChatJob) -> list[int]:
+    def _close_turn(self, work: list[Any], prep: PreparedPrompt, generated: list[int], content_ids: list[int],
+                    job: ChatJob) -> list[int]:
         """Feed what the next turn is certain to contain after this reply: the last sampled
         token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
 
@@ -308,8 +317,17 @@ class ChatEngine:
         fed = kv_offset(work) - len(prep.model_tokens)
         closer = self.renderer.assistant_closer(job.enable_thinking)
         target = content_ids + (encode(self.loaded.tokenizer, closer) if closer else [])
-        if not 0 <= fed <= len(content_ids):
-            raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(content_ids)} were content")
+        in_kv = generated[:fed]
+        if fed < 0 or fed > len(generated):
+            raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(generated)} were sampled")
+        if in_kv != target[:fed]:
+            # A stop token the re-rendered history will not contain (e.g. <|endoftext|> where the
+            # template closes turns with <|im_end|>): drop it if the cache can be trimmed.
+            keep = lcp(in_kv, target[:fed])
+            if not is_trimmable(work):
+                return in_kv
+            trim_prompt_cache(work, fed - keep)
+            fed = keep
         feed(self.decode_model, work, target[fed:], self.settings.prefill_step_size)
         return target
 

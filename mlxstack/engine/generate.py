@@ -33,10 +33,20 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
-def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int], step: int) -> None:
-    """Run ``tokens`` through the model into ``cache`` in chunks (no logits kept)."""
+class Aborted(RuntimeError):
+    """The caller's abort check fired between prefill chunks (watchdog or disconnect)."""
+
+
+def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int], step: int,
+         should_stop: Callable[[], bool] | None = None) -> None:
+    """Run ``tokens`` through the model into ``cache`` in chunks (no logits kept).
+
+    ``should_stop`` is checked between chunks (never mid-eval): a long prefill can be abandoned.
+    """
     with mx.stream(generation_stream()):
         for start in range(0, len(tokens), step):
+            if should_stop is not None and start and should_stop():
+                raise Aborted("prefill abandoned")
             chunk = mx.array(list(tokens[start:start + step]), dtype=mx.int32)[None]
             model(chunk, cache=cache)
             mx.eval([c.state for c in cache])
@@ -59,6 +69,7 @@ def prefill(
     step: int = 512,
     checkpoint: Callable[[list[Any]], None] | None = None,
     at: Sequence[int] = (),
+    should_stop: Callable[[], bool] | None = None,
 ) -> mx.array:
     """Feed ``tokens`` (>= 1) and return the logits after the last one.
 
@@ -70,11 +81,11 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     done = 0
     for k in sorted({k for k in at if 0 < k < len(tokens)}):
-        feed(model, cache, tokens[done:k], step)
+        feed(model, cache, tokens[done:k], step, should_stop)
         done = k
         if checkpoint is not None:
             checkpoint(cache)
-    feed(model, cache, tokens[done:-1], step)
+    feed(model, cache, tokens[done:-1], step, should_stop)
     return last_logits(model, cache, tokens[-1])
 
 
@@ -88,8 +99,9 @@ def decode(
 ) -> Iterator[int]:
     """Yield sampled token ids until max_tokens, a stop token, or ``should_stop()``.
 
-    The next step is dispatched asynchronously before the current token is yielded (as in
-    mlx-lm), so the cache may hold one token more than was consumed: callers read the
+    As in mlx-lm, step n+1 is built from the still-lazy token n and dispatched *before* token n
+    is read back, so graph construction overlaps computation. The cache can therefore hold one
+    token more than was consumed (a stop token, or the token before an abort): callers read the
     physical offset from the cache rather than counting.
     """
     if params.seed is not None:
@@ -100,18 +112,22 @@ def decode(
         if params.repetition_penalty and params.repetition_penalty != 1.0 else None
     )
     ctx = params.repetition_context_size
-    recent = list(history[-ctx:])
     stream = generation_stream()
+    # The penalty window stays an mx array so the next step can be built before y is known.
+    window = mx.array(list(history[-ctx:]), dtype=mx.int32) if penalty is not None else None
 
     def sample(logits: mx.array) -> mx.array:
         logits = logits[None] if logits.ndim == 1 else logits
-        if penalty is not None and recent:
-            logits = penalty(mx.array(recent[-ctx:], dtype=mx.int32), logits)
+        if penalty is not None and window is not None and window.size:
+            logits = penalty(window, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs)
 
     def step(tok: mx.array) -> mx.array:
+        nonlocal window
         with mx.stream(stream):
+            if window is not None:
+                window = mx.concatenate([window, tok.reshape(-1).astype(mx.int32)])[-ctx:]
             logits = model(tok.reshape(1, 1), cache=cache)[:, -1, :]
             return sample(logits)
 
@@ -119,16 +135,14 @@ def decode(
         y = sample(first_logits)
     mx.async_eval(y)
     produced = 0
-    while produced < params.max_tokens:
-        tok = int(y.item())
-        recent.append(tok)
-        del recent[:-ctx]
+    while True:
         produced += 1
-        done = tok in params.stop_token_ids or produced >= params.max_tokens
-        if not done:
+        next_y = None
+        if produced < params.max_tokens:
             next_y = step(y)
             mx.async_eval(next_y)
+        tok = int(y.item())
         yield tok
-        if done or should_stop():
+        if next_y is None or tok in params.stop_token_ids or should_stop():
             return
         y = next_y

@@ -50,6 +50,7 @@ from ..pipeline.images import (
 from ..pipeline.render import ChatRenderer, content_text, encode
 from ..pipeline.scrub import scrub_cache_key
 from .chat import ChatEngine, ChatJob, PreparedPrompt
+from .generate import Aborted
 from .mlx_stream import generation_stream
 
 log = logging.getLogger("mlxstack.request")
@@ -245,7 +246,8 @@ class VLMChatEngine(ChatEngine):
         return match._replace(depth=depth, match_type="lcp")
 
     def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
-                checkpoint: Callable[[list[Any]], None], at: list[int]) -> Any:
+                checkpoint: Callable[[list[Any]], None], at: list[int],
+                should_stop: Callable[[], bool] | None = None) -> Any:
         tokens = prep.model_tokens
         n = len(tokens)
         if start >= n:
@@ -262,6 +264,8 @@ class VLMChatEngine(ChatEngine):
         for stop in bounds + [n]:
             for a in range(done, stop, step):
                 b = min(a + step, stop)
+                if should_stop is not None and a > start and should_stop():
+                    raise Aborted("prefill abandoned")
                 with mx.stream(generation_stream()):
                     kwargs = {} if positions is None else {"position_ids": positions[..., a:b]}
                     out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work, **kwargs)
