@@ -7,6 +7,7 @@ and serves until SIGTERM / Ctrl-C.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -50,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         app.worker.stop()
+        logging.getLogger("mlxstack").info("MLX server stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip C++ static destructors: MLX's per-thread stream workers otherwise abort the
+        # process at interpreter exit ("terminate called without an active exception").
+        os._exit(0)
     return 0
 
 

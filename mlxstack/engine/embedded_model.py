@@ -23,6 +23,7 @@ stamp file (``mlxstack_conversion.json``) so a converter change or a different G
 from __future__ import annotations
 
 import importlib.util
+import hashlib
 import json
 import os
 import re
@@ -81,13 +82,23 @@ def embedded_model_dir(cache_dir: Path, float32: bool = True) -> Path:
     return Path(cache_dir).expanduser() / (EMBEDDED_MODEL_NAME + ("-f32" if float32 else ""))
 
 
+def _gguf_fingerprint(gguf: Path, window: int = 1 << 20) -> str:
+    """SHA-256 of the file's size, first and last MiB: content, not mtime, so the same GGUF
+    installed in two virtual environments shares one converted folder."""
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(window))
+        f.seek(max(0, size - window))
+        h.update(f.read(window))
+    return h.hexdigest()
+
+
 def _stamp_for(gguf: Path, float32: bool) -> dict[str, Any]:
-    st = gguf.stat()
     return {
         "converter_version": CONVERTER_VERSION,
         "gguf_name": gguf.name,
-        "gguf_size": st.st_size,
-        "gguf_mtime_ns": st.st_mtime_ns,
+        "gguf_fingerprint": _gguf_fingerprint(gguf),
         "float32": bool(float32),
     }
 

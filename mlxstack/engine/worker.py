@@ -32,11 +32,14 @@ class InferenceWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ask the worker to finish after the current job, and wait for it a little."""
         try:
             self._queue.put_nowait(None)
         except queue.Full:
             pass
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     @property
     def queue_depth(self) -> int:

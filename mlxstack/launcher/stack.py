@@ -157,7 +157,9 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
     logs = settings.log_root_path
     logs.mkdir(parents=True, exist_ok=True)
     config_path, mlx_pid, proxy_pid = logs / "litellm_config.yaml", logs / ".mlx.pid", logs / ".litellm.pid"
-    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_stop)}
+    # SIGINT explicitly too: a launcher started in the background of a non-interactive shell
+    # inherits SIGINT as ignored, and Ctrl-C / kill -INT must still stop the stack.
+    old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 1
     try:
         free_port("mlx", settings.mlx_host, settings.mlx_port, repo, mlx_pid, (), say)
@@ -183,12 +185,14 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         say("stopping ...")
         code = 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean stop short
+        for sig in old:  # a second signal must not cut the clean stop short
+            signal.signal(sig, signal.SIG_IGN)
         try:
             sup.stop_all(grace=3.0)
         except KeyboardInterrupt:
             sup.stop_all(grace=0.5)
-        signal.signal(signal.SIGTERM, old[signal.SIGTERM])
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         for f in (mlx_pid, proxy_pid):
             f.unlink(missing_ok=True)
     if code == 0:
