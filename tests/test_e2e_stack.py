@@ -30,11 +30,11 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, tmp: Path, embedded_cache: str) -> None:
+    def __init__(self, tmp: Path, embedded_cache: str, **extra_env: str) -> None:
         self.mlx_port, self.proxy_port = free_port(), free_port()
         env = {"MLX_PORT": str(self.mlx_port), "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY,
                "LOG_ROOT": str(tmp / "logs"), "MODEL_CACHE_DIR": embedded_cache, "DEFAULT_TEMPERATURE": "0",
-               "DEFAULT_MAX_TOKENS": "24", "PROXY_STARTUP_TIMEOUT_SECONDS": "180"}
+               "DEFAULT_MAX_TOKENS": "24", "PROXY_STARTUP_TIMEOUT_SECONDS": "180", **extra_env}
         code = ("import sys; from mlxstack.config.settings import load_settings; "
                 "from mlxstack.launcher.stack import run_stack; "
                 f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO)!r})))")
