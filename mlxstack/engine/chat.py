@@ -115,27 +115,35 @@ class ChatEngine:
         return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
                               len(model_text) - len(canon_text))
 
+    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        """Model tokens of ``messages`` rendered without the generation prompt (a VLM expands
+        its image pads here)."""
+        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        return encode(self.loaded.tokenizer, text)
+
+    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        """The same in cache-key form: scrubbed (a VLM adds image identity markers)."""
+        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        return encode(self.loaded.tokenizer, scrub_cache_key(text))
+
     def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
         """(stable message count, exact token boundary of those messages in the model tokens)."""
         n = self.state.turns.stable_prefix(session_id, prep.canonical)
         if n <= 0:
             return 0, 0
-        text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
-        return n, lcp(encode(self.loaded.tokenizer, text), prep.model_np)
+        return n, lcp(self._rendered_tokens(prep.original[:n], prep, job), prep.model_np)
 
     def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
         """Tokens a session without an explicit id is recognised by: the canonical key up to the
         end of the first user message (at most 128 tokens are hashed), so the id stays the same
         as the conversation grows even when that opening is shorter than 128 tokens."""
         first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
-        text = scrub_cache_key(self.renderer.render(prep.canonical[: first_user + 1], job.tools, job.enable_thinking,
-                                                    add_generation_prompt=False))
-        return prep.key_tokens[: lcp(encode(self.loaded.tokenizer, text), prep.key_tokens)]
+        opening = self._rendered_key_tokens(prep.canonical[: first_user + 1], prep, job)
+        return prep.key_tokens[: lcp(opening, prep.key_np)]
 
     def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
         """Token index where the rendered history ends (generation prompt excluded)."""
-        text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)
-        return lcp(encode(self.loaded.tokenizer, text), prep.model_tokens)
+        return lcp(self._rendered_tokens(prep.original, prep, job), prep.model_np)
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         cache = self.state.prompt_cache

@@ -34,7 +34,6 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.kv_ops import kv_offset
-from ..cache.lcp import lcp
 from ..cache.prompt_cache import MISS, MatchResult
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.images import (
@@ -176,25 +175,20 @@ class VLMChatEngine(ChatEngine):
     def _expanded(self, text: str, prep: PreparedPrompt) -> list[int]:
         return expand_image_pads(encode(self.loaded.tokenizer, text), self.image_pad_id, prep.extras["counts"])
 
-    def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
-        n = self.state.turns.stable_prefix(session_id, prep.canonical)
-        if n <= 0:
-            return 0, 0
-        text = self.renderer.render(prep.original[:n], job.tools, job.enable_thinking, add_generation_prompt=False)
-        return n, lcp(self._expanded(text, prep), prep.model_tokens)
+    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        return self._expanded(text, prep)
 
-    def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
-        """As the text engine, but images in the opening are expanded and marked, so two sessions
-        that open with different images get different implicit ids."""
-        first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
-        text = scrub_cache_key(self.renderer.render(prep.canonical[: first_user + 1], job.tools, job.enable_thinking,
-                                                    add_generation_prompt=False))
-        tokens = self._expanded(text, prep)
+    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+        """Images expanded and marked, so two sessions that open with different images get
+        different implicit ids."""
+        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        tokens = self._expanded(scrub_cache_key(text), prep)
         n = len(image_pad_runs(tokens, self.image_pad_id))
         if n and self.settings.cache_vlm_image_identity:
             tokens = inject_image_markers(tokens, self.image_pad_id, [im.digest for im in prep.extras["images"][:n]],
                                           self.vocab_size)
-        return prep.key_tokens[: lcp(tokens, prep.key_tokens)]
+        return tokens
 
     def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
         """Key of ``model_tokens[:depth]``: the markers of the images that end by ``depth`` included."""
@@ -202,10 +196,6 @@ class VLMChatEngine(ChatEngine):
             return prep.key_tokens[:depth]
         covered = sum(1 for _, end in prep.extras.get("spans", []) if end <= depth)
         return prep.key_tokens[: depth + 2 * covered]
-
-    def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
-        text = self.renderer.render(prep.original, job.tools, job.enable_thinking, add_generation_prompt=False)
-        return lcp(self._expanded(text, prep), prep.model_tokens)
 
     # ---------------------------------------------------------------- backend seams
     @property
