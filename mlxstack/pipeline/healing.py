@@ -90,10 +90,16 @@ class HealingStore:
 
     def heal(self, messages: list[dict]) -> list[dict]:
         """A new list where every recognised assistant turn carries the generated text verbatim."""
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        if last < 0 or not self._items:  # nothing could be healed: skip the history digests
+            return list(messages)
         out = []
         digest = EMPTY_DIGEST
-        for m in messages:
-            if m.get("role") == "assistant" and len(self._items):
+        for i, m in enumerate(messages):
+            if i > last:  # no assistant turn follows: later digests are never looked up
+                out.extend(messages[i:])
+                break
+            if m.get("role") == "assistant":
                 original = self.lookup(digest, m)
                 if original is not None and original != _content_text(m.get("content")):
                     m = {k: v for k, v in m.items() if k not in ("tool_calls", "reasoning_content", "reasoning")}
