@@ -60,6 +60,15 @@ def tiny_vlm_path(tmp_path_factory, embedded_model_path) -> Path:
 # ===========================================================================
 
 
+def unused_port() -> int:
+    """A TCP port nothing listens on right now (bound to port 0, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def engine_settings(model_path: Path | str | None = None, **overrides):
     """Settings for tests: deterministic sampling, no request logs unless asked."""
     from mlxstack.config.settings import load_settings

@@ -14,24 +14,16 @@ from pathlib import Path
 import pytest
 
 from mlxstack.launcher import ports
-from tests.conftest import http_json
+from tests.conftest import http_json, unused_port
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-e2e-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     def __init__(self, tmp: Path, embedded_cache: str, **extra_env: str) -> None:
-        self.mlx_port, self.proxy_port = free_port(), free_port()
+        self.mlx_port, self.proxy_port = unused_port(), unused_port()
         env = {"MLX_PORT": str(self.mlx_port), "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY,
                "LOG_ROOT": str(tmp / "logs"), "MODEL_CACHE_DIR": embedded_cache, "DEFAULT_TEMPERATURE": "0",
                "DEFAULT_MAX_TOKENS": "24", "PROXY_STARTUP_TIMEOUT_SECONDS": "180", **extra_env}

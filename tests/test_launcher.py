@@ -1,5 +1,5 @@
-"""Launcher: LiteLLM config, port ownership, stale-process decisions, supervision, and the whole
-start → ready → SIGTERM cycle against a stand-in MLX server and the real LiteLLM proxy."""
+"""Launcher: LiteLLM config, port ownership, stale-process decisions, supervision. The whole
+start → ready → SIGTERM cycle with the real servers is in tests/test_e2e_stack.py."""
 import os
 import signal
 import socket
@@ -17,6 +17,7 @@ from mlxstack.launcher import litellm_config as lc
 from mlxstack.launcher import ports
 from mlxstack.launcher.stack import LaunchError, free_port
 from mlxstack.launcher.supervisor import Supervisor, describe_exit
+from tests.conftest import unused_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,12 +30,6 @@ s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()
 print('listening', flush=True)
 time.sleep(600)
 """
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_listening(port: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
@@ -118,7 +113,7 @@ def _spawn_listener(port: int, *argv: str) -> subprocess.Popen:
 
 
 def test_free_port_stops_our_leftover_and_refuses_foreign(tmp_path):
-    port = free_tcp_port()
+    port = unused_port()
     procs = [_spawn_listener(port, "litellm", str(REPO))]
     notes = []
     try:
@@ -136,7 +131,7 @@ def test_free_port_stops_our_leftover_and_refuses_foreign(tmp_path):
 
 
 def test_terminate_pid_escalates_to_sigkill():
-    proc = _spawn_listener(free_tcp_port(), "ignore-term")
+    proc = _spawn_listener(unused_port(), "ignore-term")
     try:
         start = time.monotonic()
         assert ports.terminate_pid(proc.pid, grace=0.5)
@@ -149,7 +144,7 @@ def test_terminate_pid_escalates_to_sigkill():
 def test_supervisor_reports_death_and_stops_the_other():
     out = StringIO()
     sup = Supervisor(out)
-    port = free_tcp_port()
+    port = unused_port()
     stubborn = sup.start("a", [sys.executable, "-c", LISTENER, str(port), "ignore-term"], os.environ)
     dying = sup.start("b", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"], os.environ)
     wait_listening(port)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.conftest import unused_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
@@ -90,12 +90,6 @@ def test_common_helpers() -> None:
     assert "Stats: runtime 45s • tokens 1.2k (in 1k / out 200)" in pc.openclaw_subagent_report("t")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _embedded_model_ready() -> bool:
     base = Path(os.environ.get("MODEL_CACHE_DIR") or Path.home() / ".cache" / "mlxstack").expanduser()
     return (base / "SmolLM2-135M-Instruct-f32" / "config.json").exists()
@@ -106,7 +100,7 @@ def test_probe_session_end_to_end(tmp_path: Path) -> None:
     """Start the MLX server on a free port and run probe_session.py against it (small prompts)."""
     import _probe_common as pc
 
-    port = _free_port()
+    port = unused_port()
     env = {"MLX_PORT": str(port), "ENABLE_REQUEST_LOGGING": "true", "LOG_ROOT": str(tmp_path / "logs")}
     env.update(pc.blas_env())
     log = open(tmp_path / "server.log", "wb")
