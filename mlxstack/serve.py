@@ -13,7 +13,7 @@ import sys
 import threading
 
 from .config.settings import SettingsError, load_settings
-from .engine.loader import hf_offline_env
+from .models.loader import hf_offline_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
-    from .engine.blas import reexec_with_blas
+    from .system.blas import reexec_with_blas
 
     reexec_with_blas(settings, ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = server.server_address[:2]
     logging.getLogger("mlxstack").info("MLX server listening on http://%s:%d (loading model)", host, port)
     try:
-        from .engine.blas import blas_status
+        from .system.blas import blas_status
 
         logging.getLogger("mlxstack").info("%s", blas_status())
     except Exception:  # noqa: BLE001

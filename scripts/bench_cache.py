@@ -77,8 +77,8 @@ def part_a(args: Any) -> bool:
     from mlxstack.cache.lcp import lcp  # noqa: F401  (import check)
     from mlxstack.config.settings import load_settings
     from mlxstack.engine.chat import ChatJob
-    from mlxstack.engine.generate import SamplingParams
-    from mlxstack.engine.loader import hf_offline_env, load_model
+    from mlxstack.runtime.generate import SamplingParams
+    from mlxstack.models.loader import hf_offline_env, load_model
     from mlxstack.pipeline.canonicalize import canonicalize_messages
     from mlxstack.pipeline.render import encode
     from mlxstack.pipeline.scrub import scrub_cache_key

@@ -11,7 +11,7 @@ Sections (all by default; pick with --sections):
              the effect of the prefill chunk size on a full 2048-token prefill.
 
 On Linux the script re-executes itself once with the optimised-BLAS environment from
-``mlxstack.engine.blas`` (unless --no-blas or it is already active), so the main table measures
+``mlxstack.system.blas`` (unless --no-blas or it is already active), so the main table measures
 the configuration the server runs with.
 
 Examples:
@@ -53,7 +53,7 @@ def _settings():
 def resolve_model(model: Optional[str], float32: bool) -> str:
     if model:
         return str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
-    from mlxstack.engine.embedded_model import ensure_embedded_model
+    from mlxstack.models.embedded_model import ensure_embedded_model
 
     def progress(msg: str, frac: float) -> None:
         print(f"  [convert {frac * 100:5.1f}%] {msg}", file=sys.stderr, flush=True)
@@ -85,14 +85,14 @@ def _no_eos_processor(tokenizer: Any) -> Callable:
 
 # ----------------------------------------------------------------------------- (a) our engine path
 def engine_run(model: Any, tokenizer: Any, prompt: list[int], decode_tokens: int, prefill_step_size: int) -> tuple[float, int, float]:
-    """The server's own path (mlxstack.engine.generate): prefill into a fresh cache, then decode
+    """The server's own path (mlxstack.runtime.generate): prefill into a fresh cache, then decode
     greedily with no stop tokens, so every run decodes exactly ``decode_tokens``.
 
     Returns (time to first token, tokens decoded after the first, seconds for those).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxstack.engine.generate import SamplingParams, decode, prefill
+    from mlxstack.runtime.generate import SamplingParams, decode, prefill
 
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
@@ -159,11 +159,11 @@ def section_compare(
 
 
 def print_compare(rows: list[dict[str, Any]], step: int, model_path: str) -> None:
-    from mlxstack.engine.blas import blas_status
+    from mlxstack.system.blas import blas_status
 
     print(f"\nmodel: {model_path}")
     print(blas_status())
-    print(f"engine = mlxstack.engine.generate (prefill + decode), prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
+    print(f"engine = mlxstack.runtime.generate (prefill + decode), prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
     head = f"{'prompt':>7} | {'engine prefill':>14} {'mlx-lm prefill':>14} {'ratio':>6} | {'engine decode':>13} {'mlx-lm decode':>13} {'ratio':>6}"
     print(head)
     print("-" * len(head))
@@ -188,7 +188,7 @@ def _child(args_list: list[str], env_extra: dict[str, str], drop_preload: bool) 
 
 
 def section_blas(args: argparse.Namespace, length: int) -> None:
-    from mlxstack.engine.blas import blas_preload_env
+    from mlxstack.system.blas import blas_preload_env
 
     blas_env = blas_preload_env(_settings().replace(blas_preload="auto"))
     common = ["--sections", "compare", "--engine-only", "--lengths", str(length), "--decode-tokens", str(args.blas_decode_tokens), "--repeat", "1"]
@@ -262,12 +262,12 @@ def section_breakdown(model_path: str, length: int, steps: list[int]) -> None:
     print(f"  x {args.num_hidden_layers} layers ~ {t_layer * args.num_hidden_layers:.2f} s per {length}-token chunk; "
           f"attention share of a layer {t_sdpa / t_layer * 100:.0f}%")
     try:
-        from mlxstack.engine import cpu_attention
+        from mlxstack.models import cpu_attention
     except ImportError:
         cpu_attention = None  # type: ignore[assignment]
     if cpu_attention is not None:
         t_blk = _timeit(lambda: cpu_attention.block_causal_sdpa(q, k, v, scale=scale))
-        print(f"  mlxstack.engine.cpu_attention.block_causal_sdpa (opt-in)   {t_blk:8.4f} s  ({t_sdpa / t_blk:.2f}x vs mx.fast)")
+        print(f"  mlxstack.models.cpu_attention.block_causal_sdpa (opt-in)   {t_blk:8.4f} s  ({t_sdpa / t_blk:.2f}x vs mx.fast)")
 
     print(f"\nprefill chunk size (prefill_step_size) for a {length}-token prompt, engine path:")
     prompt = make_prompt(tokenizer, length)
@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
 
     if sys.platform.startswith("linux") and not args.no_blas and not os.environ.get(_CHILD_FLAG):
-        from mlxstack.engine.blas import blas_preload_env, optimized_blas_active
+        from mlxstack.system.blas import blas_preload_env, optimized_blas_active
 
         if optimized_blas_active() is None:
             extra = blas_preload_env(_settings())

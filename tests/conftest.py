@@ -21,7 +21,7 @@ def _model_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def embedded_model_path() -> Path:
     """The SmolLM2-135M-Instruct MLX folder converted from the bundled GGUF (cached)."""
-    from mlxstack.engine.embedded_model import ensure_embedded_model
+    from mlxstack.models.embedded_model import ensure_embedded_model
 
     return Path(ensure_embedded_model(_model_cache_dir()))
 
@@ -89,7 +89,7 @@ def engine_settings(model_path: Path | str | None = None, **overrides):
 def build_engine(settings):
     """An engine (ChatEngine, or VLMChatEngine for a VLM) for driving run() on the test thread."""
     from mlxstack.engine.factory import make_engine
-    from mlxstack.engine.loader import load_model
+    from mlxstack.models.loader import load_model
 
     return make_engine(load_model(settings), settings)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlxstack.config.settings import SettingsError, load_settings
-from mlxstack.engine import blas
+from mlxstack.system import blas
 
 ELF = b"\x7fELF" + b"\0" * 60
 
@@ -90,7 +90,7 @@ def test_preload_env_activates_openblas_in_child():
     env.update(blas.blas_preload_env(load_settings(env={}), environ={}))
     code = (
         "import mlx.core as mx; mx.eval(mx.ones((64,64)) @ mx.ones((64,64)));"
-        "from mlxstack.engine.blas import optimized_blas_active, blas_status;"
+        "from mlxstack.system.blas import optimized_blas_active, blas_status;"
         "print(optimized_blas_active()); print(blas_status())"
     )
     root = Path(__file__).resolve().parents[1]

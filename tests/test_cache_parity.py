@@ -14,7 +14,7 @@ from mlxstack.cache.counters import CacheCounters
 from mlxstack.cache.hashing import namespace_seed
 from mlxstack.cache.kv_ops import capture, checkout, kv_offset, state_fingerprint
 from mlxstack.cache.prompt_cache import PromptCache, PromptCacheConfig
-from mlxstack.engine.generate import SamplingParams, decode, feed, prefill
+from mlxstack.runtime.generate import SamplingParams, decode, feed, prefill
 
 N_GEN = 12
 ATOL = 1e-4

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlx.core")
 pytest.importorskip("tokenizers")
 
-from mlxstack.engine import embedded_model as em  # noqa: E402
+from mlxstack.models import embedded_model as em  # noqa: E402
 
 try:
     em.locate_smollm2_gguf()

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlxstack.api.responses import StreamAssembler, completion_body
-from mlxstack.engine import generate
+from mlxstack.runtime import generate
 from mlxstack.parsing.reasoning import split_output
 from mlxstack.parsing.tool_calls import make_tool_call_id
 from mlxstack.pipeline.render import encode

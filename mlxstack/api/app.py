@@ -38,7 +38,7 @@ class App:
 
     def _load(self, progress: Callable[[str], None] | None) -> None:
         from ..engine.factory import make_engine
-        from ..engine.loader import load_model
+        from ..models.loader import load_model
 
         try:
             loaded = load_model(self.settings, progress)

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from ..engine.chat import ChatJob, ClientGone, PromptReady
-from ..engine.generate import SamplingParams
+from ..runtime.generate import SamplingParams
 from ..engine.worker import QueueFull
 from .errors import APIError, internal, not_found, unavailable
 from .responses import StreamAssembler, completion_body

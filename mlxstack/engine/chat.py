@@ -24,8 +24,8 @@ from ..pipeline.render import encode
 from ..pipeline.scrub import scrub_cache_key
 from ..parsing.reasoning import prompt_opens_thinking, split_output
 from ..pipeline.session_context import extract_session_context
-from .generate import Aborted, SamplingParams, decode, feed, prefill
-from .stopping import StopMatcher, stop_token_ids
+from ..runtime.generate import Aborted, SamplingParams, decode, feed, prefill
+from ..runtime.stopping import StopMatcher, stop_token_ids
 
 log = logging.getLogger("mlxstack.request")
 

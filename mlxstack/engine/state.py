@@ -21,7 +21,7 @@ from ..cache.sessions import SessionIndex, SessionTurnStore
 from ..config.settings import Settings
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.healing import HealingStore
-from .memory import default_cache_budget
+from ..models.memory import default_cache_budget
 
 log = logging.getLogger("mlxstack.request")
 

@@ -49,8 +49,8 @@ from ..pipeline.images import (
 from ..pipeline.render import ChatRenderer, content_text, encode
 from ..pipeline.scrub import scrub_cache_key
 from .chat import ChatEngine, ChatJob, PreparedPrompt
-from .generate import Aborted
-from .mlx_stream import generation_stream
+from ..runtime.generate import Aborted
+from ..runtime.mlx_stream import generation_stream
 
 log = logging.getLogger("mlxstack.request")
 

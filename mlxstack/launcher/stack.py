@@ -70,7 +70,7 @@ def free_port(kind: str, host: str, port: int, repo: Path, pidfile: Path, extra:
 def mlx_env(settings: Settings) -> dict[str, str]:
     env = {**os.environ, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     try:
-        from mlxstack.engine.blas import blas_preload_env
+        from mlxstack.system.blas import blas_preload_env
     except ImportError:
         return env
     # it keeps an existing LD_PRELOAD from ``environ`` (BLAS first), so its value replaces ours

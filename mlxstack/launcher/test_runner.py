@@ -14,7 +14,7 @@ def main(argv: list[str]) -> None:
     args = argv or ["tests", "-q"]
     try:
         from ..config.settings import load_settings
-        from ..engine.blas import reexec_with_blas
+        from ..system.blas import reexec_with_blas
 
         reexec_with_blas(load_settings(env=dict(os.environ)), ["-m", "mlxstack.launcher.test_runner", *args])
     except Exception as exc:  # noqa: BLE001 - tests still run, only slower

@@ -27,7 +27,7 @@ def blas_env() -> dict[str, str]:
     try:
         sys.path.insert(0, str(REPO_ROOT))
         from mlxstack.config.settings import load_settings
-        from mlxstack.engine.blas import blas_preload_env
+        from mlxstack.system.blas import blas_preload_env
 
         return blas_preload_env(load_settings(env={}))
     except Exception:  # noqa: BLE001 - best effort

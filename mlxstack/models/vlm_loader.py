@@ -14,6 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .device import is_cpu_only, upcast_for_cpu
+from .loaded import LoadedModel, ModelLoadError, detect_family
+
 
 @lru_cache(maxsize=1)
 def supported_vlm_types() -> frozenset[str]:
@@ -63,14 +66,13 @@ def load_vlm(path: Path, name: str, config: dict, settings: Any):
     keep_torch_off_mps()
     from mlx_vlm import load as vlm_load
 
-    from .loader import LoadedModel, ModelLoadError, _is_cpu_only, detect_family, upcast_for_cpu
 
     try:
         model, processor = vlm_load(str(path))
     except Exception as exc:  # noqa: BLE001 - one clear message for any mlx-vlm failure
         raise ModelLoadError(f"mlx-vlm could not load {path} ({type(exc).__name__}: {exc}); "
                              f"check that mlx-vlm supports model_type {config.get('model_type')!r}") from None
-    if getattr(settings, "cpu_float32", False) and _is_cpu_only():
+    if getattr(settings, "cpu_float32", False) and is_cpu_only():
         upcast_for_cpu(model)
     text_config = config.get("text_config", {}) or {}
     context = int(config.get("max_position_embeddings") or text_config.get("max_position_embeddings") or 8192)

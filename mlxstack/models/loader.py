@@ -10,74 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import mlx.core as mx
-import mlx.nn as nn
 
 from ..config.settings import Settings
+from .device import is_cpu_only, upcast_for_cpu
+from .loaded import LoadedModel, ModelLoadError, detect_family
+from .vlm_loader import is_vlm_config, load_vlm
 
 log = logging.getLogger(__name__)
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded; the message says why and how to fix it."""
-
-
-@dataclass
-class LoadedModel:
-    model: nn.Module
-    tokenizer: Any                 # mlx_lm TokenizerWrapper
-    model_id: str                  # served name (/v1/models)
-    path: Path
-    config: dict
-    family: str                    # qwen3 | glm4 | generic
-    context_length: int
-    is_vlm: bool = False
-    processor: Any = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return set(getattr(self.tokenizer, "eos_token_ids", set()) or set())
-
-
-def detect_family(config: dict, path: str, override: str = "auto") -> str:
-    if override != "auto":
-        return override
-    text = (str(config.get("model_type", "")) + " " + path).lower()
-    if "glm" in text:
-        return "glm4"
-    if "qwen" in text:
-        return "qwen3"
-    return "generic"
-
-
-def _is_cpu_only() -> bool:
-    try:
-        return not mx.metal.is_available() and mx.default_device() == mx.cpu
-    except Exception:  # pragma: no cover - older mlx
-        return mx.default_device() == mx.cpu
-
-
-def upcast_for_cpu(model: nn.Module) -> bool:
-    """Dequantize quantized layers and cast floating weights to float32. Returns True if changed."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import dequantize_model
-
-    params = tree_flatten(model.parameters())
-    quantized = any(name.endswith(".scales") for name, _ in params)
-    if quantized:
-        dequantize_model(model)
-    changed = quantized
-    if any(v.dtype in (mx.float16, mx.bfloat16) for _, v in tree_flatten(model.parameters())):
-        model.set_dtype(mx.float32)
-        changed = True
-    if changed:
-        mx.eval(model.parameters())
-    return changed
 
 
 class TqdmProgress:
@@ -150,17 +92,13 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     say("preparing model files")
     path, name = resolve_model_path(settings, progress)
     config = json.loads((path / "config.json").read_text())
-    from .vlm import is_vlm_config
-
     if is_vlm_config(config):
-        from .vlm import load_vlm
-
         return load_vlm(path, name, config, settings)
     say(f"loading {name} from {path}")
     from mlx_lm import load as mlx_load
 
     model, tokenizer = mlx_load(str(path))
-    if settings.cpu_float32 and _is_cpu_only() and upcast_for_cpu(model):
+    if settings.cpu_float32 and is_cpu_only() and upcast_for_cpu(model):
         say("CPU: weights upcast to float32 for BLAS prefill")
     context = int(config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 8192)
     return LoadedModel(
