@@ -13,6 +13,8 @@ from PIL import Image
 from mlxstack.pipeline.images import (
     ImageError,
     ImageLimits,
+    check_images,
+    data_url_for,
     decode_data_url,
     expand_image_pads,
     extract_images,
@@ -20,6 +22,7 @@ from mlxstack.pipeline.images import (
     image_pad_runs,
     inject_image_markers,
     markers_in,
+    sniff_format,
 )
 
 PAD = 7
@@ -65,8 +68,11 @@ def test_bad_base64_is_a_clear_image_error():
 
 
 def test_undecodable_bytes_are_an_image_error():
-    with pytest.raises(ImageError, match="could not be decoded"):
+    with pytest.raises(ImageError, match="format not accepted"):
         extract_images([user(openai_part(data_url(b"definitely not an image")))])
+    truncated = png_bytes(5, (64, 64))[:120]  # a real PNG header, pixel data cut off
+    with pytest.raises(ImageError, match=r"could not be decoded \(\w+\); send PNG, JPEG, WebP or GIF"):
+        extract_images([user(openai_part(data_url(truncated)))])
 
 
 def test_non_base64_data_url_refused():
@@ -78,11 +84,8 @@ def test_non_base64_data_url_refused():
                                  "relative/picture.png", "ftp://host/x.png"])
 def test_local_paths_and_other_schemes_always_refused(url):
     # Even with remote URLs allowed, nothing may read the server's disk.
-    fetched = []
-    with pytest.raises(ImageError):
-        extract_images([user(openai_part(url))], ImageLimits(allow_remote=True),
-                       fetch=lambda *a: fetched.append(a) or b"")
-    assert fetched == []
+    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[0\]: (file:// image URLs are refused|unsupported image URL)"):
+        extract_images([user(openai_part(url))], ImageLimits(allow_remote=True))
 
 
 def test_file_url_message_says_why():
@@ -90,22 +93,16 @@ def test_file_url_message_says_why():
         extract_images([user(openai_part("file:///etc/passwd"))])
 
 
-def test_remote_urls_refused_unless_enabled():
-    raw = png_bytes(3)
-    calls = []
-
-    def fetch(url, max_bytes, timeout):
-        calls.append((url, max_bytes, timeout))
-        return raw
-
+def test_remote_urls_refused_unless_enabled_and_never_fetched_here():
+    # pipeline/images.py does no network I/O: the HTTP layer replaces remote URLs with data: URLs.
     part = openai_part("https://example.com/cat.png")
     with pytest.raises(ImageError, match="ALLOW_REMOTE_IMAGE_URLS"):
-        extract_images([user(part)], ImageLimits(), fetch=fetch)
-    assert calls == []
-    images = extract_images([user(part)], ImageLimits(allow_remote=True, remote_timeout=2.5, max_bytes=999_999),
-                            fetch=fetch)
-    assert calls == [("https://example.com/cat.png", 999_999, 2.5)]
-    assert images[0].digest == hashlib.sha256(raw).digest()
+        extract_images([user(part)], ImageLimits())
+    with pytest.raises(ImageError, match="not fetched before the request was queued"):
+        extract_images([user(part)], ImageLimits(allow_remote=True))
+    import mlxstack.pipeline.images as images_module
+    source = open(images_module.__file__).read()
+    assert "urllib" not in source and "socket" not in source and "http.client" not in source
 
 
 def test_byte_cap_checked_before_and_after_decoding():
@@ -126,6 +123,80 @@ def test_pixel_cap_refuses_before_loading_pixels():
     with pytest.raises(ImageError, match="MAX_IMAGE_PIXELS"):
         extract_images([user(openai_part(data_url(raw)))], ImageLimits(max_pixels=1_000_000))
     assert extract_images([user(openai_part(data_url(raw)))], ImageLimits(max_pixels=16_000_000))[0].image.size == (4000, 4000)
+
+
+def encoded(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, expected", [("PNG", "PNG"), ("JPEG", "JPEG"), ("WEBP", "WEBP"), ("GIF", "GIF"),
+                                           ("BMP", None), ("TIFF", None), ("ICO", None), ("PPM", None)])
+def test_sniff_format_accepts_only_the_allow_list(fmt, expected):
+    raw = encoded(Image.new("RGB", (8, 8), (10, 20, 30)), fmt)
+    assert sniff_format(raw) == expected
+    if expected:
+        assert extract_images([user(openai_part(data_url(raw)))])[0].image.size == (8, 8)
+    else:  # formats PIL could decode are refused too: only the allow-list is ever opened
+        with pytest.raises(ImageError, match=r"format not accepted: send PNG, JPEG, WebP or GIF"):
+            extract_images([user(openai_part(data_url(raw)))])
+
+
+@pytest.mark.parametrize("raw", [
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n",        # EPS: PIL would run Ghostscript
+    b"\xc5\xd0\xd3\xc6" + b"\x00" * 40,                                     # DOS EPS binary header
+    b"8BPS\x00\x01" + b"\x00" * 40,                                           # Photoshop PSD
+    b"<svg xmlns='http://www.w3.org/2000/svg' width='9' height='9'/>",
+])
+def test_dangerous_formats_refused_before_pil_opens_them(raw, monkeypatch):
+    opened = []
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(a))  # a spy: must stay unused
+    with pytest.raises(ImageError, match="format not accepted"):
+        extract_images([user(openai_part(data_url(raw)))])
+    assert opened == []
+
+
+def test_gif_first_frame_only():
+    frames = [Image.new("RGB", (6, 4), c) for c in ((255, 0, 0), (0, 0, 255), (0, 255, 0))]
+    raw = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    image = extract_images([user(openai_part(data_url(raw)))])[0].image
+    assert image.mode == "RGB" and image.size == (6, 4)
+    assert image.getpixel((0, 0)) == (255, 0, 0)
+
+
+def test_request_pixel_budget_counts_every_image_before_decoding(monkeypatch):
+    # Three 100x100 images: 30,000 pixels. A budget of 25,000 refuses the third, naming it,
+    # and no image is decoded (load_rgb is never reached).
+    raws = [encoded(Image.new("RGB", (100, 100), (i, i, i)), "PNG") for i in range(3)]
+    msgs = [user(*[openai_part(data_url(r)) for r in raws[:2]]), {"role": "assistant", "content": "ok"},
+            user(openai_part(data_url(raws[2])))]
+    import mlxstack.pipeline.images as images_module
+    decoded = []
+    real = images_module.load_rgb
+    monkeypatch.setattr(images_module, "load_rgb", lambda img, cap: decoded.append(img) or real(img, cap))
+    with pytest.raises(ImageError, match=r"messages\[2\]\.content\[0\]: .*MAX_IMAGE_PIXELS_PER_REQUEST=25000"):
+        extract_images(msgs, ImageLimits(max_request_pixels=25_000))
+    assert decoded == []
+    assert check_images(msgs, ImageLimits(max_request_pixels=30_000)) == 30_000
+    assert len(extract_images(msgs, ImageLimits(max_request_pixels=30_000))) == 3 and len(decoded) == 3
+
+
+def test_bomb_png_refused_by_request_budget_not_decoded():
+    # The case: a few KB of PNG declaring a huge canvas, repeated in one request.
+    bomb = encoded(Image.new("L", (6000, 6000)), "PNG")
+    assert len(bomb) < 200_000
+    msgs = [user(*[openai_part(data_url(bomb))] * 3)]
+    with pytest.raises(ImageError, match=r"content\[1\].*MAX_IMAGE_PIXELS_PER_REQUEST"):
+        check_images(msgs, ImageLimits(max_pixels=40_000_000, max_request_pixels=64_000_000))
+
+
+def test_data_url_for_round_trips():
+    raw = png_bytes(9)
+    url = data_url_for(raw)
+    assert url.startswith("data:image/png;base64,")
+    assert decode_data_url(url, len(raw)) == raw
+    assert data_url_for(b"xyz").startswith("data:application/octet-stream;base64,")
 
 
 def test_missing_url_is_an_image_error():

@@ -22,6 +22,11 @@ class APIError(Exception):
     def encode(self) -> bytes:
         return json.dumps(self.body()).encode()
 
+    def sse_frame(self) -> bytes:
+        """The error as one server-sent event: once a stream's 200 headers are out, a status line
+        can no longer be sent, so clients read ``data: {"error": ...}`` and then ``data: [DONE]``."""
+        return b"data: " + self.encode() + b"\n\n"
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
@@ -38,3 +43,15 @@ def unavailable(message: str, retry_after: int = 1, code: str = "unavailable") -
 def internal(request_id: str) -> APIError:
     return APIError(500, f"internal server error (request id {request_id}); see the server log",
                     type="server_error", code="internal_error")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def forbidden(message: str, code: str) -> APIError:
+    return APIError(403, message, code=code)
+
+
+def unsupported_media_type(message: str) -> APIError:
+    return APIError(415, message, code="unsupported_media_type")

@@ -8,12 +8,20 @@ Accepted parts (kept bound to their message, in order):
   string for ``image_url``);
 - Responses-style ``{"type": "input_image", "image_url": "data:..."}``.
 
-Only ``data:`` URLs are decoded by default. ``http(s)`` URLs are fetched only when
-``ALLOW_REMOTE_IMAGE_URLS=true`` (timeout + byte cap, redirects only to http(s)). ``file://`` URLs
-and bare paths are always refused: an API request must never read the server's disk.
+Only ``data:`` URLs are decoded here. ``http(s)`` URLs are refused unless
+``ALLOW_REMOTE_IMAGE_URLS=true``, and then the HTTP layer (api/image_fetch.py) fetches them on
+the request's own thread and passes the bytes on as ``data:`` URLs, so this module does no
+network I/O and a slow image host never blocks the inference worker. ``file://`` URLs and bare
+paths are always refused: an API request must never read the server's disk.
+
+Formats are an allow-list (PNG, JPEG, WebP, GIF first frame), recognised from the magic bytes
+before PIL sees the data: EPS, PSD and the rest are refused unopened (PIL's EPS reader runs
+Ghostscript where it is installed). Sizes are checked on the headers before any pixel is
+decoded: MAX_IMAGE_PIXELS per image and MAX_IMAGE_PIXELS_PER_REQUEST over all of a request's
+images (a 5 KB PNG can declare a 120 MB canvas, and one body can hold thousands of them).
 
 Every failure is an ``ImageError`` (a ValueError; the HTTP layer answers 400) that says what to fix.
-No MLX here; PIL only.
+No MLX and no network here; PIL only.
 """
 from __future__ import annotations
 
@@ -21,17 +29,18 @@ import base64
 import binascii
 import hashlib
 import io
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from PIL import Image
 
 IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
+DEFAULT_MAX_REQUEST_PIXELS = 64_000_000
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+_FORMATS_TEXT = "PNG, JPEG, WebP or GIF (first frame)"
 
 # Marker ids live in [-2**31, -1]: real token ids are >= 0, and block hashing encodes ids as
 # signed 8-byte integers, so a negative id is representable and can never equal a real one.
@@ -55,12 +64,14 @@ class ImageLimits:
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     allow_remote: bool = False
     remote_timeout: float = 10.0
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
 
     @classmethod
     def from_settings(cls, settings: Any) -> "ImageLimits":
         return cls(
             max_bytes=int(getattr(settings, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)),
             max_pixels=int(getattr(settings, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
+            max_request_pixels=int(getattr(settings, "max_image_pixels_per_request", DEFAULT_MAX_REQUEST_PIXELS)),
             allow_remote=bool(getattr(settings, "allow_remote_image_urls", False)),
             remote_timeout=float(getattr(settings, "remote_image_timeout_seconds", 10.0)),
         )
@@ -124,58 +135,80 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
-        if not newurl.lower().startswith(("http://", "https://")):
-            raise ImageError(f"remote image redirected to a non-http(s) URL ({newurl.split(':', 1)[0]}:)")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+def sniff_format(data: bytes) -> str | None:
+    """The accepted format the magic bytes announce (``ACCEPTED_FORMATS``), or None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    return None
 
 
-def fetch_remote(url: str, max_bytes: int, timeout: float) -> bytes:
-    """GET an http(s) image with a timeout, reading at most ``max_bytes`` (more is refused)."""
-    opener = urllib.request.build_opener(_HttpOnlyRedirects)
+def data_url_for(data: bytes) -> str:
+    """A base64 ``data:`` URL carrying ``data`` (how fetched remote images travel to the worker)."""
+    fmt = sniff_format(data)
+    mime = f"image/{fmt.lower()}" if fmt else "application/octet-stream"
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+def open_image(data: bytes, max_pixels: int) -> Any:
+    """A lazily opened PIL image (header read, no pixels) of an accepted format within ``max_pixels``."""
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise ImageError(f"image format not accepted: send {_FORMATS_TEXT} bytes")
     try:
-        with opener.open(urllib.request.Request(url, headers={"User-Agent": "mlxstack"}), timeout=timeout) as resp:
-            data = resp.read(max_bytes + 1)
-    except ImageError:
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ImageError(f"could not fetch remote image {url[:120]!r}: {exc}") from None
-    if len(data) > max_bytes:
-        raise ImageError(f"remote image exceeds MAX_IMAGE_BYTES={max_bytes}")
-    return data
+        with warnings.catch_warnings():
+            # Our own caps govern; PIL's warning threshold may be under MAX_IMAGE_PIXELS.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=[fmt])  # lazy: reads the header only
+    except Image.DecompressionBombError:
+        raise ImageError(f"image exceeds the decompression-bomb limit (MAX_IMAGE_PIXELS={max_pixels})") from None
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for corrupt data
+        raise ImageError(f"image could not be decoded ({type(exc).__name__}); send {_FORMATS_TEXT} bytes") from None
+    width, height = img.size
+    if width <= 0 or height <= 0 or width * height > max_pixels:
+        raise ImageError(f"image of {width}x{height} pixels exceeds MAX_IMAGE_PIXELS={max_pixels}")
+    return img
+
+
+def load_rgb(img: Any, max_pixels: int) -> Any:
+    """Decode an opened image's pixels (a GIF's first frame) as RGB."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.seek(0)
+            img.load()
+            return img.convert("RGB")
+    except Image.DecompressionBombError:
+        raise ImageError(f"image exceeds the decompression-bomb limit (MAX_IMAGE_PIXELS={max_pixels})") from None
+    except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data
+        raise ImageError(f"image could not be decoded ({type(exc).__name__}); send {_FORMATS_TEXT} bytes") from None
 
 
 def decode_image(data: bytes, max_pixels: int) -> Any:
     """A fully loaded RGB PIL image, refusing more than ``max_pixels`` before pixel data is read."""
-    try:
-        with warnings.catch_warnings():
-            # Our own cap below governs; PIL's warning threshold may be under MAX_IMAGE_PIXELS.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))  # lazy: reads the header only
-            width, height = img.size
-            if width <= 0 or height <= 0 or width * height > max_pixels:
-                raise ImageError(f"image of {width}x{height} pixels exceeds MAX_IMAGE_PIXELS={max_pixels}")
-            img.load()
-    except ImageError:
-        raise
-    except Image.DecompressionBombError:
-        raise ImageError(f"image exceeds the decompression-bomb limit (MAX_IMAGE_PIXELS={max_pixels})") from None
-    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for corrupt data
-        raise ImageError(f"image could not be decoded ({type(exc).__name__}); send PNG, JPEG, GIF or WebP bytes") from None
-    return img.convert("RGB")
+    return load_rgb(open_image(data, max_pixels), max_pixels)
 
 
-def load_image_bytes(url: str, limits: ImageLimits,
-                     fetch: Callable[[str, int, float], bytes] = fetch_remote) -> bytes:
+def is_remote_url(url: str) -> bool:
+    return url[:16].lower().startswith(("http://", "https://"))
+
+
+def load_image_bytes(url: str, limits: ImageLimits) -> bytes:
+    """Bytes of a ``data:`` URL; every other kind of URL is refused with the reason."""
     lower = url[:16].lower()
     if lower.startswith("data:"):
         return decode_data_url(url, limits.max_bytes)
-    if lower.startswith(("http://", "https://")):
+    if is_remote_url(url):
         if not limits.allow_remote:
             raise ImageError("remote image URLs are disabled on this server; send the image inline as a "
                              "data:image/...;base64,... URL (or set ALLOW_REMOTE_IMAGE_URLS=true)")
-        return fetch(url, limits.max_bytes, limits.remote_timeout)
+        raise ImageError("remote image was not fetched before the request was queued; send it inline as a "
+                         "data:image/...;base64,... URL")
     if lower.startswith("file:"):
         raise ImageError("file:// image URLs are refused (a request may not read the server's disk); "
                          "send the image inline as a data:image/...;base64,... URL")
@@ -183,15 +216,38 @@ def load_image_bytes(url: str, limits: ImageLimits,
                      + (" or an http(s) URL" if limits.allow_remote else ""))
 
 
-def extract_images(messages: Sequence[Any], limits: ImageLimits = ImageLimits(),
-                   fetch: Callable[[str, int, float], bytes] = fetch_remote) -> list[ImageInput]:
-    """Decode every image part, in message order, each bound to its message index."""
-    out = []
+def _open_all(messages: Sequence[Any], limits: ImageLimits) -> list[tuple[int, str, bytes, Any]]:
+    """(message index, where, bytes, lazily opened image) for every image part, sizes checked
+    per image and over the whole request before any pixel is decoded."""
+    opened = []
+    total = 0
     for i, j, part in image_parts(messages):
         where = f"messages[{i}].content[{j}]"
         try:
-            data = load_image_bytes(image_part_url(part), limits, fetch)
-            image = decode_image(data, limits.max_pixels)
+            data = load_image_bytes(image_part_url(part), limits)
+            img = open_image(data, limits.max_pixels)
+        except ImageError as exc:
+            raise ImageError(f"{where}: {exc}") from None
+        total += img.size[0] * img.size[1]
+        if total > limits.max_request_pixels:
+            raise ImageError(f"{where}: the request's images hold more than MAX_IMAGE_PIXELS_PER_REQUEST="
+                             f"{limits.max_request_pixels} pixels in all; send fewer or smaller images")
+        opened.append((i, where, data, img))
+    return opened
+
+
+def check_images(messages: Sequence[Any], limits: ImageLimits = ImageLimits()) -> int:
+    """Header-only checks of every image (format, per-image and per-request pixels); returns the
+    request's total pixel count. Cheap: no pixel is decoded."""
+    return sum(img.size[0] * img.size[1] for _, _, _, img in _open_all(messages, limits))
+
+
+def extract_images(messages: Sequence[Any], limits: ImageLimits = ImageLimits()) -> list[ImageInput]:
+    """Decode every image part, in message order, each bound to its message index."""
+    out = []
+    for i, where, data, img in _open_all(messages, limits):
+        try:
+            image = load_rgb(img, limits.max_pixels)
         except ImageError as exc:
             raise ImageError(f"{where}: {exc}") from None
         out.append(ImageInput(i, hashlib.sha256(data).digest(), image))
