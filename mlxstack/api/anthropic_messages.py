@@ -1,0 +1,524 @@
+"""Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) on the chat pipeline.
+
+Claude Code's full request reaches the model: LiteLLM passes these two paths through unchanged
+(``general_settings.pass_through_endpoints``, see launcher/litellm_config.py), because its own
+Anthropic->chat adapter rewrites a ``role: "system"`` entry inside ``messages[]`` into a user turn
+with an injected "Operator note" and drops ``metadata`` (measured on LiteLLM 1.106.2).
+
+    body --to_chat_body--> chat body --job_adapter--> the ChatJob /v1/chat/completions builds
+         --ContentBlocks--> message JSON, or SSE (message_start, content_block_start/delta/stop,
+                            message_delta, message_stop)
+
+Request (pure): ``system`` (string or text blocks) first; ``messages`` in order, a ``role: "system"``
+entry kept in place; user text / image / ``tool_result`` blocks (each tool_result becomes a
+``tool`` message at its position); assistant ``text``, ``thinking`` (-> reasoning_content; the text,
+or when the client got it omitted, the text carried in the block's ``signature``) and ``tool_use``
+(-> tool_calls); ``cache_control`` ignored (the KV cache is automatic); tools with
+``input_schema`` (``defer_loading`` tools are not shown to the model, as on Anthropic's API;
+Anthropic-defined tool types cannot be described to it and are left out); ``thinking``
+{enabled|adaptive} -> thinking on, {disabled} or absent -> off (Anthropic's default; ``output_config.
+effort`` without ``thinking`` shapes the answer, not reasoning, so it does not switch thinking on);
+``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``; the session id from
+``x-claude-code-session-id`` or ``metadata.user_id`` (pipeline/session_context.py).
+
+Reply: ``thinking`` / ``text`` / ``tool_use`` blocks in generation order; ``thinking.display:
+"omitted"`` streams thinking blocks without their text (the signature carries it back, so the next
+turn renders the same tokens). Usage: ``input_tokens`` = prompt tokens prefilled now,
+``cache_read_input_tokens`` = tokens reused from the KV cache, ``cache_creation_input_tokens`` = 0
+(every prompt is cached automatically; nothing is billed as a write), ``output_tokens``.
+Errors are Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``; a prompt over the
+window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import uuid
+from typing import Any
+
+from ..parsing.output import reply_splitter
+from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
+from .errors import APIError, bad_request, internal
+from .job_adapter import (JobRun, Usage, chat_job, chat_request, outcome_usage, request_headers,
+                          require_ready, submit_on_worker)
+from .validation import parse_json
+
+SIGNATURE_PREFIX = "mlxstack.thinking.v1:"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               499: "invalid_request_error", 503: "overloaded_error", 529: "overloaded_error"}
+MESSAGE_ROLES = ("user", "assistant", "system")
+
+
+# ============================================================================ errors
+def error_body(err: APIError) -> dict:
+    """Anthropic's error envelope for an APIError (Claude Code compacts on "prompt is too long")."""
+    message = err.message
+    if err.code == "context_length_exceeded":
+        message = f"prompt is too long: {message}"
+    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ============================================================================ request -> chat body
+def encode_signature(text: str) -> str:
+    """A thinking block's ``signature``: the thinking text, base64-encoded (our own opaque state,
+    not a cryptographic signature), so an omitted thinking block still round-trips exactly."""
+    return SIGNATURE_PREFIX + base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def decode_signature(signature: Any) -> str | None:
+    if not isinstance(signature, str) or not signature.startswith(SIGNATURE_PREFIX):
+        return None
+    try:
+        return base64.b64decode(signature[len(SIGNATURE_PREFIX):].encode("ascii"), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    """``system`` / text-only content: a string or a list of text blocks, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text blocks", param=where)
+    out = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": ...}}", param=f"{where}[{j}]")
+        out.append(block["text"])
+    return "".join(out)
+
+
+def _image_part(block: dict, where: str) -> dict:
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        media = source.get("media_type") if isinstance(source.get("media_type"), str) else "image/png"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(f"{where}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                      "{\"type\": \"url\", \"url\"}", param=f"{where}.source")
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)  # the renderer joins text parts the same way
+    return parts
+
+
+def _tool_result_content(content: Any, where: str) -> str | list[dict]:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of blocks", param=where)
+    parts: list[dict] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image_part(block, f"{where}[{j}]"))
+        elif kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+            parts.append({"type": "text", "text": f"tool_reference: {block['tool_name']}"})
+        else:
+            raise bad_request(f"{where}[{j}].type {kind!r} is not supported in a tool_result; use text or image",
+                              param=f"{where}[{j}].type")
+    return _joined(parts)
+
+
+def _user_messages(content: Any, where: str) -> list[dict]:
+    """One user turn -> chat messages: text/image runs become user messages, each tool_result a tool
+    message, in block order."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content blocks", param=where)
+    out: list[dict] = []
+    run: list[dict] = []
+
+    def flush() -> None:
+        if run:
+            out.append({"role": "user", "content": _joined(list(run))})
+            run.clear()
+
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        w = f"{where}[{j}]"
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise bad_request(f"{w}.text must be a string", param=f"{w}.text")
+            run.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            run.append(_image_part(block, w))
+        elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise bad_request(f"{w}.tool_use_id must be a non-empty string", param=f"{w}.tool_use_id")
+            flush()
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": _tool_result_content(block.get("content"), f"{w}.content")})
+        else:
+            raise bad_request(f"{w}.type {kind!r} is not supported in a user message; use text, image or "
+                              "tool_result", param=f"{w}.type")
+    flush()
+    return out
+
+
+def _assistant_message(content: Any, where: str) -> dict:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content blocks", param=where)
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        w = f"{where}[{j}]"
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise bad_request(f"{w}.text must be a string", param=f"{w}.text")
+            text.append(block["text"])
+        elif kind == "thinking":
+            thought = block.get("thinking") if isinstance(block.get("thinking"), str) else ""
+            reasoning.append(thought or decode_signature(block.get("signature")) or "")
+        elif kind == "redacted_thinking":
+            continue  # opaque data from another server: nothing the model can be shown
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise bad_request(f"{w} (tool_use) needs string 'id' and 'name'", param=w)
+            args = block.get("input", {})
+            if not isinstance(args, dict):
+                raise bad_request(f"{w}.input must be an object", param=f"{w}.input")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        else:
+            raise bad_request(f"{w}.type {kind!r} is not supported in an assistant message; use text, thinking "
+                              "or tool_use", param=f"{w}.type")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+        msg["content"] = msg["content"] or None
+    return msg
+
+
+def messages_to_chat(system: Any, messages: Any) -> list[dict]:
+    """Anthropic ``system`` + ``messages`` -> chat messages, every entry kept in its place."""
+    out: list[dict] = []
+    if system is not None:
+        text = _text_blocks(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in MESSAGE_ROLES:
+            raise bad_request(f"{where}.role {role!r} is not one of {', '.join(MESSAGE_ROLES)}", param=f"{where}.role")
+        content = m.get("content")
+        if role == "user":
+            out += _user_messages(content, f"{where}.content")
+        elif role == "assistant":
+            out.append(_assistant_message(content, f"{where}.content"))
+        else:
+            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content")})
+    return out
+
+
+def anthropic_tools(tools: Any) -> list[dict] | None:
+    """Client tools -> chat function tools (deferred and Anthropic-defined tools left out)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tool objects", param="tools")
+    out = []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        if tool.get("type") not in (None, "custom") or tool.get("defer_loading") is True:
+            continue
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"{where} needs a non-empty string 'name'", param=f"{where}.name")
+        fn: dict[str, Any] = {"name": tool["name"],
+                              "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if mapped is None:
+        raise bad_request("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or "
+                          "{\"type\": \"tool\", \"name\": ...}", param="tool_choice")
+    return mapped
+
+
+def to_chat_body(body: dict) -> dict:
+    """Translate an Anthropic Messages request into the chat-completions body it means."""
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages_to_chat(body.get("system"),
+                                                                                      body.get("messages")),
+                            "stream": body.get("stream", False)}
+    tools = anthropic_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        choice = chat_tool_choice(body.get("tool_choice"))
+        if choice is not None:
+            chat["tool_choice"] = choice
+    for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("top_k", "top_k"), ("stop_sequences", "stop"), ("metadata", "metadata")):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    # Anthropic semantics: no `thinking` field means no extended thinking (Claude Code with
+    # CLAUDE_CODE_DISABLE_THINKING=1 still sends output_config.effort, which shapes the answer).
+    chat["thinking"] = body["thinking"] if body.get("thinking") is not None else {"type": "disabled"}
+    return chat
+
+
+def thinking_omitted(body: dict) -> bool:
+    thinking = body.get("thinking")
+    return isinstance(thinking, dict) and thinking.get("display") == "omitted"
+
+
+# ============================================================================ reply -> content blocks
+def stop_reason(outcome_finish: str, has_tool_use: bool, stop_sequence: str | None) -> str:
+    if outcome_finish in ("length", "cancelled"):
+        return "max_tokens"
+    if has_tool_use:
+        return "tool_use"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def matched_stop_sequence(text: str, raw_text: str, stops: list[str]) -> str | None:
+    """Which stop sequence ended the reply: the raw generation continues the visible text with it."""
+    if not stops or not raw_text.startswith(text):
+        return None
+    rest = raw_text[len(text):]
+    hits = [s for s in stops if s and rest.startswith(s)]
+    return max(hits, key=len) if hits else None
+
+
+def usage_object(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class ContentBlocks:
+    """Splitter events -> Anthropic content blocks, plus the stream events that build them.
+
+    ``push``/``close`` return event payloads; ``blocks`` holds finished blocks in order.
+    """
+
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking
+        self.blocks: list[dict] = []
+        self._open: str | None = None     # "thinking" | "text"
+        self._text: list[str] = []
+
+    @property
+    def has_tool_use(self) -> bool:
+        return any(b["type"] == "tool_use" for b in self.blocks)
+
+    def push(self, kind: str, text: str = "", calls: tuple = ()) -> list[dict]:
+        want = {REASONING: "thinking", CONTENT: "text"}.get(kind)
+        out = self.close() if self._open is not None and self._open != want else []
+        if kind == TOOL_CALLS:
+            for call in calls:
+                out += self._tool_use(call)
+            return out
+        if not text:
+            return out
+        index = len(self.blocks)
+        if self._open is None:
+            self._open = want
+            start = {"type": "thinking", "thinking": "", "signature": ""} if want == "thinking" else \
+                {"type": "text", "text": ""}
+            out.append({"type": "content_block_start", "index": index, "content_block": start})
+        self._text.append(text)
+        if want == "thinking":
+            if not self.omit_thinking:
+                out.append({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "thinking_delta", "thinking": text}})
+        else:
+            out.append({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}})
+        return out
+
+    def close(self) -> list[dict]:
+        if self._open is None:
+            return []
+        index, text, kind = len(self.blocks), "".join(self._text), self._open
+        self._open, self._text = None, []
+        out: list[dict] = []
+        if kind == "thinking":
+            signature = encode_signature(text)
+            self.blocks.append({"type": "thinking", "thinking": "" if self.omit_thinking else text,
+                                "signature": signature})
+            out.append({"type": "content_block_delta", "index": index,
+                        "delta": {"type": "signature_delta", "signature": signature}})
+        else:
+            self.blocks.append({"type": "text", "text": text})
+        return out + [{"type": "content_block_stop", "index": index}]
+
+    def _tool_use(self, call: Any) -> list[dict]:
+        index = len(self.blocks)
+        try:
+            args = json.loads(call.arguments)
+        except ValueError:
+            args = {}
+        self.blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": args})
+        return [{"type": "content_block_start", "index": index,
+                 "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}},
+                {"type": "content_block_delta", "index": index,
+                 "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+                {"type": "content_block_stop", "index": index}]
+
+
+def reply_blocks(text: str, *, thinking_started: bool, tools: list | None, family: str, salt: str,
+                 omit_thinking: bool) -> ContentBlocks:
+    """The content blocks of a whole reply: the streaming path's blocks, built in one pass."""
+    blocks = ContentBlocks(omit_thinking)
+    splitter = reply_splitter(thinking_started=thinking_started, tools=tools, family=family, id_salt=salt)
+    for ev in [*splitter.feed(text), *splitter.finish()]:
+        blocks.push(ev.kind, ev.text, ev.calls)
+    blocks.close()
+    return blocks
+
+
+def message_object(message_id: str, model: str, blocks: list[dict], *, stop: str | None,
+                   stop_sequence: str | None, usage: dict) -> dict:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
+            "stop_reason": stop, "stop_sequence": stop_sequence, "usage": usage}
+
+
+def sse_event(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode("utf-8")
+
+
+class MessagesStream:
+    """FrameEncoder for one streamed message (see job_adapter.FrameEncoder)."""
+
+    def __init__(self, message_id: str, model: str, *, tools: list | None, family: str, stops: list[str],
+                 omit_thinking: bool) -> None:
+        self.message_id, self.model, self.tools, self.family, self.stops = message_id, model, tools, family, stops
+        self.blocks = ContentBlocks(omit_thinking)
+        self.splitter: Any = None
+
+    def _split(self, events: list) -> list[dict]:
+        out: list[dict] = []
+        for ev in events:
+            out += self.blocks.push(ev.kind, ev.text, ev.calls)
+        return out
+
+    def start(self, ready: Any) -> list[bytes]:
+        if ready is not None:
+            self.splitter = reply_splitter(thinking_started=ready.thinking_started, tools=self.tools,
+                                           family=self.family, id_salt=self.message_id)
+        # Token counts are known only when the reply ends: message_delta carries them in full.
+        opening = message_object(self.message_id, self.model, [], stop=None, stop_sequence=None,
+                                 usage=usage_object(Usage(0, 0, 0)))
+        return [sse_event({"type": "message_start", "message": opening})]
+
+    def feed(self, text: str) -> list[bytes]:
+        return [sse_event(p) for p in self._split(self.splitter.feed(text))]
+
+    def finish(self, outcome: Any) -> list[bytes]:
+        if self.splitter is None:
+            self.splitter = reply_splitter(thinking_started=outcome.thinking_started, tools=self.tools,
+                                           family=self.family, id_salt=self.message_id)
+        payloads = self._split(self.splitter.finish()) + self.blocks.close()
+        seq = matched_stop_sequence(outcome.text, outcome.raw_text, self.stops)
+        reason = stop_reason(outcome.finish_reason, self.blocks.has_tool_use, seq)
+        payloads.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                         "usage": usage_object(outcome_usage(outcome))})
+        payloads.append({"type": "message_stop"})
+        return [sse_event(p) for p in payloads]
+
+    def error(self, err: APIError) -> list[bytes]:
+        return [sse_event(error_body(err))]
+
+
+# ============================================================================ HTTP handlers
+def _answer_errors(h: Any, fn: Any) -> None:
+    """Run ``fn``; an APIError is answered in Anthropic's envelope instead of OpenAI's."""
+    try:
+        fn()
+    except (BrokenPipeError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug still answers in the client's envelope, with an id
+        if not isinstance(exc, APIError):
+            rid = uuid.uuid4().hex[:12]
+            logging.getLogger("mlxstack.http").exception("internal error (request id %s)", rid)
+            exc = internal(rid)
+        h.app.count_status(exc.status)
+        try:
+            h._send(exc.status, json.dumps(error_body(exc)).encode(), headers=exc.headers)
+        except OSError:
+            pass
+
+
+def handle_messages(h: Any) -> None:
+    """POST /v1/messages."""
+    _answer_errors(h, lambda: _messages(h))
+
+
+def handle_count_tokens(h: Any) -> None:
+    """POST /v1/messages/count_tokens: the rendered prompt's real token count."""
+    _answer_errors(h, lambda: _count_tokens(h))
+
+
+def _messages(h: Any) -> None:
+    app = h.app
+    body = parse_json(h.read_body())
+    require_ready(app)
+    req = chat_request(app, to_chat_body(body))
+    message_id = "msg_" + uuid.uuid4().hex
+    omit = thinking_omitted(body)
+    run = JobRun.submit(h, req, message_id[-12:], stream=req.stream)
+    if req.stream:
+        outcome = run.stream(h, MessagesStream(message_id, app.model_id, tools=req.tools, family=app.family,
+                                               stops=req.stop, omit_thinking=omit))
+    else:
+        outcome = run.wait(h)
+        if outcome is None:
+            return
+        blocks = reply_blocks(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
+                              family=app.family, salt=message_id, omit_thinking=omit)
+        seq = matched_stop_sequence(outcome.text, outcome.raw_text, req.stop)
+        app.count_status(200)
+        h._json(200, message_object(message_id, app.model_id, blocks.blocks,
+                                    stop=stop_reason(outcome.finish_reason, blocks.has_tool_use, seq),
+                                    stop_sequence=seq, usage=usage_object(outcome_usage(outcome))))
+    if outcome is not None:
+        app.after_response(run.job, outcome)
+
+
+def _count_tokens(h: Any) -> None:
+    app = h.app
+    body = parse_json(h.read_body())
+    require_ready(app)
+    chat = to_chat_body(body)
+    chat["stream"] = False
+    req = chat_request(app, chat)
+    job = chat_job(req, "count-" + uuid.uuid4().hex[:6], request_headers(h), emit=lambda _t: None,
+                   on_prompt=lambda _p: None, is_cancelled=lambda: False)
+    future = submit_on_worker(app, lambda: len(app.engine.prepare(job).model_tokens))
+    n = h._result(future)
+    app.count_status(200)
+    h._json(200, {"input_tokens": n})
+
+
+__all__ = ["ContentBlocks", "MessagesStream", "anthropic_tools", "chat_tool_choice", "decode_signature",
+           "encode_signature", "error_body", "handle_count_tokens", "handle_messages", "matched_stop_sequence",
+           "messages_to_chat", "reply_blocks", "stop_reason", "to_chat_body", "usage_object"]

@@ -1,0 +1,219 @@
+"""The one seam between non-chat API fronts (Responses, Anthropic Messages) and the chat engine.
+
+Each front translates its request into a chat-completions body (pure, in its own module); this
+module validates that body with the chat parser, builds the same ``ChatJob`` the chat handler
+builds, runs it on the inference worker and hands back the engine's outcome -- streamed through a
+front-specific frame encoder, or whole:
+
+    req = chat_request(app, chat_body)                     # parse_chat_request + model + images
+    run = JobRun.submit(handler, req, "resp_1234", stream=True)
+    outcome = run.stream(handler, encoder)                 # or run.wait(handler); None: client left
+
+Only this file knows ChatJob / ChatOutcome field names, so an engine refactor is adapted here once.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+from ..engine.chat import ChatJob, PromptReady
+from ..engine.worker import QueueFull
+from ..pipeline.images import ImageError
+from ..runtime.generate import SamplingParams
+from .errors import APIError, not_found, unavailable
+from .validation import ChatRequest, model_matches, parse_chat_request, reject_images
+
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What every front reports from an outcome (token counts are model tokens)."""
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def outcome_usage(outcome: Any) -> Usage:
+    return Usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
+
+
+def outcome_truncated(outcome: Any) -> bool:
+    """True when the reply was cut (token budget, window, watchdog) rather than finished."""
+    return outcome.finish_reason in ("length", "cancelled")
+
+
+def require_ready(app: Any) -> None:
+    if not app.ready:
+        raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
+
+
+def chat_request(app: Any, chat_body: dict) -> ChatRequest:
+    """Validate a translated chat body exactly as /v1/chat/completions would, check the model name
+    and the images; raises APIError (4xx) with a message saying what to fix."""
+    req = parse_chat_request(chat_body, app.settings, vocab_size=getattr(app, "vocab_size", None))
+    if not model_matches(req.model, app.model_id, app.aliases):
+        raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}",
+                        code="model_not_found")
+    if not getattr(app.loaded, "is_vlm", False):
+        reject_images(req.messages, app.model_id)
+    else:  # remote fetches and header checks on this handler thread, never on the inference worker
+        from .image_fetch import prepare_request_images
+
+        try:
+            req.messages = prepare_request_images(req.messages, app.image_limits, app.image_fetcher())
+        except ImageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_image") from None
+    return req
+
+
+def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit: Callable[[str], None],
+             on_prompt: Callable[[PromptReady], None], is_cancelled: Callable[[], bool]) -> ChatJob:
+    """The ChatJob /v1/chat/completions builds for the same validated request."""
+    return ChatJob(
+        request_id=request_id, messages=req.messages, tools=req.tools, enable_thinking=req.enable_thinking,
+        params=SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
+            max_tokens=req.max_tokens, seed=req.seed,
+        ),
+        stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
+    )
+
+
+def submit_on_worker(app: Any, fn: Callable[[], Any]) -> Any:
+    """A future for ``fn`` on the inference worker; 503 + Retry-After when its queue is full."""
+    try:
+        return app.worker.submit(fn)
+    except QueueFull:
+        raise unavailable(f"server busy: {app.settings.max_queued_requests} requests queued", retry_after=2,
+                          code="queue_full") from None
+
+
+def request_headers(handler: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in handler.headers.items()}
+
+
+class FrameEncoder(Protocol):
+    """A front's streaming encoder: bytes to write for each stage of one generation."""
+
+    def start(self, ready: PromptReady | None) -> list[bytes]: ...
+    def feed(self, text: str) -> list[bytes]: ...
+    def finish(self, outcome: Any) -> list[bytes]: ...
+    def error(self, err: APIError) -> list[bytes]: ...
+
+
+class JobRun:
+    """One ChatJob on the inference worker, seen from its HTTP handler thread."""
+
+    def __init__(self, handler: Any, job_factory: Callable[["JobRun"], ChatJob], stream: bool) -> None:
+        from .http_server import peer_closed
+
+        self.app = handler.app
+        self.cancelled = threading.Event()
+        self.deltas: "queue.Queue[Any]" = queue.Queue()
+        self.stream_mode = stream
+        sock = handler.connection
+
+        def is_cancelled() -> bool:
+            if not self.cancelled.is_set() and peer_closed(sock):
+                self.cancelled.set()
+            return self.cancelled.is_set()
+
+        self.is_cancelled = is_cancelled
+        self.job = job_factory(self)
+        self.future = submit_on_worker(self.app, lambda: self.app.engine.run(self.job))
+        self.future.add_done_callback(lambda _f: self.deltas.put(_DONE))
+
+    @classmethod
+    def submit(cls, handler: Any, req: ChatRequest, request_id: str, stream: bool) -> "JobRun":
+        def factory(run: "JobRun") -> ChatJob:
+            sink = run.deltas.put if stream else (lambda _x: None)
+            return chat_job(req, request_id, request_headers(handler), emit=sink, on_prompt=sink,
+                            is_cancelled=run.is_cancelled)
+        return cls(handler, factory, stream)
+
+    def _events(self) -> Iterator[Any]:
+        while True:
+            item = self.deltas.get()
+            if item is _DONE:
+                return
+            yield item
+
+    def wait(self, handler: Any) -> Any | None:
+        """The outcome (APIError raised for a failed job), or None when the client left first."""
+        while not self.future.done():
+            try:
+                self.future.result(timeout=0.25)
+            except Exception:  # noqa: BLE001 - inspected by handler._result below
+                pass
+            if not self.future.done() and self.is_cancelled():
+                return None  # the worker sees the flag between tokens; nobody to answer
+        return handler._result(self.future)
+
+    def stream(self, handler: Any, encoder: FrameEncoder, content_type: str = "text/event-stream") -> Any | None:
+        """Write ``encoder``'s frames as generation proceeds; returns the outcome, or None when the
+        client left or the stream ended with an error event (headers already sent)."""
+        app = self.app
+        started = False
+
+        def write(frames: list[bytes], ready: PromptReady | None = None) -> None:
+            nonlocal started
+            if not started:
+                handler.send_response(200)
+                handler.send_header("Content-Type", content_type)
+                handler.send_header("Cache-Control", "no-cache")
+                handler.send_header("Connection", "close")
+                handler.end_headers()
+                handler.close_connection = True
+                frames = [*encoder.start(ready), *frames]
+                started = True
+            if frames:
+                handler.wfile.write(b"".join(frames))
+                handler.wfile.flush()
+
+        try:
+            for item in self._events():
+                if isinstance(item, PromptReady):
+                    write([], item)  # headers and the opening events as soon as the prompt is ready
+                else:
+                    write(encoder.feed(item))
+            outcome = handler._result(self.future)  # raises APIError before any byte if it failed early
+            write(encoder.finish(outcome))
+            app.count_status(200)
+            return outcome
+        except OSError:  # client gone, or it stopped reading
+            self.cancelled.set()
+            return None
+        except Exception as exc:  # noqa: BLE001 - APIError from the job, or a bug while encoding frames
+            client_gone = self.cancelled.is_set()
+            self.cancelled.set()  # the worker stops at its next token
+            if not started:
+                raise
+            if client_gone:
+                return None
+            err = exc if isinstance(exc, APIError) else _internal(exc)
+            app.count_status(err.status)
+            try:
+                handler.wfile.write(b"".join(encoder.error(err)))
+                handler.wfile.flush()
+            except OSError:
+                pass
+            return None
+
+
+def _internal(exc: BaseException) -> APIError:
+    import logging
+    import uuid
+
+    from .errors import internal
+
+    rid = uuid.uuid4().hex[:12]
+    logging.getLogger("mlxstack.http").error("stream failed after it started (request id %s)", rid, exc_info=exc)
+    return internal(rid)
+
+
+__all__ = ["FrameEncoder", "JobRun", "Usage", "chat_job", "chat_request", "outcome_truncated", "outcome_usage",
+           "request_headers", "require_ready", "submit_on_worker"]
