@@ -7,6 +7,13 @@ Choices below are the measured LiteLLM 1.106 behaviours from issue #2:
 - ``forward_client_headers_to_llm_api``: passes ``x-*`` headers (e.g. ``x-session-affinity``)
   through to the MLX server's session cache.
 - the master key is referenced (``os.environ/...``), never written into the file.
+- ``/v1/messages`` and ``/v1/messages/count_tokens`` are LiteLLM pass-through endpoints to the MLX
+  server's native Anthropic API (issue 13): LiteLLM's Anthropic->chat adapter rewrites a
+  ``role: "system"`` entry inside ``messages[]`` into a user turn and drops ``metadata``.
+- ``model_info`` carries the served window (``max_input_tokens``) and a default output budget, which
+  LiteLLM lists in /v1/models and /model/info, so clients size their budgets.
+- cooldowns off: with one deployment there is nothing to fail over to, and one client's 4xx
+  (measured: a 404) otherwise answers every client 429 for the cooldown period.
 """
 from __future__ import annotations
 
@@ -49,7 +56,45 @@ def proxy_base_url(settings: Settings) -> str:
     return f"http://{url_host(settings.proxy_host)}:{settings.proxy_port}"
 
 
-def build_config(settings: Settings, served_model_id: str) -> dict[str, Any]:
+ANTHROPIC_PASS_THROUGH_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def served_context_window(settings: Settings, timeout: float = 2.0) -> int | None:
+    """The MLX server's context window from its /v1/models (None when it does not answer)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{mlx_base_url(settings)}/v1/models", timeout=timeout) as resp:
+            value = json.load(resp)["data"][0].get("context_length")
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def model_info(settings: Settings, context_window: int | None) -> dict[str, Any]:
+    info: dict[str, Any] = {"supports_reasoning": False}
+    if context_window:
+        budget = min(settings.default_max_tokens, context_window)
+        info.update(max_input_tokens=context_window, max_output_tokens=budget, max_tokens=budget)
+    return info
+
+
+def pass_through_endpoints(settings: Settings) -> list[dict[str, Any]]:
+    """auth: the master key is checked as on every route; forward_headers carries
+    x-claude-code-session-id (the session) to the MLX server. With MLX_API_KEY set, the configured
+    Authorization header replaces the client's (measured on 1.106.2: it wins over forwarded ones)."""
+    entries = []
+    for path in ANTHROPIC_PASS_THROUGH_PATHS:
+        entry: dict[str, Any] = {"path": path, "target": f"{mlx_base_url(settings)}{path}", "forward_headers": True,
+                                 "auth": True}
+        if getattr(settings, "mlx_api_key", ""):
+            entry["headers"] = {"Authorization": "Bearer os.environ/MLX_API_KEY"}
+        entries.append(entry)
+    return entries
+
+
+def build_config(settings: Settings, served_model_id: str, context_window: int | None = None) -> dict[str, Any]:
     timeout = float(settings.proxy_request_timeout_seconds)
     params = {
         "model": f"hosted_vllm/{served_model_id}",
@@ -60,7 +105,7 @@ def build_config(settings: Settings, served_model_id: str) -> dict[str, Any]:
     }
     return {
         "model_list": [
-            {"model_name": name, "litellm_params": dict(params), "model_info": {"supports_reasoning": False}}
+            {"model_name": name, "litellm_params": dict(params), "model_info": model_info(settings, context_window)}
             for name in proxy_model_names(settings)
         ],
         "litellm_settings": {
@@ -73,7 +118,9 @@ def build_config(settings: Settings, served_model_id: str) -> dict[str, Any]:
         "general_settings": {
             "master_key": "os.environ/LITELLM_MASTER_KEY",
             "forward_client_headers_to_llm_api": True,
+            "pass_through_endpoints": pass_through_endpoints(settings),
         },
+        "router_settings": {"disable_cooldowns": True},
     }
 
 
@@ -84,7 +131,7 @@ def render_yaml(config: dict[str, Any]) -> str:
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
 
 
-def write_config(settings: Settings, served_model_id: str, path: Path) -> Path:
+def write_config(settings: Settings, served_model_id: str, path: Path, context_window: int | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_yaml(build_config(settings, served_model_id)))
+    path.write_text(render_yaml(build_config(settings, served_model_id, context_window)))
     return path
