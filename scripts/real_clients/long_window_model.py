@@ -16,8 +16,8 @@ How the head ends replies (two hidden dimensions set aside, zero in every other 
   from the layers alone, so ``<|im_end|>`` wins at a data-dependent point of the reply;
 - dimension ``NEWLINE_DIM``: the newline tokens that end every generation prompt write ``-NEWLINE_MARK``
   into it and the ``<|im_end|>`` row reads it (``NEWLINE_GAIN``), so a reply is never empty.
-Measured on 20 prompts (thinking on and off): greedy replies of 1-24 visible tokens, 1-39 at
-temperature 0.7, none empty.
+Measured with mlx-lm on 10 prompts x thinking on/off: greedy replies of 1-24 tokens, 1-20 at
+temperature 0.7, none empty; on the real clients' 9k-15k-token prompts, 4-90 tokens.
 """
 from __future__ import annotations
 
