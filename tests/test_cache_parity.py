@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxstack.cache.counters import CacheCounters
 from mlxstack.cache.hashing import namespace_seed
-from mlxstack.cache.kv_ops import capture, checkout, kv_offset, state_fingerprint
+from mlxstack.cache.kv_ops import LiveCache, capture, checkout, state_fingerprint
 from mlxstack.cache.prompt_cache import PromptCache, PromptCacheConfig
 from mlxstack.runtime.generate import SamplingParams, decode, feed, prefill
 
@@ -34,7 +34,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def cold(model, toks: list[int]) -> tuple[mx.array, list[int]]:
-    cache = make_prompt_cache(model)
+    cache = LiveCache(make_prompt_cache(model))
     logits = prefill(model, cache, toks, step=7)
     out = list(decode(model, cache, logits, toks, SamplingParams(temperature=0.0, max_tokens=N_GEN)))
     return logits, out
@@ -42,19 +42,19 @@ def cold(model, toks: list[int]) -> tuple[mx.array, list[int]]:
 
 def warm(model, pc: PromptCache, toks: list[int]) -> tuple[mx.array, list[int], object]:
     match = pc.lookup(toks, toks)
-    cache = checkout(match.entry.payload, match.depth) if match.hit else make_prompt_cache(model)
-    assert kv_offset(cache) == match.depth
+    cache = checkout(match.entry.payload, match.depth) if match.hit else LiveCache(make_prompt_cache(model))
+    assert cache.depth == match.depth
     logits = prefill(model, cache, toks[match.depth:], step=5)
     out = list(decode(model, cache, logits, toks, SamplingParams(temperature=0.0, max_tokens=N_GEN)))
     return logits, out, match
 
 
 def store(model, pc: PromptCache, toks: list[int]):
-    cache = make_prompt_cache(model)
+    cache = LiveCache(make_prompt_cache(model))
     feed(model, cache, toks, step=9)
     state = capture(cache)
     assert state.offset == len(toks)
-    return pc.insert(toks, toks, state, nbytes=state.nbytes, trimmable=state.trimmable)
+    return pc.insert(toks, toks, state, nbytes=state.nbytes, floor=state.floor)
 
 
 def new_cache() -> PromptCache:
@@ -98,16 +98,16 @@ def test_secondary_broad_lookup_parity(model):
     req = BASE
     # Entry A: canonical key equals the request (deep), model tokens diverge at 5.
     a_model = BASE[:5] + tokens(40, 9)
-    cache = make_prompt_cache(model)
+    cache = LiveCache(make_prompt_cache(model))
     feed(model, cache, a_model, step=16)
     sa = capture(cache)
-    pc.insert(BASE[:45], a_model, sa, nbytes=sa.nbytes, trimmable=sa.trimmable)
+    pc.insert(BASE[:45], a_model, sa, nbytes=sa.nbytes, floor=sa.floor)
     # Entry B: shares one canonical block only, but 48 model tokens.
     b_key = BASE[:16] + tokens(32, 7)
-    cache = make_prompt_cache(model)
+    cache = LiveCache(make_prompt_cache(model))
     feed(model, cache, BASE[:48], step=16)
     sb = capture(cache)
-    eb = pc.insert(b_key, BASE[:48], sb, nbytes=sb.nbytes, trimmable=sb.trimmable)
+    eb = pc.insert(b_key, BASE[:48], sb, nbytes=sb.nbytes, floor=sb.floor)
     primary = pc.lookup(req, req)
     broad = pc.lookup(req, req, broad=True)
     assert broad.entry.entry_id == eb.entry_id and broad.depth == 48 > primary.depth
@@ -119,15 +119,17 @@ def test_secondary_broad_lookup_parity(model):
 
 
 def test_capture_checkout_round_trip_and_trim(model):
-    cache = make_prompt_cache(model)
+    cache = LiveCache(make_prompt_cache(model))
     feed(model, cache, BASE, step=32)
     state = capture(cache)
     assert state.offset == len(BASE) and state.nbytes > 0
     again = checkout(state)
-    assert kv_offset(again) == len(BASE)
+    assert again.depth == len(BASE) and [type(c) for c in again.layers] == [type(c) for c in cache.layers]
+    again.check()
     if state.trimmable:
         shorter = checkout(state, 10)
-        assert kv_offset(shorter) == 10
+        assert shorter.depth == 10
+        shorter.check()
     else:
         with pytest.raises(ValueError):
             checkout(state, 10)

@@ -123,9 +123,9 @@ class ScriptedDecode:
     def __init__(self) -> None:
         self.queue: list[list[int]] = []
 
-    def __call__(self, model, cache, first_logits, history, params, should_stop=lambda: False):
+    def __call__(self, model, cache, first_logits, history, params, should_stop=lambda: False, **kw):
         if not self.queue:
-            yield from generate.decode(model, cache, first_logits, history, params, should_stop)
+            yield from generate.decode(model, cache, first_logits, history, params, should_stop, **kw)
             return
         tokens = self.queue.pop(0)[: params.max_tokens]
         for i, tok in enumerate(tokens):

@@ -25,9 +25,12 @@ def make(clock=None, **kw) -> PromptCache:
     return PromptCache(cfg, namespace_seed("test-model"), CacheCounters(), clock=clock or Clock())
 
 
-def put(cache, tokens, model=None, nbytes=100, trimmable=True, **kw):
-    return cache.insert(tokens, model if model is not None else tokens, payload=object(),
-                        nbytes=nbytes, trimmable=trimmable, **kw)
+def put(cache, tokens, model=None, nbytes=100, trimmable=True, floor=None, **kw):
+    """trimmable=False is the exact-depth-only case (floor == depth); ``floor`` sets any other."""
+    model = model if model is not None else tokens
+    if floor is None:
+        floor = 0 if trimmable else len(model)
+    return cache.insert(tokens, model, payload=object(), nbytes=nbytes, floor=floor, **kw)
 
 
 def toks(n, start=0):
@@ -266,3 +269,29 @@ def test_incremental_hash_chain_equals_a_fresh_chain():
     c.hashes(base)
     for extended in (base + [1, 2, 3, 4, 5], base[:50] + [9] * 30, base, base[:3]):
         assert c.hashes(extended) == block_hash_chain(c.seed, extended, 4)
+
+
+def test_entry_serves_only_depths_at_or_above_its_floor():
+    # A chunked-attention entry holding [start, depth) serves depths >= its chunk floor only.
+    c = make()
+    e = put(c, toks(40), floor=24)
+    assert e.floor == 24 and not e.trimmable
+    hit = c.lookup(toks(28) + [999] * 8, toks(28) + [999] * 8)        # LCP 28 >= floor: served at 28
+    assert (hit.entry is e, hit.depth, hit.match_type) == (True, 28, "lcp")
+    miss = c.lookup(toks(20) + [999] * 8, toks(20) + [999] * 8)       # LCP 20 < floor 24: a miss
+    assert miss.depth == 0 and not miss.hit
+    assert c.counters.get("hybrid_trim_miss") == 1                     # a trim would have given 20
+
+
+def test_prefix_cull_only_removes_prefixes_the_new_entry_can_serve():
+    c = make()
+    a = put(c, toks(8), trimmable=False)     # exact-depth entries cover no prefix of their own
+    b = put(c, toks(16), trimmable=False)
+    d = put(c, toks(24), trimmable=False)
+    assert len(c) == 3
+    # a new entry with floor 12 covers the 16- and 24-token prefixes but not the 8-token one
+    e = put(c, toks(32), floor=12)
+    ids = {x.entry_id for x in c.entries()}
+    assert ids == {a.entry_id, d.entry_id, e.entry_id}
+    assert [r for r in c.eviction_log if r[1] == "prefix_cull"][-1] == (b.entry_id, "prefix_cull")
+    assert c.get(a.entry_id).superseded and c.get(d.entry_id).superseded

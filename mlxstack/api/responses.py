@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS, ReasoningStreamSplitter, split_output
+from ..parsing.output import reply_splitter, split_reply
+from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from .sse import ChunkEncoder
 
 
@@ -30,8 +31,8 @@ def finish_reason(outcome: Any, has_tool_calls: bool) -> str:
 
 def completion_body(completion_id: str, model: str, outcome: Any, *, tools: list | None, family: str,
                     enable_thinking: bool) -> dict:
-    parsed = split_output(outcome.text, thinking_started=outcome.thinking_started, tools=tools,
-                          family=family, id_salt=completion_id)
+    parsed = split_reply(outcome.text, thinking_started=outcome.thinking_started, tools=tools,
+                         family=family, id_salt=completion_id)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning or enable_thinking and outcome.thinking_started:
         message["reasoning_content"] = parsed.reasoning
@@ -56,8 +57,8 @@ class StreamAssembler:
     def __init__(self, completion_id: str, model: str, *, thinking_started: bool, tools: list | None,
                  family: str, include_usage: bool) -> None:
         self.encoder = ChunkEncoder(completion_id, int(time.time()), model)
-        self.splitter = ReasoningStreamSplitter(thinking_started=thinking_started, tools=tools,
-                                                family=family, id_salt=completion_id)
+        self.splitter = reply_splitter(thinking_started=thinking_started, tools=tools,
+                                       family=family, id_salt=completion_id)
         self.include_usage = include_usage
         self.tool_calls = 0
 

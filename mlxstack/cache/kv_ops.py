@@ -1,13 +1,15 @@
-"""The few verbs every cache kind shares, over mlx-lm per-layer cache lists.
+"""Model-level cache verbs over the per-layer kinds (cache/layer_kinds.py).
 
-A stored entry holds a ``KVState``: per-layer immutable array references cut to the
-physical offset. ``checkout`` builds fresh cache objects from it, so generation after a
-hit can never mutate the stored entry (mlx arrays are values; new Python array objects
-are made by slicing, and slice-assignment only rebinds the working cache's own objects).
+A request works on a ``LiveCache``: the per-layer mlx cache objects the model writes into, plus
+the number of tokens fed so far (pure recurrent models have no layer that knows its depth, so
+the depth is counted where tokens are fed, never guessed from a layer). A stored entry holds a
+``KVState``: immutable per-layer states cut to one depth.
 
-    state = capture(cache)                 # after generation: trim-to-offset + eval
-    working = checkout(state, depth)       # on a hit: fresh objects, trimmed to depth
-    kv_offset(working) == depth
+    live = new_live_cache(model)            # or checkout(state, depth)
+    ... feed tokens; live.depth grows ...
+    state = capture(live)                   # after generation: immutable, evaluated
+    live2 = checkout(state, depth)          # on a hit: fresh objects, cut to depth
+    state.floor <= depth <= state.depth     # the depths an entry can serve
 """
 from __future__ import annotations
 
@@ -15,104 +17,138 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .layer_kinds import KINDS, LayerState, class_from_key, class_key, eval_state, kind_of
 
 
-@dataclass(slots=True, frozen=True)
-class LayerState:
-    kind: str                 # "kv" | "arrays"
-    arrays: tuple[Any, ...]   # kv: (keys, values); arrays: per-slot arrays (None allowed)
-    offset: int               # tokens covered (kv); arrays: the depth at capture
+class LiveCache:
+    """The caches one request writes into, and how many tokens they hold."""
+
+    __slots__ = ("layers", "depth")
+
+    def __init__(self, layers: list[Any], depth: int = 0) -> None:
+        self.layers = layers
+        self.depth = depth
+
+    def advance(self, n: int) -> None:
+        self.depth += n
+
+    @property
+    def floor(self) -> int:
+        """Smallest depth every layer can still be cut back to (== depth: exact only)."""
+        return max((kind_of(layer).floor(layer, self.depth) for layer in self.layers), default=0)
+
+    def cut(self, depth: int) -> None:
+        """Cut every layer back to ``depth`` (requires floor <= depth <= self.depth)."""
+        if depth == self.depth:
+            return
+        if not self.floor <= depth < self.depth:
+            raise ValueError(f"cannot cut a cache at {self.depth} (floor {self.floor}) to {depth}")
+        for layer in self.layers:
+            kind_of(layer).cut(layer, self.depth, depth)
+        self.depth = depth
+
+    def check(self) -> None:
+        """Raise when a layer that knows its depth disagrees with the counted depth (a bug)."""
+        for i, layer in enumerate(self.layers):
+            d = kind_of(layer).depth(layer)
+            if d is not None and d != self.depth and not getattr(layer, "keys", 1) is None:
+                raise RuntimeError(f"bug: layer {i} ({type(layer).__name__}) holds {d} tokens, counted {self.depth}")
 
 
 @dataclass(slots=True, frozen=True)
 class KVState:
     layers: tuple[LayerState, ...]
-    offset: int               # physical token depth (first layer with .offset)
-    trimmable: bool
+    depth: int                # tokens covered
+    floor: int                # smallest depth it can serve (depth: exact only)
     nbytes: int
 
+    @property
+    def offset(self) -> int:   # the name the rest of the engine used before kinds
+        return self.depth
 
-def kv_offset(cache: Sequence[Any]) -> int:
-    """Physical KV depth: the first layer that exposes ``.offset`` (hybrids mix ArraysCache)."""
+    @property
+    def trimmable(self) -> bool:
+        return self.floor == 0
+
+    def can_serve(self, depth: int) -> bool:
+        return self.floor <= depth <= self.depth
+
+
+def new_live_cache(layers: list[Any]) -> LiveCache:
+    return LiveCache(layers, 0)
+
+
+def capture(live: LiveCache, depth: int | None = None) -> KVState:
+    """Snapshot ``live`` cut to ``depth`` (default: all of it), evaluated and never aliased."""
+    depth = live.depth if depth is None else depth
+    floor = live.floor
+    if depth != live.depth and not floor <= depth <= live.depth:
+        raise ValueError(f"cannot capture a cache at {live.depth} (floor {floor}) at depth {depth}")
+    layers = []
+    for layer in live.layers:
+        kind = kind_of(layer)
+        if kind is None:
+            raise TypeError(f"unsupported cache layer type {type(layer).__name__}")
+        layers.append(kind.capture(layer, depth))
+    eval_state(layers)
+    state_floor = max((s.floor for s in layers), default=0)
+    return KVState(tuple(layers), depth, min(state_floor, depth), sum(s.nbytes for s in layers))
+
+
+def checkout(state: KVState, depth: int | None = None) -> LiveCache:
+    """Fresh cache objects (same classes, same parameters) holding ``state`` cut to ``depth``."""
+    depth = state.depth if depth is None else depth
+    if not state.can_serve(depth):
+        raise ValueError(f"state at {state.depth} (floor {state.floor}) cannot serve depth {depth}")
+    return LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth)
+
+
+def kv_offset(cache: LiveCache | Sequence[Any]) -> int:
+    """Tokens a cache holds (a LiveCache knows; for a bare layer list, the first layer that can say)."""
+    if isinstance(cache, LiveCache):
+        return cache.depth
     for layer in cache:
-        off = getattr(layer, "offset", None)
-        if off is not None:
-            return int(off)
+        kind = kind_of(layer)
+        d = kind.depth(layer) if kind is not None else getattr(layer, "offset", None)
+        if d is not None:
+            return int(d)
     return 0
 
 
-def is_trimmable(cache: Sequence[Any]) -> bool:
-    return bool(cache) and all(layer.is_trimmable() for layer in cache)
+# ------------------------------------------------------------------------------ serialisable form
+def dump_state(state: KVState) -> tuple[dict[str, Any], dict]:
+    """(flat name -> mx.array, JSON meta): what the disk tier writes."""
+    arrays: dict[str, Any] = {}
+    metas = []
+    for i, layer in enumerate(state.layers):
+        a, m = KINDS[layer.kind].dump(layer)
+        arrays.update({f"l{i}.{k}": v for k, v in a.items()})
+        metas.append({**m, "cls": class_key(layer.cls)})
+    return arrays, {"layers": metas, "depth": state.depth, "floor": state.floor}
 
 
-def _array_nbytes(arrays: Sequence[Any]) -> int:
-    return sum(int(a.nbytes) for a in arrays if a is not None)
-
-
-def capture(cache: Sequence[Any], depth: int | None = None) -> KVState:
-    """Snapshot a working cache, cut to ``depth`` (default: its physical offset).
-
-    Only KVCache and ArraysCache layers are supported; anything else raises TypeError so a new
-    cache kind is never stored half-understood.
-    """
-    offset = kv_offset(cache)
-    depth = offset if depth is None else depth
-    trimmable = is_trimmable(cache)
-    if depth != offset and not trimmable:
-        raise ValueError(f"cannot cut a non-trimmable cache from {offset=} to {depth=}")
-    layers: list[LayerState] = []
-    to_eval: list[Any] = []
-    for layer in cache:
-        if isinstance(layer, KVCache):
-            if layer.keys is None:
-                layers.append(LayerState("kv", (None, None), 0))
-                continue
-            k = layer.keys[..., :depth, :]
-            v = layer.values[..., :depth, :]
-            layers.append(LayerState("kv", (k, v), depth))
-            to_eval += [k, v]
-        elif isinstance(layer, ArraysCache):
-            arrays = tuple(layer.cache)
-            layers.append(LayerState("arrays", arrays, depth))
-            to_eval += [a for a in arrays if a is not None]
-        else:
-            raise TypeError(f"unsupported cache layer type {type(layer).__name__}")
-    mx.eval(to_eval)
-    nbytes = sum(_array_nbytes(s.arrays) for s in layers)
-    return KVState(tuple(layers), depth, trimmable, nbytes)
-
-
-def checkout(state: KVState, depth: int | None = None) -> list[Any]:
-    """Fresh cache objects holding ``state`` cut to ``depth`` (<= state.offset)."""
-    depth = state.offset if depth is None else depth
-    if depth > state.offset:
-        raise ValueError(f"checkout depth {depth} beyond stored offset {state.offset}")
-    if depth != state.offset and not state.trimmable:
-        raise ValueError(f"non-trimmable state stored at {state.offset} cannot serve depth {depth}")
-    out: list[Any] = []
-    for layer in state.layers:
-        if layer.kind == "kv":
-            c = KVCache()
-            k, v = layer.arrays
-            if k is not None:
-                # Slicing makes new array objects: the working cache never aliases the store.
-                c.keys = k[..., :depth, :]
-                c.values = v[..., :depth, :]
-                c.offset = depth
-            out.append(c)
-        else:
-            c = ArraysCache(len(layer.arrays))
-            c.cache = list(layer.arrays)
-            out.append(c)
-    return out
+def load_state(arrays: dict[str, Any], meta: dict) -> KVState:
+    layers = []
+    for i, m in enumerate(meta["layers"]):
+        prefix = f"l{i}."
+        own = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        layers.append(KINDS[m["kind"]].load(own, m, class_from_key(m["cls"])))
+    return KVState(tuple(layers), int(meta["depth"]), int(meta["floor"]), sum(s.nbytes for s in layers))
 
 
 def state_fingerprint(state: KVState) -> list[float]:
     """Cheap numeric digest of stored arrays (tests prove a hit never mutates an entry)."""
-    sums = []
+    sums: list[float] = []
+
+    def walk(s: LayerState) -> None:
+        for a in s.arrays:
+            for x in (a if isinstance(a, (tuple, list)) else (a,)):
+                if x is not None:
+                    sums.append(float(mx.sum(x.astype(mx.float32)).item()))
+        for c in s.children:
+            walk(c)
+
     for layer in state.layers:
-        for a in layer.arrays:
-            if a is not None:
-                sums.append(float(mx.sum(a.astype(mx.float32)).item()))
+        walk(layer)
     return sums

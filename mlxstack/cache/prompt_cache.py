@@ -4,7 +4,9 @@ Invariants (each has a test in tests/test_prompt_cache.py):
 - Discovery is canonical (block-hash chain of the cache key); acceptance is model-space: the
   reuse depth is the token LCP of the entry's ``model_tokens`` and the request's, capped by the
   entry's physical depth and leaving at least one token to prefill.
-- A non-trimmable entry (hybrid/recurrent state) is only reused at exactly its stored depth.
+- An entry is reused only at a depth it can serve: ``floor <= depth <= entry depth``. Plain KV
+  has floor 0; an entry whose cache cannot be cut back (recurrent state, a rotated sliding
+  window) has floor == depth (exact depth only); a chunked-attention entry has its chunk floor.
 - Entries are opaque payloads with a byte size: this module never touches tensors.
 - Eviction order is deterministic: TTL first, then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
@@ -12,7 +14,7 @@ Invariants (each has a test in tests/test_prompt_cache.py):
 
     cache = PromptCache(PromptCacheConfig(...), seed=namespace_seed("model"))
     match = cache.lookup(key_tokens, model_tokens)
-    cache.insert(key_tokens, model_tokens, payload, nbytes=..., trimmable=True)
+    cache.insert(key_tokens, model_tokens, payload, nbytes=..., floor=0)
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class CacheEntry:
     block_hashes: list[BlockHash]
     payload: Any
     nbytes: int
-    trimmable: bool
+    floor: int            # smallest depth the payload can serve (== depth: exact only)
     pool: str
     session_id: str
     created: float
@@ -51,6 +53,10 @@ class CacheEntry:
     @property
     def depth(self) -> int:
         return len(self.model_tokens)
+
+    @property
+    def trimmable(self) -> bool:
+        return self.floor == 0
 
 
 class MatchResult(NamedTuple):
@@ -193,7 +199,7 @@ class PromptCache:
         payload: Any,
         *,
         nbytes: int,
-        trimmable: bool,
+        floor: int = 0,
         pool: str = POOL_KV,
         session_id: str = "",
     ) -> CacheEntry | None:
@@ -210,13 +216,13 @@ class PromptCache:
             entry = CacheEntry(
                 entry_id=self._next_id, key_tokens=key, model_tokens=model,
                 block_hashes=self.hashes(key), payload=payload, nbytes=int(nbytes),
-                trimmable=trimmable, pool=pool, session_id=session_id, created=now, last_used=now,
+                floor=min(int(floor), len(model)), pool=pool, session_id=session_id, created=now, last_used=now,
             )
             self._next_id += 1
             self._entries[entry.entry_id] = entry
             for h in entry.block_hashes:
                 self._index.setdefault(h, set()).add(entry.entry_id)
-            self._supersede_prefixes(entry, cull=pool == POOL_KV and trimmable)
+            self._supersede_prefixes(entry)
             self._expire()
             self._enforce_limits(protect=entry.entry_id)
             return entry if entry.entry_id in self._entries else None
@@ -268,7 +274,7 @@ class PromptCache:
         return shared
 
     def _verify(self, e: CacheEntry, key: np.ndarray, model: np.ndarray, nblocks: int) -> tuple[MatchResult, int, bool]:
-        """(result, depth a trim would have given a non-trimmable entry, canonical-hid-a-difference)."""
+        """(result, depth a trim would have given an entry that cannot serve it, canonical-hid-a-difference)."""
         common = lcp(e.model_tokens, model)
         depth = min(common, e.depth, len(model) - 1)
         # The entry's canonical key matched in full but the model tokens diverged before its end:
@@ -277,7 +283,7 @@ class PromptCache:
         hid = key_common >= min(len(e.key_tokens), len(key)) and common < min(e.depth, len(model))
         if depth < self.config.block_size:   # a few template-header tokens are not a hit
             return MatchResult(e, 0, "miss", nblocks), 0, hid
-        if not e.trimmable and depth != e.depth:
+        if depth < e.floor:
             return MatchResult(e, 0, "miss", nblocks), depth, hid
         if common == e.depth == len(model):
             kind = "exact"
@@ -324,11 +330,11 @@ class PromptCache:
                 break
             self._remove(victim.entry_id, "bytes")
 
-    def _supersede_prefixes(self, new: CacheEntry, cull: bool) -> None:
+    def _supersede_prefixes(self, new: CacheEntry) -> None:
         """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:
-        ``new`` inherits their hit count (it is the same conversation, one turn further), they
-        become the first eviction victims, and for trimmable KV all but the longest of them are
-        culled (the longest stays as a safety net)."""
+        ``new`` inherits their hit count (it is the same conversation, one turn further) and
+        they become the first eviction victims. Of those ``new`` can itself serve (their depth
+        >= its floor), all but the longest are culled (the longest stays as a safety net)."""
         prefixes = [
             e for e in self._entries.values()
             if e.pool == new.pool and e.entry_id != new.entry_id and e.depth < new.depth
@@ -340,9 +346,9 @@ class PromptCache:
         prefixes.sort(key=lambda e: e.depth)
         for e in prefixes:
             e.superseded = True
-        if cull:
-            for e in prefixes[:-1]:
-                self._remove(e.entry_id, "prefix_cull")
+        covered = [e for e in prefixes if e.depth >= new.floor]
+        for e in covered[:-1]:
+            self._remove(e.entry_id, "prefix_cull")
 
     def _remove(self, entry_id: int, reason: str) -> None:
         e = self._entries.pop(entry_id, None)

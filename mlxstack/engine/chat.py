@@ -1,10 +1,14 @@
-"""One chat request end to end, on the inference thread.
+"""One chat request end to end, on the inference thread, in phases.
 
-    heal -> canonicalise -> render x2 -> scrub (key only) -> tokenise x2 -> lookup
-    -> checkout KV at physical offset P -> prefill model_tokens[P:] -> decode -> store
+    start:    heal -> canonicalise -> render x2 -> scrub (key only) -> tokenise x2 -> lookup
+              -> checkout KV at physical depth P                          (ChatEngine.start)
+    prefill:  model_tokens[P:] (+ checkpoints for caches that cannot be cut back later)
+    decode:   sample until a stop; stream text
+    finish:   close the turn in the KV -> store entries, session records, healing  (finish)
 
 The canonical pipeline only *finds* cache entries; the original pipeline is what the model
-sees, and reuse is accepted only up to where the entry's model tokens equal the request's.
+sees, and reuse is accepted only up to where the entry's model tokens equal the request's and
+only at a depth every cache layer can serve (cache/layer_kinds.py).
 """
 from __future__ import annotations
 
@@ -13,18 +17,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from mlx_lm.models.cache import trim_prompt_cache
-
-from ..cache.kv_ops import capture, checkout, is_trimmable, kv_offset
+from ..cache.kv_ops import KVState, LiveCache, capture, checkout
 from ..cache.lcp import as_tokens, lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
+from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.canonicalize import canonicalize_messages
-from ..pipeline.healing import history_digest
-from ..pipeline.render import encode
+from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
-from ..parsing.reasoning import prompt_opens_thinking, split_output
-from ..pipeline.session_context import extract_session_context
-from ..runtime.generate import Aborted, SamplingParams, decode, feed, prefill
+from ..pipeline.session_context import SessionContext, extract_session_context
+from ..runtime.generate import Aborted, decode, feed, prefill
+from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
 log = logging.getLogger("mlxstack.request")
@@ -32,6 +34,18 @@ log = logging.getLogger("mlxstack.request")
 
 class ClientGone(RuntimeError):
     """The client disconnected before or during generation."""
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt does not fit the model's context window (a client error: 400)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+            f"{prompt_tokens} tokens (at least 1 more is needed for the reply). Please reduce the length of "
+            "the messages, or raise MAX_KV_SIZE if the model supports a longer context.")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
 
 
 @dataclass
@@ -69,6 +83,7 @@ class ChatOutcome:
     session_id: str
     timings: dict = field(default_factory=dict)
     aborted: bool = False
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -88,13 +103,42 @@ class PreparedPrompt:
         self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
 
 
+@dataclass
+class Sequence:
+    """One request between start() and finish(): its prompt, cache, and decode state."""
+    job: ChatJob
+    prep: PreparedPrompt
+    session: SessionContext
+    match: MatchResult
+    stable_msgs: int
+    live: LiveCache
+    start: int                        # KV depth reused from the cache
+    thinking_started: bool
+    checkpoints: list[int]            # absolute depths to snapshot during prefill
+    history_end: int                  # where the rendered history ends (generation prompt excluded)
+    params: SamplingParams
+    t0: float
+    t_prep: float
+    deadline: float | None
+    snapshots: list[KVState] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    visible: list[str] = field(default_factory=list)
+    finish_reason: str = "length"
+    stopped_by_string: bool = False
+    watchdog: bool = False
+    t_first: float = 0.0
+    t_end: float = 0.0
+    sampler: Sampler | None = None
+
+
 class ChatEngine:
     def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
         self.loaded = loaded
         self.renderer = renderer
-        self.state = state          # engine/state.py: caches, counters, stores
+        self.state = state          # engine/state.py: caches, counters, stores, cache layout
         self.settings = settings
         self.stop_ids = stop_token_ids(loaded.tokenizer, renderer.template_source)
+        self.context_limit = int(loaded.context_length)
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
@@ -115,23 +159,34 @@ class ChatEngine:
         return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
                               len(model_text) - len(canon_text))
 
-    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
-        """Model tokens of ``messages`` rendered without the generation prompt (a VLM expands
-        its image pads here)."""
-        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
-        return encode(self.loaded.tokenizer, text)
+    def _render_prefix(self, messages: list[dict], job: ChatJob) -> str | None:
+        """The template's rendering of a message prefix without the generation prompt, or None
+        when the template refuses that prefix (strict templates reject e.g. a [system]-only list)."""
+        if not messages:
+            return None
+        try:
+            return self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        except TemplateError:
+            return None
 
-    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
+        """Model tokens of ``messages`` rendered without the generation prompt (a VLM expands
+        its image pads here); None when the template cannot render that prefix."""
+        text = self._render_prefix(messages, job)
+        return None if text is None else encode(self.loaded.tokenizer, text)
+
+    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
         """The same in cache-key form: scrubbed (a VLM adds image identity markers)."""
-        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
-        return encode(self.loaded.tokenizer, scrub_cache_key(text))
+        text = self._render_prefix(messages, job)
+        return None if text is None else encode(self.loaded.tokenizer, scrub_cache_key(text))
 
     def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
         """(stable message count, exact token boundary of those messages in the model tokens)."""
         n = self.state.turns.stable_prefix(session_id, prep.canonical)
         if n <= 0:
             return 0, 0
-        return n, lcp(self._rendered_tokens(prep.original[:n], prep, job), prep.model_np)
+        tokens = self._rendered_tokens(prep.original[:n], prep, job)
+        return (n, lcp(tokens, prep.model_np)) if tokens is not None else (0, 0)
 
     def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
         """Tokens a session without an explicit id is recognised by: the canonical key up to the
@@ -139,11 +194,22 @@ class ChatEngine:
         as the conversation grows even when that opening is shorter than 128 tokens."""
         first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
         opening = self._rendered_key_tokens(prep.canonical[: first_user + 1], prep, job)
+        if opening is None:
+            return prep.key_tokens
         return prep.key_tokens[: lcp(opening, prep.key_np)]
 
     def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
         """Token index where the rendered history ends (generation prompt excluded)."""
-        return lcp(self._rendered_tokens(prep.original, prep, job), prep.model_np)
+        tokens = self._rendered_tokens(prep.original, prep, job)
+        return lcp(tokens, prep.model_np) if tokens is not None else len(prep.model_tokens) - 1
+
+    def _generation_prompt_text(self, prep: PreparedPrompt, job: ChatJob) -> str:
+        """What the generation prompt appended after the last message (``<|im_start|>assistant\n<think>\n``):
+        only this decides whether the reply starts inside a <think> block, never message text."""
+        history = self._render_prefix(prep.original, job)
+        if history is None:
+            return self.renderer.generation_suffix(job.enable_thinking)
+        return prep.model_text[lcp_text(history, prep.model_text):]
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         cache = self.state.prompt_cache
@@ -165,7 +231,7 @@ class ChatEngine:
         """The module decode steps call (a VLM decodes through its language model)."""
         return self.loaded.model
 
-    def new_cache(self) -> list[Any]:
+    def new_cache(self) -> LiveCache:
         return self.state.new_cache(self.loaded.model)
 
     def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
@@ -176,186 +242,260 @@ class ChatEngine:
         """Last check on a hit before checkout (VLM: never cut inside an image)."""
         return match
 
-    def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
-                checkpoint: Callable[[list[Any]], None], at: list[int],
+    def prefill(self, live: LiveCache, prep: PreparedPrompt, start: int,
+                checkpoint: Callable[[LiveCache], None], at: list[int],
                 should_stop: Callable[[], bool] | None = None) -> Any:
-        """Feed model_tokens[start:] into ``work``; return the last position's logits."""
-        return prefill(self.loaded.model, work, prep.model_tokens[start:], self.settings.prefill_step_size,
+        """Feed model_tokens[start:] into ``live``; return the last position's logits."""
+        return prefill(self.loaded.model, live, prep.model_tokens[start:], self.settings.prefill_step_size,
                        checkpoint=checkpoint, at=at, should_stop=should_stop)
 
-    # ---------------------------------------------------------------- request
-    def run(self, job: ChatJob) -> ChatOutcome:
+    # ---------------------------------------------------------------- phases
+    def start(self, job: ChatJob) -> Sequence:
+        """Render, tokenise, check the window, look the prompt up and check its KV out."""
         if job.is_cancelled():
             raise ClientGone("client left before the request started")
         t0 = time.perf_counter()
         s = self.settings
         st = self.state
-        deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         prep = self.prepare(job)
+        n_prompt = len(prep.model_tokens)
+        if n_prompt + 1 > self.context_limit:
+            st.counters.bump("context_length_exceeded")
+            raise ContextLengthExceeded(n_prompt, self.context_limit)
+        # Never generate past the window: the rest of the budget ends with finish_reason=length.
+        params = replace(job.params, stop_token_ids=job.params.stop_token_ids | self.stop_ids,
+                         max_tokens=min(job.params.max_tokens, self.context_limit - n_prompt))
         session = extract_session_context(job.body, job.headers, self._session_key_tokens(prep, job))
-        thinking_started = prompt_opens_thinking(prep.model_text)
+        thinking_started = prompt_opens_thinking(self._generation_prompt_text(prep, job))
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
         match, stable_msgs = self.lookup(prep, session.session_id, job) if st.prompt_cache.enabled else (MISS, 0)
         match = self.validate_match(prep, match)
-        if match.hit:
-            work = checkout(match.entry.payload, match.depth)
-        else:
-            work = self.new_cache()
-        start = kv_offset(work)
-        assert start == match.depth, f"checkout offset {start} != match depth {match.depth}"
+        live = checkout(match.entry.payload, match.depth) if match.hit else self.new_cache()
+        if live.depth != match.depth:
+            raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
 
-        # Hybrid/recurrent caches cannot be trimmed: checkpoint them where a later turn will
-        # extend exactly -- the end of the history (before the generation prompt) and prompt[:-1].
-        pre_gen_snapshot: list[Any] = []
+        # Caches that may not be able to cut back later (sliding windows, chunks, recurrent state)
+        # are checkpointed where a later turn will extend exactly: the end of the history
+        # (before the generation prompt) and prompt[:-1]. Checkpoints the final entry can serve
+        # itself are dropped again in finish().
+        history_end = n_prompt - 1
         checkpoints: list[int] = []
-        if not is_trimmable(work) and st.prompt_cache.enabled and s.snapshot_max_entries > 0:
+        if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
             history_end = self._history_boundary(prep, job)
-            checkpoints = [k - start for k in (history_end, len(prep.model_tokens) - 1) if k > start]
+            checkpoints = sorted({k for k in (history_end, n_prompt - 1) if match.depth < k < n_prompt})
+        deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
+        return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
+                        start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
+                        history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline)
 
-        stopper = StopMatcher(job.stop)
-        detok = self.loaded.tokenizer.detokenizer
-        detok.reset()
-        generated: list[int] = []
-        visible: list[str] = []
-        finish = "length"
-        aborted = False
-        watchdog = False
-
+    def _should_stop(self, seq: Sequence) -> Callable[[], bool]:
         def should_stop() -> bool:
-            nonlocal watchdog
-            if deadline is not None and time.perf_counter() > deadline:
-                watchdog = True
+            if seq.deadline is not None and time.perf_counter() > seq.deadline:
+                seq.watchdog = True
                 return True
-            return job.is_cancelled()
+            return seq.job.is_cancelled()
+        return should_stop
 
-        remaining = prep.model_tokens[start:]
+    def run(self, job: ChatJob) -> ChatOutcome:
+        """The whole request on the calling (inference) thread."""
+        seq = self.start(job)
+        should_stop = self._should_stop(seq)
         try:
-            logits = self.prefill(work, prep, start, lambda cache: pre_gen_snapshot.append(capture(cache)),
-                                  checkpoints, should_stop)
+            logits = self.prefill(seq.live, seq.prep, seq.start, lambda live: seq.snapshots.append(capture(live)),
+                                  [k - seq.start for k in seq.checkpoints], should_stop)
         except Aborted:
             logits = None
-        t_first = time.perf_counter()
+        seq.t_first = time.perf_counter()
+        if logits is not None:
+            self._decode(seq, logits, should_stop)
+        seq.t_end = time.perf_counter()
+        return self.finish(seq)
 
-        stop_ids = job.params.stop_token_ids | self.stop_ids
-        params = replace(job.params, stop_token_ids=stop_ids)
-        stopped_by_string = False
-        tokens = decode(self.decode_model, work, logits, prep.model_tokens, params, should_stop) if logits is not None else ()
-        for tok in tokens:
-            generated.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
+    def _decode(self, seq: Sequence, logits: Any, should_stop: Callable[[], bool]) -> None:
+        params = seq.params
+        if params.max_tokens <= 0:
+            return
+        stopper = StopMatcher(seq.job.stop)
+        detok = self.loaded.tokenizer.detokenizer
+        detok.reset()
+        seq.sampler = Sampler(params, seq.prep.model_tokens, self._logit_width(logits))
+        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, params, should_stop,
+                          sampler=seq.sampler):
+            seq.generated.append(tok)
+            if tok in params.stop_token_ids:
+                seq.finish_reason = "stop"
                 break
             detok.add_token(tok)
             out, hit = stopper.push(detok.last_segment)
             if out:
-                visible.append(out)
-                job.emit(out)
+                seq.visible.append(out)
+                seq.job.emit(out)
             if hit:
-                finish, stopped_by_string = "stop", True
+                seq.finish_reason, seq.stopped_by_string = "stop", True
                 break
-        if watchdog:
-            aborted, finish = True, "length"
-            st.counters.bump("watchdog_aborts")
-        elif job.is_cancelled():
-            aborted, finish = True, "cancelled"
-            st.counters.bump("disconnects")
-        if not stopped_by_string and not aborted:
+        if not seq.stopped_by_string and not (seq.watchdog or seq.job.is_cancelled()):
             detok.finalize()
             out, hit = stopper.push(detok.last_segment)
             tail = out if hit else out + stopper.flush()
             if tail:
-                visible.append(tail)
-                job.emit(tail)
-        t_end = time.perf_counter()
+                seq.visible.append(tail)
+                seq.job.emit(tail)
 
-        raw_ids = [t for t in generated if t not in stop_ids]
+    def _logit_width(self, logits: Any) -> int:
+        return int(logits.shape[-1])
+
+    def finish(self, seq: Sequence) -> ChatOutcome:
+        """Close the turn, store what the KV holds, record the request. Never raises because
+        of a cache kind: a failed store is logged and counted, the reply still goes out."""
+        st = self.state
+        prep, job = seq.prep, seq.job
+        aborted = False
+        if seq.watchdog:
+            aborted, seq.finish_reason = True, "length"
+            st.counters.bump("watchdog_aborts")
+        elif job.is_cancelled():
+            aborted, seq.finish_reason = True, "cancelled"
+            st.counters.bump("disconnects")
+        stop_ids = seq.params.stop_token_ids
+        raw_ids = [t for t in seq.generated if t not in stop_ids]
         raw_text = self.loaded.tokenizer.decode(raw_ids)
+        visible = "".join(seq.visible)
         if not aborted and st.prompt_cache.enabled:
-            continuation = self._close_turn(work, prep, generated, raw_ids, job)
-            self._store(prep, session.session_id, match, work, continuation, pre_gen_snapshot)
+            try:
+                continuation = self._close_turn(seq, raw_ids)
+                self._store(seq, continuation)
+            except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
+                log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
+                              job.request_id, st.layout.describe())
+                st.counters.bump("store_failures")
         if not aborted:
-            st.turns.update(session.session_id, prep.canonical)
-            self._remember_reply(job, prep, raw_text, "".join(visible), thinking_started)
+            st.turns.update(seq.session.session_id, prep.canonical)
+            self._remember_reply(seq, raw_text, visible)
 
-        prefill_s = t_first - t_prep
-        decode_s = t_end - t_first
+        if not seq.t_first:
+            seq.t_first = seq.t_end = time.perf_counter()
+        prefill_s = seq.t_first - seq.t_prep
+        decode_s = seq.t_end - seq.t_first
+        remaining = len(prep.model_tokens) - seq.start
         outcome = ChatOutcome(
-            text="".join(visible), raw_text=raw_text, finish_reason=finish,
-            prompt_tokens=len(prep.model_tokens), cached_tokens=match.depth,
-            completion_tokens=len(generated), match_type=match.match_type if match.hit else "miss",
-            thinking_started=thinking_started,
-            session_id=session.session_id, aborted=aborted,
+            text=visible, raw_text=raw_text, finish_reason=seq.finish_reason,
+            prompt_tokens=len(prep.model_tokens), cached_tokens=seq.start,
+            completion_tokens=len(seq.generated), match_type=seq.match.match_type if seq.match.hit else "miss",
+            thinking_started=seq.thinking_started, session_id=seq.session.session_id, aborted=aborted,
+            logprobs=self._logprobs(seq),
             timings={
-                "prepare_ms": round((t_prep - t0) * 1000, 2),
-                "ttft_s": round(t_first - t0, 4),
+                "prepare_ms": round((seq.t_prep - seq.t0) * 1000, 2),
+                "ttft_s": round(seq.t_first - seq.t0, 4),
                 "prefill_s": round(prefill_s, 4),
-                "prefill_tok_s": round(len(remaining) / prefill_s, 1) if prefill_s > 0 else 0.0,
-                "decode_tok_s": round(len(generated) / decode_s, 1) if decode_s > 0 and generated else 0.0,
-                "total_s": round(t_end - t0, 4),
-                "prefilled_tokens": len(remaining),
-                "stable_prefix_msgs": stable_msgs,
+                "prefill_tok_s": round(remaining / prefill_s, 1) if prefill_s > 0 else 0.0,
+                "decode_tok_s": round(len(seq.generated) / decode_s, 1) if decode_s > 0 and seq.generated else 0.0,
+                "total_s": round(seq.t_end - seq.t0, 4),
+                "prefilled_tokens": remaining,
+                "stable_prefix_msgs": seq.stable_msgs,
                 "key_delta_chars": prep.key_delta_chars,
             },
         )
         st.record(job, outcome, prep)
         return outcome
 
-    def _remember_reply(self, job: ChatJob, prep: PreparedPrompt, raw_text: str, visible: str,
-                        thinking_started: bool) -> None:
-        """Healing store: the reply as the client will see it -> the text as generated."""
+    def _logprobs(self, seq: Sequence) -> list[dict] | None:
+        """OpenAI ``logprobs.content`` entries for the tokens the client sees (stop tokens excluded)."""
+        if not seq.params.logprobs or seq.sampler is None:
+            return None
+        tok = self.loaded.tokenizer
+        out = []
+        for token, lp in zip(seq.generated, seq.sampler.logprobs):
+            if token in seq.params.stop_token_ids:
+                break
+            text = tok.decode([token])
+            entry = {"token": text, "logprob": float(lp.logprob.item()), "bytes": list(text.encode("utf-8")),
+                     "top_logprobs": []}
+            if lp.top_ids is not None:
+                for tid, val in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist()):
+                    t = tok.decode([tid])
+                    entry["top_logprobs"].append({"token": t, "logprob": float(val), "bytes": list(t.encode("utf-8"))})
+            out.append(entry)
+        return out
+
+    def _remember_reply(self, seq: Sequence, raw_text: str, visible: str) -> None:
+        """Healing store: the reply as the client will see it -> the text as generated. A reply a
+        client stop string cut is remembered only up to the cut (the client never saw the rest)."""
         healing = self.state.healing
         if healing is None:
             return
-        parsed = split_output(visible, thinking_started=thinking_started, tools=job.tools, family=self.loaded.family)
-        extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
-        healing.remember(history_digest(prep.canonical), parsed.content, parsed.tool_calls, extra + raw_text)
+        from ..parsing.output import split_reply
+        from ..pipeline.healing import history_digest
 
-    def _close_turn(self, work: list[Any], prep: PreparedPrompt, generated: list[int], content_ids: list[int],
-                    job: ChatJob) -> list[int]:
+        job = seq.job
+        parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=job.tools, family=self.loaded.family)
+        generated = visible if seq.stopped_by_string else raw_text
+        extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
+        healing.remember(history_digest([healing.view(m) for m in seq.prep.original]), parsed.content,
+                         parsed.tool_calls, extra + generated)
+
+    def _close_turn(self, seq: Sequence, content_ids: list[int]) -> list[int]:
         """Feed what the next turn is certain to contain after this reply: the last sampled
         token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
 
         Returns the tokens the KV now holds after the prompt. Correctness never depends on this
-        guess -- reuse is still accepted only up to the token LCP -- but it is what lets a
-        hybrid (exact-depth) cache continue straight into the next turn.
+        guess -- reuse is still accepted only up to the token LCP -- but it is what lets an
+        exact-depth cache (recurrent state, a rotated window) continue straight into the next turn.
         """
-        fed = kv_offset(work) - len(prep.model_tokens)
-        closer = self.renderer.assistant_closer(job.enable_thinking)
-        target = content_ids + (encode(self.loaded.tokenizer, closer) if closer else [])
-        in_kv = generated[:fed]
+        live, prep, generated = seq.live, seq.prep, seq.generated
+        fed = live.depth - len(prep.model_tokens)
         if fed < 0 or fed > len(generated):
             raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(generated)} were sampled")
+        in_kv = generated[:fed]
+        if seq.stopped_by_string:
+            return in_kv  # the client never sees the rest: the next turn will not contain it
+        closer = self.renderer.assistant_closer(seq.job.enable_thinking)
+        target = content_ids + (encode(self.loaded.tokenizer, closer) if closer else [])
+        if len(prep.model_tokens) + len(target) > self.context_limit:
+            return in_kv  # no room left in the window to close the turn
         if in_kv != target[:fed]:
             # A stop token the re-rendered history will not contain (e.g. <|endoftext|> where the
-            # template closes turns with <|im_end|>): drop it if the cache can be trimmed.
+            # template closes turns with <|im_end|>): drop it if the cache can be cut back.
             keep = lcp(in_kv, target[:fed])
-            if not is_trimmable(work):
+            if live.floor > len(prep.model_tokens) + keep:
                 return in_kv
-            trim_prompt_cache(work, fed - keep)
+            live.cut(len(prep.model_tokens) + keep)
             fed = keep
-        feed(self.decode_model, work, target[fed:], self.settings.prefill_step_size)
+        feed(self.decode_model, live, target[fed:], self.settings.prefill_step_size)
         return target
 
-    def _store(self, prep: PreparedPrompt, session_id: str, match: MatchResult, work: list[Any],
-               continuation: list[int], pre_gen_snapshot: list[Any]) -> None:
+    def _store(self, seq: Sequence, continuation: list[int]) -> None:
         st = self.state
+        prep, match, session_id = seq.prep, seq.match, seq.session.session_id
         parent = match.entry.session_id if match.hit else None
         all_model = prep.model_tokens + continuation
-        state = capture(work)
-        depth = state.offset
+        state = capture(seq.live)
+        depth = state.depth
         extra = max(0, depth - len(prep.model_tokens))
         key = prep.key_tokens + continuation[:extra]
-        pool = POOL_KV if state.trimmable else POOL_SNAPSHOT
-        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes,
-                                       trimmable=state.trimmable, pool=pool, session_id=session_id)
+        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes, floor=state.floor,
+                                       pool=POOL_KV, session_id=session_id)
         if entry is not None:
             st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
-        for snap in pre_gen_snapshot:
-            snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.offset), prep.model_tokens[:snap.offset], snap,
-                                                nbytes=snap.nbytes, trimmable=False, pool=POOL_SNAPSHOT,
+        for snap in seq.snapshots:
+            if state.can_serve(snap.depth):
+                continue  # the turn's own entry serves this depth: no copy needed
+            snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth],
+                                                snap, nbytes=snap.nbytes, floor=snap.floor, pool=POOL_SNAPSHOT,
                                                 session_id=session_id)
             if snap_entry is not None:
                 st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)
+
+
+def lcp_text(a: str, b: str) -> int:
+    """Length of the common prefix of two strings (binary search over C-level slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

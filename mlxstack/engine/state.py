@@ -15,6 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
+from ..cache.kv_ops import LiveCache
+from ..cache.layer_kinds import CacheLayout
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
@@ -27,14 +29,18 @@ log = logging.getLogger("mlxstack.request")
 
 
 class EngineState:
-    def __init__(self, settings: Settings, model_id: str, template_source: str = "") -> None:
+    def __init__(self, settings: Settings, model_id: str, template_source: str = "",
+                 layout: CacheLayout | None = None) -> None:
         self.settings = settings
         self.counters = CacheCounters()
         budget = settings.prompt_cache_max_bytes or default_cache_budget()
         self.cache_budget = budget
+        # A cache class we do not understand is never stored half-understood: prefix caching
+        # is switched off for that model (logged once at load), and serving goes on.
+        self.layout = layout or CacheLayout(("kv",))
         config = PromptCacheConfig(
             block_size=settings.prompt_cache_block_size,
-            max_entries=settings.prompt_cache_max_entries_global,
+            max_entries=settings.prompt_cache_max_entries_global if self.layout.supported else 0,
             max_bytes=budget,
             ttl_seconds=settings.prompt_cache_ttl_seconds,
             use_block_index=settings.cache_use_block_index,
@@ -46,22 +52,22 @@ class EngineState:
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
-        self.healing = HealingStore(settings.healing_store_max_entries, self._canonical_one) if settings.healing_store else None
+        self.healing = HealingStore(settings.healing_store_max_entries, self._healing_view) if settings.healing_store else None
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
 
-    def _canonical_one(self, message: dict) -> Any:
-        s = self.settings
-        return canonicalize_messages([message], enabled=s.cache_canonicalize_tool_context,
-                                     strip_billing_header=s.strip_billing_header)[1][0]
+    def _healing_view(self, message: dict) -> Any:
+        """The message as the model will see it (billing line dropped, nothing normalised): healing
+        is bound to the exact history, never to a canonical one two conversations can share."""
+        return canonicalize_messages([message], enabled=False, strip_billing_header=self.settings.strip_billing_header)[0][0]
 
     def heal(self, messages: list[dict]) -> list[dict]:
         return self.healing.heal(messages) if self.healing is not None else messages
 
-    def new_cache(self, model: Any) -> list[Any]:
-        return make_prompt_cache(model)
+    def new_cache(self, model: Any) -> LiveCache:
+        return LiveCache(make_prompt_cache(model), 0)
 
     def _on_evict(self, entry: CacheEntry, reason: str) -> None:
         self.sessions.forget_entry(entry.entry_id)
@@ -109,6 +115,8 @@ class EngineState:
             rows = list(self.rows)
         return {
             "enabled": pc.enabled,
+            "cache_layout": self.layout.describe(),
+            "unsupported_cache_classes": list(self.layout.unknown),
             "entries": len(entries),
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
             "tokens": sum(e.depth for e in entries),

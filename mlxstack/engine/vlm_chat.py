@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.kv_ops import kv_offset
+from ..cache.kv_ops import LiveCache, kv_offset
 from ..cache.prompt_cache import MISS, MatchResult
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.images import (
@@ -49,7 +49,7 @@ from ..pipeline.images import (
 from ..pipeline.render import ChatRenderer, content_text, encode
 from ..pipeline.scrub import scrub_cache_key
 from .chat import ChatEngine, ChatJob, PreparedPrompt
-from ..runtime.generate import Aborted
+from ..runtime.generate import Aborted, cache_arrays
 from ..runtime.mlx_stream import generation_stream
 
 log = logging.getLogger("mlxstack.request")
@@ -175,14 +175,16 @@ class VLMChatEngine(ChatEngine):
     def _expanded(self, text: str, prep: PreparedPrompt) -> list[int]:
         return expand_image_pads(encode(self.loaded.tokenizer, text), self.image_pad_id, prep.extras["counts"])
 
-    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
-        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
-        return self._expanded(text, prep)
+    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
+        text = self._render_prefix(messages, job)
+        return None if text is None else self._expanded(text, prep)
 
-    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int]:
+    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
         """Images expanded and marked, so two sessions that open with different images get
         different implicit ids."""
-        text = self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
+        text = self._render_prefix(messages, job)
+        if text is None:
+            return None
         tokens = self._expanded(scrub_cache_key(text), prep)
         n = len(image_pad_runs(tokens, self.image_pad_id))
         if n and self.settings.cache_vlm_image_identity:
@@ -202,8 +204,8 @@ class VLMChatEngine(ChatEngine):
     def decode_model(self) -> Any:
         return self._decoder
 
-    def new_cache(self) -> list[Any]:
-        return make_prompt_cache(self.lm)
+    def new_cache(self) -> LiveCache:
+        return LiveCache(make_prompt_cache(self.lm), 0)
 
     def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
         """Never reuse KV for an image unless the entry saw the same image, never cut inside one."""
@@ -231,12 +233,12 @@ class VLMChatEngine(ChatEngine):
                 return MISS
         if depth == match.depth:
             return match
-        if depth <= 0 or not entry.trimmable:
+        if depth <= 0 or depth < entry.floor:
             return MISS
         return match._replace(depth=depth, match_type="lcp")
 
-    def prefill(self, work: list[Any], prep: PreparedPrompt, start: int,
-                checkpoint: Callable[[list[Any]], None], at: list[int],
+    def prefill(self, work: LiveCache, prep: PreparedPrompt, start: int,
+                checkpoint: Callable[[LiveCache], None], at: list[int],
                 should_stop: Callable[[], bool] | None = None) -> Any:
         tokens = prep.model_tokens
         n = len(tokens)
@@ -258,12 +260,14 @@ class VLMChatEngine(ChatEngine):
                     raise Aborted("prefill abandoned")
                 with mx.stream(generation_stream()):
                     kwargs = {} if positions is None else {"position_ids": positions[..., a:b]}
-                    out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work, **kwargs)
+                    out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work.layers,
+                                  **kwargs)
+                    work.advance(b - a)
                     if b == n:
                         logits = out.logits[:, -1, :].astype(mx.float32).squeeze(0)
                         mx.eval(logits)
                     else:
-                        mx.eval([c.state for c in work])
+                        mx.eval(cache_arrays(work))
             done = stop
             if stop < n:
                 checkpoint(work)

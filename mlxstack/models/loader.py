@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 
 from ..config.settings import Settings
+from .context import context_window
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 from .vlm_loader import is_vlm_config, load_vlm
@@ -100,7 +101,8 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     model, tokenizer = mlx_load(str(path))
     if settings.cpu_float32 and is_cpu_only() and upcast_for_cpu(model):
         say("CPU: weights upcast to float32 for BLAS prefill")
-    context = int(config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings") or 8192)
+    context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
+                             settings.max_kv_size)
     return LoadedModel(
         model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
         family=detect_family(config, str(path), settings.model_family), context_length=context,

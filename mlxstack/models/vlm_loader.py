@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .context import context_window
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 
@@ -74,10 +75,11 @@ def load_vlm(path: Path, name: str, config: dict, settings: Any):
                              f"check that mlx-vlm supports model_type {config.get('model_type')!r}") from None
     if getattr(settings, "cpu_float32", False) and is_cpu_only():
         upcast_for_cpu(model)
-    text_config = config.get("text_config", {}) or {}
-    context = int(config.get("max_position_embeddings") or text_config.get("max_position_embeddings") or 8192)
+    tokenizer = _text_tokenizer(processor, path, config)
+    context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
+                             getattr(settings, "max_kv_size", 0))
     return LoadedModel(
-        model=model, tokenizer=_text_tokenizer(processor, path, config), model_id=name, path=path,
+        model=model, tokenizer=tokenizer, model_id=name, path=path,
         config=config, family=detect_family(config, str(path), getattr(settings, "model_family", "auto")),
         context_length=context, is_vlm=True, processor=processor,
     )

@@ -7,12 +7,14 @@ original back in, so the rendered prompt equals the tokens already in the KV cac
 is a hit instead of a re-prefill. The key uses parsed tool-call arguments, so clients that
 re-serialise JSON (LiteLLM's Anthropic translation writes ``{"path": "a"}``) still match.
 
-The key also binds the reply to the canonical history that preceded it (a running digest), so
+The key also binds the reply to the exact history that preceded it (a running digest over the
+messages as the client sent them; only Claude Code's per-request billing line is left out), so
 a stripped reply that is empty or generic ("" when all output was reasoning, "OK") is only ever
-healed in the conversation that produced it, never in another one.
+healed in the conversation that produced it -- never in another one, not even one that differs
+only in a block the cache key normalises away.
 
-    store = HealingStore(max_entries=2000, canonical=lambda m: m)
-    store.remember(history_digest(canonical_messages), content, tool_calls, healed_text)
+    store = HealingStore(max_entries=2000, view=lambda m: m)
+    store.remember(history_digest([store.view(m) for m in messages]), content, tool_calls, healed_text)
     messages = store.heal(messages)
 """
 from __future__ import annotations
@@ -44,15 +46,15 @@ def _call_parts(call: Any) -> tuple[str, str]:
 EMPTY_DIGEST = hashlib.sha256(b"mlxstack-history").hexdigest()
 
 
-def extend_digest(digest: str, canonical_message: Any) -> str:
-    """Running digest of a canonical message list (order-sensitive, chained)."""
-    blob = json.dumps(canonical_message, sort_keys=True, ensure_ascii=False, default=str)
+def extend_digest(digest: str, message: Any) -> str:
+    """Running digest of a message list (order-sensitive, chained)."""
+    blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.sha256((digest + "\x00" + blob).encode()).hexdigest()
 
 
-def history_digest(canonical_messages: Sequence[Any]) -> str:
+def history_digest(messages: Sequence[Any]) -> str:
     digest = EMPTY_DIGEST
-    for m in canonical_messages:
+    for m in messages:
         digest = extend_digest(digest, m)
     return digest
 
@@ -65,9 +67,9 @@ def healing_key(history: str, content: Any, tool_calls: Sequence[Any] | None) ->
 
 
 class HealingStore:
-    def __init__(self, max_entries: int = 2000, canonical: Callable[[dict], Any] = lambda m: m) -> None:
+    def __init__(self, max_entries: int = 2000, view: Callable[[dict], Any] = lambda m: m) -> None:
         self.max_entries = max_entries
-        self.canonical = canonical  # one message -> its canonical form (same as the cache key's)
+        self.view = view  # one message -> the form the history digest covers (exact, billing line dropped)
         self._items: "OrderedDict[str, str]" = OrderedDict()
         self._lock = threading.Lock()
         self.healed = 0
@@ -107,7 +109,7 @@ class HealingStore:
                     with self._lock:
                         self.healed += 1
             out.append(m)
-            digest = extend_digest(digest, self.canonical(m))
+            digest = extend_digest(digest, self.view(m))
         return out
 
     def __len__(self) -> int:

@@ -155,17 +155,22 @@ class ChatRenderer:
         tokens, so a healed assistant turn must start with it to re-render identically."""
         return self._assistant_shape(enable_thinking)[0]
 
+    def generation_suffix(self, enable_thinking: bool) -> str:
+        """All the text the generation prompt appends after the last message
+        (``<|im_start|>assistant\n<think>\n``): the template's opener plus ``generation_extra``."""
+        return self._assistant_shape(enable_thinking)[2]
+
     def assistant_closer(self, enable_thinking: bool) -> str:
         """Text the template writes right after an assistant turn's content (e.g.
         ``<|im_end|>\n``): the next turn's prompt is certain to contain it after the reply."""
         return self._assistant_shape(enable_thinking)[1]
 
-    def _assistant_shape(self, enable_thinking: bool) -> tuple[str, str]:
+    def _assistant_shape(self, enable_thinking: bool) -> tuple[str, str, str]:
         if enable_thinking not in self._shape:
             self._shape[enable_thinking] = self._probe_assistant_shape(enable_thinking)
         return self._shape[enable_thinking]
 
-    def _probe_assistant_shape(self, enable_thinking: bool) -> tuple[str, str]:
+    def _probe_assistant_shape(self, enable_thinking: bool) -> tuple[str, str, str]:
         marker = "\u2063PROBE\u2063"
         history = [{"role": "user", "content": "probe"}]
         try:
@@ -176,9 +181,9 @@ class ChatRenderer:
             after = self.render(history + [{"role": "assistant", "content": marker}], None, enable_thinking,
                                 add_generation_prompt=False)
         except TemplateError:
-            return "", ""
+            return "", "", ""
         if not (gen.startswith(base) and probe.startswith(base) and marker in probe and after.startswith(base)):
-            return "", ""
+            return "", "", gen[len(base):] if gen.startswith(base) else ""
         opener = probe[len(base):probe.index(marker)]
         tail = gen[len(base):]
         extra = tail[len(opener):] if tail.startswith(opener) else ""
@@ -186,7 +191,7 @@ class ChatRenderer:
         close_last = after[after.index(marker) + len(marker):]
         close_mid = probe[probe.index(marker) + len(marker):]
         closer = close_last if close_mid.startswith(close_last) else ""
-        return extra, closer
+        return extra, closer, tail
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -1,62 +1,73 @@
-"""Prefill and decode on an explicit cache: the one generation loop every request uses.
+"""Prefill and decode on an explicit ``LiveCache``: the one generation loop every request uses.
 
-    logits = prefill(model, cache, tokens[P:], step=512)          # feeds all but nothing more
-    for tok in decode(model, cache, logits, history, params):      # yields token ids
+    logits = prefill(model, live, tokens[P:], step=512)              # live.depth grows by len
+    for tok in decode(model, live, logits, history, params):          # yields token ids
         ...
 
 Unlike ``mlx_lm.generate_step``, the repetition penalty sees the *whole* history (cached prefix
-included), so a cache hit never changes sampling, and the caller can checkpoint the cache right
-before the last prompt token is fed (the pre-generation snapshot for hybrid models).
+included), so a cache hit never changes sampling; the caller can checkpoint the cache at chosen
+positions of the prompt (snapshots for caches that cannot be cut back later); and sampling
+state is per request (runtime/sampling.py), never MLX's global random state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
+from mlx.utils import tree_flatten
 
+from ..cache.kv_ops import LiveCache
 from .mlx_stream import generation_stream
+from .sampling import Sampler, SamplingParams
 
-
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repetition_context_size: int = 256
-    max_tokens: int = 256
-    seed: int | None = None
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+__all__ = ["Aborted", "SamplingParams", "Sampler", "feed", "last_logits", "prefill", "decode", "cache_arrays"]
 
 
 class Aborted(RuntimeError):
     """The caller's abort check fired between prefill chunks (watchdog or disconnect)."""
 
 
-def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int], step: int,
-         should_stop: Callable[[], bool] | None = None) -> None:
-    """Run ``tokens`` through the model into ``cache`` in chunks (no logits kept).
+def cache_arrays(live: LiveCache) -> list[Any]:
+    """Every mx array the live cache holds (for mx.eval after a chunk)."""
+    out = []
+    for layer in live.layers:
+        out += [v for _, v in tree_flatten(layer.state) if isinstance(v, mx.array)]
+    return out
 
-    ``should_stop`` is checked between chunks (never mid-eval): a long prefill can be abandoned.
+
+def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
+         should_stop: Callable[[], bool] | None = None,
+         boundary: Callable[[LiveCache], int | None] | None = None) -> None:
+    """Run ``tokens`` through the model into ``live`` in chunks of at most ``step`` (no logits kept).
+
+    ``should_stop`` is checked between chunks (never mid-eval), so a long prefill can be
+    abandoned; ``boundary(live)`` may name an absolute depth a chunk must not cross (a chunk is
+    cut there, e.g. where the KV cache switches to quantised storage).
     """
     with mx.stream(generation_stream()):
-        for start in range(0, len(tokens), step):
-            if should_stop is not None and start and should_stop():
+        pos = 0
+        while pos < len(tokens):
+            if should_stop is not None and pos and should_stop():
                 raise Aborted("prefill abandoned")
-            chunk = mx.array(list(tokens[start:start + step]), dtype=mx.int32)[None]
-            model(chunk, cache=cache)
-            mx.eval([c.state for c in cache])
+            n = min(step, len(tokens) - pos)
+            if boundary is not None:
+                stop_at = boundary(live)
+                if stop_at is not None and live.depth < stop_at < live.depth + n:
+                    n = stop_at - live.depth
+            chunk = mx.array(list(tokens[pos:pos + n]), dtype=mx.int32)[None]
+            model(chunk, cache=live.layers)
+            live.advance(n)
+            mx.eval(cache_arrays(live))
+            pos += n
     mx.clear_cache()
 
 
-def last_logits(model: nn.Module, cache: list[Any], token: int) -> mx.array:
+def last_logits(model: nn.Module, live: LiveCache, token: int) -> mx.array:
     """Feed one token and return its next-token logits (float32, shape [vocab])."""
     with mx.stream(generation_stream()):
-        logits = model(mx.array([[token]], dtype=mx.int32), cache=cache)[:, -1, :]
+        logits = model(mx.array([[token]], dtype=mx.int32), cache=live.layers)[:, -1, :]
+        live.advance(1)
         logits = logits.astype(mx.float32).squeeze(0)
         mx.eval(logits)
     return logits
@@ -64,16 +75,17 @@ def last_logits(model: nn.Module, cache: list[Any], token: int) -> mx.array:
 
 def prefill(
     model: nn.Module,
-    cache: list[Any],
+    live: LiveCache,
     tokens: Sequence[int],
     step: int = 512,
-    checkpoint: Callable[[list[Any]], None] | None = None,
+    checkpoint: Callable[[LiveCache], None] | None = None,
     at: Sequence[int] = (),
     should_stop: Callable[[], bool] | None = None,
+    boundary: Callable[[LiveCache], int | None] | None = None,
 ) -> mx.array:
     """Feed ``tokens`` (>= 1) and return the logits after the last one.
 
-    ``checkpoint(cache)`` runs whenever the fed count reaches a position in ``at`` (0 < k < len),
+    ``checkpoint(live)`` runs whenever the fed count reaches a position in ``at`` (0 < k < len),
     e.g. the end of the last history message (a point the next turn will extend) or
     ``len(tokens) - 1``: the cache then covers exactly ``tokens[:k]``.
     """
@@ -81,58 +93,47 @@ def prefill(
         raise ValueError("prefill needs at least one token")
     done = 0
     for k in sorted({k for k in at if 0 < k < len(tokens)}):
-        feed(model, cache, tokens[done:k], step, should_stop)
+        feed(model, live, tokens[done:k], step, should_stop, boundary)
         done = k
         if checkpoint is not None:
-            checkpoint(cache)
-    feed(model, cache, tokens[done:-1], step, should_stop)
-    return last_logits(model, cache, tokens[-1])
+            checkpoint(live)
+    feed(model, live, tokens[done:-1], step, should_stop, boundary)
+    return last_logits(model, live, tokens[-1])
 
 
 def decode(
     model: nn.Module,
-    cache: list[Any],
+    live: LiveCache,
     first_logits: mx.array,
     history: Sequence[int],
     params: SamplingParams,
     should_stop: Callable[[], bool] = lambda: False,
+    sampler: Sampler | None = None,
+    vocab_size: int | None = None,
+    on_step: Callable[[LiveCache], None] | None = None,
 ) -> Iterator[int]:
     """Yield sampled token ids until max_tokens, a stop token, or ``should_stop()``.
 
     As in mlx-lm, step n+1 is built from the still-lazy token n and dispatched *before* token n
     is read back, so graph construction overlaps computation. The cache can therefore hold one
-    token more than was consumed (a stop token, or the token before an abort): callers read the
-    physical offset from the cache rather than counting.
+    token more than was consumed (a stop token, or the token before an abort): ``live.depth``
+    counts what was fed, callers never assume it equals what was yielded.
     """
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(params.temperature, params.top_p, params.min_p, 1, params.top_k)
-    penalty = (
-        make_repetition_penalty(params.repetition_penalty, params.repetition_context_size)
-        if params.repetition_penalty and params.repetition_penalty != 1.0 else None
-    )
-    ctx = params.repetition_context_size
+    if sampler is None:
+        sampler = Sampler(params, history, vocab_size or int(first_logits.shape[-1]))
     stream = generation_stream()
-    # The penalty window stays an mx array so the next step can be built before y is known.
-    window = mx.array(list(history[-ctx:]), dtype=mx.int32) if penalty is not None else None
-
-    def sample(logits: mx.array) -> mx.array:
-        logits = logits[None] if logits.ndim == 1 else logits
-        if penalty is not None and window is not None and window.size:
-            logits = penalty(window, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs)
 
     def step(tok: mx.array) -> mx.array:
-        nonlocal window
         with mx.stream(stream):
-            if window is not None:
-                window = mx.concatenate([window, tok.reshape(-1).astype(mx.int32)])[-ctx:]
-            logits = model(tok.reshape(1, 1), cache=cache)[:, -1, :]
-            return sample(logits)
+            sampler.accept(tok)
+            if on_step is not None:
+                on_step(live)
+            logits = model(tok.reshape(1, 1), cache=live.layers)[:, -1, :]
+            live.advance(1)
+            return sampler.sample(logits)
 
     with mx.stream(stream):
-        y = sample(first_logits)
+        y = sampler.sample(first_logits)
     mx.async_eval(y)
     produced = 0
     while True:

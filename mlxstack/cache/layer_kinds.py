@@ -1,0 +1,425 @@
+"""One interface for every per-layer cache kind mlx-lm and mlx-vlm build.
+
+Each kind answers the same few verbs (the way mlx-lm's ``models/cache.py`` gives every cache
+``state`` / ``meta_state`` / ``is_trimmable`` / ``trim`` / ``nbytes`` / ``from_state``):
+
+    kind = kind_of(layer)                    # None: a class we do not understand
+    kind.depth(layer)                         # tokens the layer holds (None: recurrent, unknown)
+    kind.floor(layer, depth)                  # smallest depth it can still be cut back to
+    state = kind.capture(layer, depth)        # immutable LayerState cut to ``depth``
+    layer2 = kind.checkout(state, d)          # fresh object of the same class, same parameters
+    kind.cut(layer, depth, d)                 # cut a live layer back to d (floor <= d <= depth)
+    arrays, meta = kind.dump(state)           # flat arrays + JSON meta (the disk tier's form)
+    state = kind.load(arrays, meta, cls)      # the inverse
+
+What each kind can serve (``floor``):
+- ``KVCache`` / ``QuantizedKVCache``: any depth <= stored (floor 0).
+- ``RotatingKVCache``: any depth while nothing has rotated out (every token since 0 still held,
+  in order); after that only its exact depth.
+- ``ChunkedKVCache`` (llama4): depths whose attention chunk starts at or after the first token
+  it still holds, i.e. ``d >= ceil(start_position / chunk) * chunk``; never before. (mlx-lm's
+  own ``trim`` clamps silently there, so it is never used.)
+- ``ArraysCache`` (SSM / conv state): exact depth only.
+- ``CacheList``: the depths all its members can serve.
+
+Checkout never aliases a stored array: slice assignment (``keys[..., a:b, :] = k``) rewrites
+the Python array object it is applied to, so every array handed to a live cache is a new
+object made by indexing (LESSONS.md §2).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+
+@dataclass(slots=True, frozen=True)
+class LayerState:
+    """An immutable copy of one layer's cache, cut to ``depth`` tokens."""
+    kind: str                          # registry name: kv | quantized | rotating | chunked | arrays | list
+    cls: type                          # the exact class checkout rebuilds (mlx-lm's or mlx-vlm's)
+    arrays: tuple[Any, ...]            # kind-specific order; None allowed (an unset state slot)
+    params: tuple[tuple[str, int], ...]  # constructor parameters and positions (max_size, keep, idx, ...)
+    depth: int
+    floor: int                         # smallest depth this state can serve
+    children: tuple["LayerState", ...] = ()
+
+    def param(self, name: str) -> int:
+        return dict(self.params)[name]
+
+    @property
+    def nbytes(self) -> int:
+        own = sum(_nbytes(a) for a in self.arrays)
+        return own + sum(c.nbytes for c in self.children)
+
+
+def _nbytes(a: Any) -> int:
+    if a is None:
+        return 0
+    if isinstance(a, (tuple, list)):
+        return sum(_nbytes(x) for x in a)
+    return int(a.nbytes)
+
+
+def _fresh(a: Any) -> Any:
+    """A new Python array object over the same value (never the stored object itself)."""
+    if a is None:
+        return None
+    if isinstance(a, (tuple, list)):
+        return type(a)(_fresh(x) for x in a)
+    return a[...]
+
+
+def _cut_tokens(a: Any, n: int) -> Any:
+    """First ``n`` positions along the token axis (-2) of an array or a quantized triple."""
+    if isinstance(a, (tuple, list)):
+        return tuple(x[..., :n, :] for x in a)
+    return a[..., :n, :]
+
+
+class CacheKind:
+    """Base of every kind: subclasses fill in the verbs for their layer layout."""
+    name = ""
+    class_names: tuple[str, ...] = ()
+    always_trimmable = False   # every reachable state has floor 0 (no checkpoints needed)
+
+    def matches(self, layer: Any) -> bool:
+        cls = type(layer)
+        return cls.__name__ in self.class_names and cls.__module__.startswith(("mlx_lm.", "mlx_vlm."))
+
+    def depth(self, layer: Any) -> int | None:
+        off = getattr(layer, "offset", None)
+        return None if off is None else int(off)
+
+    def floor(self, layer: Any, depth: int) -> int:
+        raise NotImplementedError
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        raise NotImplementedError
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        raise NotImplementedError
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        raise NotImplementedError
+
+    # ---- serialisable form: named arrays + JSON-able meta (the disk tier stores these)
+    def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
+        arrays: dict[str, Any] = {}
+        for i, a in enumerate(state.arrays):
+            if isinstance(a, (tuple, list)):
+                for j, x in enumerate(a):
+                    arrays[f"{i}.{j}"] = x
+            elif a is not None:
+                arrays[str(i)] = a
+        shape = ["t" if isinstance(a, (tuple, list)) else ("n" if a is None else "a") for a in state.arrays]
+        meta = {"kind": self.name, "slots": shape, "params": dict(state.params),
+                "depth": state.depth, "floor": state.floor}
+        return arrays, meta
+
+    def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
+        slots: list[Any] = []
+        for i, s in enumerate(meta["slots"]):
+            if s == "n":
+                slots.append(None)
+            elif s == "a":
+                slots.append(arrays[str(i)])
+            else:
+                j, parts = 0, []
+                while f"{i}.{j}" in arrays:
+                    parts.append(arrays[f"{i}.{j}"])
+                    j += 1
+                slots.append(tuple(parts))
+        return LayerState(self.name, cls, tuple(slots), tuple(sorted(meta["params"].items())),
+                          int(meta["depth"]), int(meta["floor"]))
+
+
+# ------------------------------------------------------------------------------ attention KV
+class KVKind(CacheKind):
+    """``KVCache``: keys/values [B, heads, tokens, dim]; any depth can be served."""
+    name = "kv"
+    class_names = ("KVCache",)
+    always_trimmable = True
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return 0
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        if layer.keys is None:
+            return LayerState(self.name, type(layer), (None, None), (), 0, 0)
+        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
+                          (), depth, 0)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        c = state.cls()
+        k, v = state.arrays
+        if k is not None:
+            c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
+            c.offset = depth
+        return c
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        layer.offset = target
+
+
+class QuantizedKind(KVKind):
+    """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth."""
+    name = "quantized"
+    class_names = ("QuantizedKVCache",)
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        params = (("bits", int(layer.bits)), ("group_size", int(layer.group_size)))
+        if layer.keys is None:
+            return LayerState(self.name, type(layer), (None, None), params, 0, 0)
+        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
+                          params, depth, 0)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        c = state.cls(group_size=state.param("group_size"), bits=state.param("bits"))
+        k, v = state.arrays
+        if k is not None:
+            c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
+            c.offset = depth
+        return c
+
+
+class RotatingKind(CacheKind):
+    """``RotatingKVCache`` (sliding-window layers). While every token since 0 is still held in
+    order (``_idx == offset``) it serves any depth; once the window has rotated, only its
+    exact depth, restored byte for byte (buffer layout, ``_idx``) as the model left it."""
+    name = "rotating"
+    class_names = ("RotatingKVCache",)
+
+    @staticmethod
+    def _in_order(layer: Any) -> bool:
+        return layer.keys is None or (layer._idx == layer.offset and layer.keys.shape[2] >= layer.offset)
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return 0 if self._in_order(layer) else depth
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        base = (("keep", int(layer.keep)), ("max_size", int(layer.max_size)))
+        if layer.keys is None:
+            return LayerState(self.name, type(layer), (None, None), base + (("idx", 0),), 0, 0)
+        if self._in_order(layer):
+            return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
+                              base + (("idx", depth),), depth, 0)
+        if depth != layer.offset:
+            raise ValueError(f"rotated sliding-window cache at {layer.offset} cannot be cut to {depth}")
+        return LayerState(self.name, type(layer), (_fresh(layer.keys), _fresh(layer.values)),
+                          base + (("idx", int(layer._idx)),), depth, depth)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        c = state.cls(max_size=state.param("max_size"), keep=state.param("keep"))
+        k, v = state.arrays
+        if k is None:
+            return c
+        if state.floor == 0:
+            c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
+            c.offset, c._idx = depth, depth
+        else:
+            c.keys, c.values = _fresh(k), _fresh(v)
+            c.offset, c._idx = state.depth, state.param("idx")
+        return c
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        layer.offset = target
+        layer._idx = target
+
+
+
+class ChunkedKind(CacheKind):
+    """``ChunkedKVCache`` (llama4 chunked attention): holds tokens [start_position, offset).
+    A query at position d attends to its own chunk, which starts at ``d // chunk * chunk``;
+    depth d can be served only when that chunk start is still held."""
+    name = "chunked"
+    class_names = ("ChunkedKVCache",)
+
+    def floor(self, layer: Any, depth: int) -> int:
+        start, chunk = int(layer.start_position), int(layer.chunk_size)
+        return min(depth, math.ceil(start / chunk) * chunk)
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        start = int(layer.start_position)
+        params = (("chunk_size", int(layer.chunk_size)), ("start", start))
+        if layer.keys is None:
+            return LayerState(self.name, type(layer), (None, None), params, 0, 0)
+        floor = self.floor(layer, int(layer.offset))
+        if depth < floor and depth != layer.offset:
+            raise ValueError(f"chunked cache holding [{start}, {layer.offset}) cannot be cut to {depth}")
+        held = depth - start
+        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, held), _cut_tokens(layer.values, held)),
+                          params, depth, min(floor, depth))
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        c = state.cls(chunk_size=state.param("chunk_size"))
+        k, v = state.arrays
+        if k is None:
+            return c
+        start = state.param("start")
+        c.keys, c.values = _cut_tokens(k, depth - start), _cut_tokens(v, depth - start)
+        c.offset, c.start_position = depth, start
+        return c
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        layer.offset = target
+
+
+class ArraysKind(CacheKind):
+    """``ArraysCache`` (SSM / conv / gated-delta state): the state after exactly ``depth``
+    tokens; it cannot be cut back, so it serves its exact depth only."""
+    name = "arrays"
+    class_names = ("ArraysCache", "MambaCache")
+
+    def depth(self, layer: Any) -> int | None:
+        return None
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return depth
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        return LayerState(self.name, type(layer), tuple(_fresh(a) for a in layer.cache), (("size", len(layer.cache)),),
+                          depth, depth)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        c = state.cls(state.param("size"))
+        c.cache = [_fresh(a) for a in state.arrays]
+        return c
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        if target != depth:
+            raise ValueError(f"recurrent state at {depth} cannot be cut to {target}")
+
+
+class ListKind(CacheKind):
+    """``CacheList``: several caches for one layer; serves what all of them serve."""
+    name = "list"
+    class_names = ("CacheList",)
+
+    def depth(self, layer: Any) -> int | None:
+        for c in layer.caches:
+            d = kind_of(c).depth(c)
+            if d is not None:
+                return d
+        return None
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return max((kind_of(c).floor(c, depth) for c in layer.caches), default=0)
+
+    def capture(self, layer: Any, depth: int) -> LayerState:
+        children = tuple(kind_of(c).capture(c, depth) for c in layer.caches)
+        floor = max((c.floor for c in children), default=0)
+        return LayerState(self.name, type(layer), (), (), depth, floor, children)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        return state.cls(*(KINDS[c.kind].checkout(c, depth) for c in state.children))
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        for c in layer.caches:
+            kind_of(c).cut(c, depth, target)
+
+    def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
+        arrays: dict[str, Any] = {}
+        metas = []
+        for i, child in enumerate(state.children):
+            a, m = KINDS[child.kind].dump(child)
+            arrays.update({f"c{i}.{k}": v for k, v in a.items()})
+            metas.append({**m, "cls": class_key(child.cls)})
+        return arrays, {"kind": self.name, "children": metas, "depth": state.depth, "floor": state.floor}
+
+    def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
+        children = []
+        for i, m in enumerate(meta["children"]):
+            prefix = f"c{i}."
+            own = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+            children.append(KINDS[m["kind"]].load(own, m, class_from_key(m["cls"])))
+        return LayerState(self.name, cls, (), (), int(meta["depth"]), int(meta["floor"]), tuple(children))
+
+
+KINDS: dict[str, CacheKind] = {k.name: k for k in (KVKind(), QuantizedKind(), RotatingKind(), ChunkedKind(),
+                                                   ArraysKind(), ListKind())}
+
+
+def kind_of(layer: Any) -> CacheKind | None:
+    """The kind handling ``layer``'s class, or None for a class this module does not know."""
+    for kind in KINDS.values():
+        if kind.matches(layer):
+            return kind
+    return None
+
+
+# ------------------------------------------------------------------------------ classes on disk
+def class_key(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def class_from_key(key: str) -> type:
+    """Resolve a stored class name; only cache classes of mlx-lm / mlx-vlm are accepted, so a
+    file on disk can never name an arbitrary importable object."""
+    import importlib
+
+    module, _, name = key.partition(":")
+    if module not in ("mlx_lm.models.cache", "mlx_vlm.models.cache") or "." in name:
+        raise ValueError(f"refusing cache class {key!r} (not an mlx-lm / mlx-vlm cache class)")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not isinstance(cls, type) or not any(name in k.class_names for k in KINDS.values()):
+        raise ValueError(f"unknown cache class {key!r}")
+    return cls
+
+
+# ------------------------------------------------------------------------------ a model's layout
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one freshly built cache of a model looks like (probed once at load)."""
+    kinds: tuple[str, ...]             # per layer: a kind name, or "?ClassName" for an unknown class
+    unknown: tuple[str, ...] = field(default=())
+
+    @property
+    def supported(self) -> bool:
+        return not self.unknown
+
+    @property
+    def always_trimmable(self) -> bool:
+        """Every state this layout reaches can be cut to any depth (plain KV): no checkpoints."""
+        return self.supported and all(KINDS[k].always_trimmable for k in self.kinds)
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for k in self.kinds:
+            counts[k] = counts.get(k, 0) + 1
+        return "+".join(f"{n}x{k}" for k, n in counts.items())
+
+
+def probe_layout(cache: Sequence[Any]) -> CacheLayout:
+    kinds, unknown = [], []
+    for layer in cache:
+        kind = kind_of(layer)
+        if kind is None or (kind.name == "list" and any(kind_of(c) is None for c in layer.caches)):
+            name = type(layer).__name__ if kind is None else "CacheList(" + ",".join(
+                type(c).__name__ for c in layer.caches) + ")"
+            unknown.append(name)
+            kinds.append("?" + name)
+        else:
+            kinds.append(kind.name)
+    return CacheLayout(tuple(kinds), tuple(dict.fromkeys(unknown)))
+
+
+def eval_state(states: Sequence[LayerState], extra: Callable[[list], None] | None = None) -> None:
+    """Materialise every array of ``states`` (a capture must not keep the live graph alive)."""
+    out: list[Any] = []
+
+    def walk(s: LayerState) -> None:
+        for a in s.arrays:
+            if isinstance(a, (tuple, list)):
+                out.extend(x for x in a if x is not None)
+            elif a is not None:
+                out.append(a)
+        for c in s.children:
+            walk(c)
+
+    for s in states:
+        walk(s)
+    if out:
+        mx.eval(out)

@@ -1,0 +1,138 @@
+"""Token sampling with per-request state: its own PRNG key, penalties, bias, logprobs.
+
+Every request owns a ``Sampler``. It never touches MLX's global random state (a failure inside
+a sampler cannot poison later requests, and concurrent sequences keep independent streams):
+the key comes from the request's seed, or from ``os.urandom`` when there is none, and is split
+once per sampled token.
+
+    s = Sampler(params, history=prompt_tokens, vocab_size=V)
+    tok = s.sample(logits)        # lazy mx scalar; nothing is evaluated here
+    s.accept(tok)                 # penalty window / counts see the token (still lazy)
+
+Order of operations on the logits (float32, shape [V]): logit_bias -> repetition penalty ->
+presence/frequency penalties -> (logprobs are read here) -> greedy argmax when temperature is
+0, else top-k -> min-p -> top-p -> temperature -> categorical draw.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+
+NEG_INF = -math.inf
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 256
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int = 256
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def request_key(seed: int | None) -> mx.array:
+    """A PRNG key of the request's own: from its seed (0 <= seed < 2**64), else from the OS."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    return mx.random.key(seed & (2**64 - 1))
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Lazy arrays for one sampled token (read after the token itself is read)."""
+    logprob: mx.array
+    top_ids: mx.array | None
+    top_logprobs: mx.array | None
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, history: Sequence[int], vocab_size: int) -> None:
+        self.p = params
+        self.vocab = int(vocab_size)
+        self.key = request_key(params.seed)
+        self.greedy = params.temperature <= 0
+        ctx = max(1, int(params.repetition_context_size))
+        self.ctx = ctx
+        self.rep = params.repetition_penalty if params.repetition_penalty and params.repetition_penalty != 1.0 else None
+        self.window = mx.array(list(history[-ctx:]), dtype=mx.int32) if self.rep is not None else None
+        self.counting = bool(params.presence_penalty or params.frequency_penalty)
+        self.counts = mx.zeros((self.vocab,), dtype=mx.float32) if self.counting else None
+        self.bias = None
+        if params.logit_bias:
+            ids = mx.array(list(params.logit_bias.keys()), dtype=mx.int32)
+            vals = mx.array(list(params.logit_bias.values()), dtype=mx.float32)
+            self.bias = mx.zeros((self.vocab,), dtype=mx.float32).at[ids].add(vals)
+        self.top_k = int(params.top_k) if 0 < int(params.top_k) < self.vocab else 0
+        # One entry per sampled token, in order (decode runs a step ahead of its reader).
+        self.logprobs: list[TokenLogprobs] = []
+
+    # ------------------------------------------------------------------ logits processing
+    def _process(self, logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32).reshape(-1)[: self.vocab]
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.rep is not None and self.window is not None and self.window.size:
+            picked = logits[self.window]
+            # Scatter-assign (duplicates in the window write the same value once, as mlx-lm does).
+            logits[self.window] = mx.where(picked < 0, picked * self.rep, picked / self.rep)
+        if self.counts is not None:
+            logits = logits - self.p.frequency_penalty * self.counts - self.p.presence_penalty * (self.counts > 0)
+        return logits
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """The next token for ``logits`` (lazy int32 scalar)."""
+        logits = self._process(logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.greedy:
+            tok = mx.argmax(logprobs).astype(mx.int32)
+        else:
+            tok = self._draw(logprobs)
+        if self.p.logprobs:
+            top_ids = top_vals = None
+            if self.p.top_logprobs > 0:
+                k = min(self.p.top_logprobs, self.vocab)
+                top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+                top_vals = logprobs[top_ids]
+                order = mx.argsort(-top_vals)
+                top_ids, top_vals = top_ids[order], top_vals[order]
+            self.logprobs.append(TokenLogprobs(logprobs[tok], top_ids, top_vals))
+        return tok
+
+    def _draw(self, logprobs: mx.array) -> mx.array:
+        masked = logprobs
+        if self.top_k:
+            kth = mx.sort(logprobs)[-self.top_k]
+            masked = mx.where(masked < kth, NEG_INF, masked)
+        if self.p.min_p > 0:
+            threshold = mx.max(masked) + math.log(self.p.min_p)
+            masked = mx.where(masked < threshold, NEG_INF, masked)
+        if 0 < self.p.top_p < 1:
+            order = mx.argsort(-masked)
+            sorted_lp = masked[order]
+            probs = mx.exp(sorted_lp - mx.logsumexp(sorted_lp))
+            before = mx.cumsum(probs) - probs          # mass strictly above each token
+            keep_sorted = before < self.p.top_p        # always keeps the most likely token
+            masked = mx.where(keep_sorted[mx.argsort(order)], masked, NEG_INF)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(masked * (1.0 / self.p.temperature), key=sub).astype(mx.int32)
+
+    def accept(self, tok: mx.array) -> None:
+        """Let the penalties see ``tok`` (lazy: the next step can be built before it is read)."""
+        t = tok.reshape(-1).astype(mx.int32)
+        if self.window is not None:
+            self.window = mx.concatenate([self.window, t])[-self.ctx:]
+        if self.counts is not None:
+            self.counts = self.counts.at[t].add(1.0)
