@@ -133,13 +133,29 @@ def is_our_process(owner: PortOwner, kind: str, repo_root: Path, extra_paths: tu
     """
     if not any(m in arg for arg in owner.cmdline for m in MARKERS[kind]):
         return False
-    repo = str(repo_root)
-    tied = [repo, *extra_paths]
-    if any(t and t in arg for arg in owner.cmdline for t in tied):
+    paths = [a.split("=", 1)[1] if a.startswith("--") and "=" in a else a for a in owner.cmdline]
+    if any(path_within(p, repo_root) for p in paths) or (owner.cwd and path_within(owner.cwd, repo_root)):
         return True
-    if owner.cwd and (owner.cwd == repo or owner.cwd.startswith(repo + os.sep)):
+    if any(same_path(p, extra) for p in paths for extra in extra_paths if extra):
         return True
     return pidfile_pid is not None and owner.pid == pidfile_pid
+
+
+def _forms(path: str) -> set[tuple[str, ...]]:
+    """The path's components as written (normalised) and with symlinks resolved."""
+    if not os.path.isabs(path):
+        return set()
+    return {Path(os.path.normpath(path)).parts, Path(os.path.realpath(path)).parts}
+
+
+def path_within(path: str, root: Path | str) -> bool:
+    """``path`` is ``root`` or inside it, compared by components (``/work/main2`` is not inside
+    ``/work/main``), as written or with symlinks resolved on either side."""
+    return any(p[:len(r)] == r for p in _forms(str(path)) for r in _forms(str(root)))
+
+
+def same_path(a: str, b: str) -> bool:
+    return bool(_forms(a) & _forms(b))
 
 
 def stale_decision(owners: list[PortOwner], kind: str, repo_root: Path, extra_paths: tuple[str, ...] = (),

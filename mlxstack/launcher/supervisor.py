@@ -1,9 +1,9 @@
 """Child processes for the stack: start with prefixed output, watch, stop as a group.
 
-Policy: if either child dies the launcher reports which one and its exit code, stops the other
-and exits non-zero. We do not restart: a crash here is a bug or a bad model/config, restarting
-would loop on it and hide the first error in scrolled-away output, and a restarted MLX server
-would come back with a cold prompt cache anyway. The user (or their service manager) decides.
+Policy (launcher/stack.py): a crashed MLX server (killed, OOM) is restarted with backoff under a
+crash-loop limit (launcher/restarts.py), LiteLLM staying up meanwhile so clients keep their
+connection to the proxy; a configuration error or a failed model load is never restarted (it
+would loop on the same error and bury it). If LiteLLM dies the launcher stops everything.
 
 Each child gets its own session (process group) so a terminal Ctrl-C reaches only the launcher,
 which then stops the children in a known order and within a known time; stopping signals the
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Mapping, Sequence
 
@@ -51,6 +52,16 @@ class Child:
     proc: subprocess.Popen
     pump: threading.Thread | None = None
     started: float = field(default_factory=time.monotonic)
+    tail: deque = field(default_factory=lambda: deque(maxlen=200))  # its last output lines
+
+    def last_line_with(self, marker: str) -> str | None:
+        """The last output line containing ``marker`` (after the pump has drained the pipe)."""
+        if self.pump is not None:
+            self.pump.join(timeout=2)
+        for line in reversed(self.tail):
+            if marker in line:
+                return line
+        return None
 
     @property
     def pid(self) -> int:
@@ -60,9 +71,10 @@ class Child:
         return self.proc.poll()
 
 
-def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock, tail: deque) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
+        tail.append(line)
         with lock:
             try:
                 out.write(f"{prefix} {line}\n")
@@ -84,11 +96,24 @@ class Supervisor:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_child_setup,
         )
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]", self.out, self._lock), daemon=True)
-        pump.start()
-        child = Child(name, proc, pump)
+        child = Child(name, proc)
+        child.pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]", self.out, self._lock, child.tail),
+                                      daemon=True)
+        child.pump.start()
         self.children.append(child)
         return child
+
+    def forget(self, child: Child) -> None:
+        """Drop an exited child (before starting its replacement), reaping it and its group."""
+        if child in self.children:
+            self.children.remove(child)
+        try:
+            child.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)  # grandchildren left in its process group
+        if child.pump:
+            child.pump.join(timeout=1)
 
     def say(self, msg: str) -> None:
         with self._lock:
