@@ -118,11 +118,13 @@ def test_client_disconnect_mid_stream_frees_the_worker(embedded_server):
     body = json.dumps({"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
                        "max_tokens": 400, "stream": True, "temperature": 0.7, "seed": 1}).encode()
     sock = socket.create_connection(("127.0.0.1", embedded_server.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     got = b""
     while got.count(b"data: ") < 3:
-        got += sock.recv(4096)
+        chunk = sock.recv(4096)
+        assert chunk, got
+        got += chunk
     sock.close()
     t0 = time.perf_counter()
     status, reply, _ = chat(embedded_server, {"messages": Q, "max_tokens": 4})

@@ -155,3 +155,157 @@ def test_supervisor_reports_death_and_stops_the_other():
     assert stubborn.poll() == -signal.SIGKILL and time.monotonic() - start < 5
     assert ports.port_is_free("127.0.0.1", port)
     assert "[b] bye" in out.getvalue() and "[a] listening" in out.getvalue()
+
+
+# --- port ownership by real paths (issue 10, item 10) ---------------------------------------------
+def test_checkout_paths_compare_by_component_and_symlinks(tmp_path):
+    main, main2 = tmp_path / "main", tmp_path / "main2"
+    main.mkdir(), main2.mkdir()
+    (tmp_path / "link").symlink_to(main)
+    assert ports.path_within(str(main / ".venv/bin/python"), main)
+    assert ports.path_within(str(main), main)
+    assert not ports.path_within(str(main2 / ".venv/bin/python"), main)       # was a substring match
+    assert not ports.path_within(str(main) + "-old/x", main)
+    assert ports.path_within(str(tmp_path / "link" / "x.yaml"), main)          # a symlinked checkout
+    assert ports.path_within(str(main / "x"), tmp_path / "link")
+    assert not ports.path_within("relative/path", main)
+    assert ports.same_path(str(tmp_path / "link" / "c.yaml"), str(main / "c.yaml"))
+    sibling = _owner(20, f"{main2}/.venv/bin/python", "-m", "mlxstack.serve", cwd=str(main2))
+    assert ports.stale_decision([sibling], "mlx", main) == ("refuse", [sibling])
+    by_flag = _owner(21, "python", "litellm", f"--config={main}/logs/litellm_config.yaml", cwd="/")
+    assert ports.stale_decision([by_flag], "litellm", main)[0] == "kill"
+
+
+# --- restarts (issue 10, item 14) -------------------------------------------------------------------
+def test_restart_policy_backoff_and_crash_loop_limit():
+    from mlxstack.launcher.restarts import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=3, window=100.0, base=1.0, cap=3.0)
+    assert [policy.next_delay(t) for t in (0.0, 1.0, 2.0)] == [1.0, 2.0, 3.0]  # 1, 2, 4 capped at 3
+    assert policy.next_delay(3.0) is None                                       # 4th crash inside 100 s
+    assert policy.next_delay(100.5) == 3.0        # the crash at t=0 has left the window: 2 recent -> 2**2 capped
+    assert policy.recent(100.5) == 3
+    assert RestartPolicy(max_restarts=0, window=10).next_delay(0.0) is None
+
+
+def _settings(**env):
+    base = {"MLX_PORT": str(unused_port()), "ENABLE_REQUEST_LOGGING": "false", "DEFAULT_TEMPERATURE": "0",
+            "MODEL_CACHE_DIR": os.environ.get("MLXSTACK_TEST_MODEL_CACHE", str(Path.home() / ".cache" / "mlxstack"))}
+    return load_settings(env={**base, **{k.upper(): str(v) for k, v in env.items()}})
+
+
+def _health(settings):
+    from mlxstack.launcher.stack import get_json
+
+    try:
+        return get_json(lc.mlx_base_url(settings) + "/health", timeout=2)
+    except OSError:
+        return None, None
+
+
+def test_failed_model_load_exits_at_once_with_its_error(tmp_path, embedded_model_path):
+    from mlxstack.launcher.stack import run_stack
+
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama"}')
+    out = StringIO()
+    settings = _settings(model_path=bad, litellm_master_key="sk-x", log_root=tmp_path / "logs",
+                         mlx_startup_timeout_seconds=600)
+    start = time.monotonic()
+    code = run_stack(settings, repo=REPO, out=out)
+    elapsed = time.monotonic() - start
+    text = out.getvalue()
+    assert code == 1 and elapsed < 60, (elapsed, text[-2000:])           # not MLX_STARTUP_TIMEOUT_SECONDS
+    assert f"ERROR: during start-up, the MLX server could not load the model: FileNotFoundError: No safetensors found in {bad}" in text
+    assert "[mlx] MODEL LOAD FAILED: FileNotFoundError" in text
+    assert "starting LiteLLM" not in text and ports.port_is_free("127.0.0.1", settings.mlx_port)
+
+
+def test_serve_exits_3_on_load_failure_and_2_on_exposed_bind(tmp_path):
+    env = {**os.environ, "MODEL_PATH": str(tmp_path), "MLX_PORT": str(unused_port()), "ENABLE_REQUEST_LOGGING": "false"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mlxstack.serve"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and f"MODEL LOAD FAILED: " in done.stderr and "has no config.json" in done.stderr
+    assert time.monotonic() - start < 60
+    env.update(MLX_HOST="0.0.0.0", MLX_API_KEY="")
+    done = subprocess.run([sys.executable, "-m", "mlxstack.serve"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "MLX_API_KEY is empty" in done.stderr
+
+
+def test_dead_mlx_server_is_restarted_then_crash_loop_stops(tmp_path, embedded_model_path):
+    """kill -9 of a real MLX server: restarted (new pid, ready again) while the other child keeps
+    running; the next crash beyond MLX_MAX_RESTARTS=1 ends supervision with a crash-loop error."""
+    import threading
+
+    from mlxstack.launcher.restarts import RestartPolicy
+    from mlxstack.launcher.stack import start_mlx, supervise
+
+    settings = _settings(mlx_max_restarts=1, mlx_restart_window_seconds=600, log_root=tmp_path)
+    out = StringIO()
+    sup = Supervisor(out)
+    cmd = [sys.executable, "-m", "mlxstack.serve"]
+    pidfile = tmp_path / ".mlx.pid"
+    try:
+        first, health = start_mlx(sup, settings, cmd, REPO, pidfile, sup.say)
+        assert health["ready"] is True and oct(pidfile.stat().st_mode & 0o777) == "0o600"
+        other = sup.start("litellm", [sys.executable, "-c", "import time; time.sleep(600)"], os.environ)
+        policy = RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds, base=0.2)
+        runner = threading.Thread(target=supervise, args=(sup, settings, cmd, REPO, pidfile, sup.say, policy))
+        runner.start()
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while "MLX server restarted" not in out.getvalue():
+            assert runner.is_alive() and time.monotonic() < deadline, out.getvalue()[-3000:]
+            time.sleep(0.2)
+        second = next(c for c in sup.children if c.name == "mlx")
+        assert second.pid != first.pid and int(pidfile.read_text()) == second.pid
+        assert _health(settings)[0] == 200 and other.poll() is None
+        assert "!! MLX SERVER DIED (pid %d, killed by SIGKILL). Restart 1 of at most 1" % first.pid in out.getvalue()
+        os.kill(second.pid, signal.SIGKILL)
+        runner.join(timeout=30)
+        assert not runner.is_alive()
+        assert "ERROR: the MLX server crashed again (killed by SIGKILL) after 1 restart(s) within 600s" in out.getvalue()
+        assert other.poll() is None  # supervision ended; stopping is run_stack's job
+    finally:
+        sup.stop_all(grace=2.0)
+
+
+# --- secrets (issue 10, items 11 and 12) ------------------------------------------------------------
+def test_mlx_api_key_is_referenced_in_the_config_never_written(tmp_path):
+    from mlxstack.launcher.stack import litellm_env, ready_text
+
+    key = "sk-mlx-0123456789abcdefXYZ"
+    s = load_settings(env={"MLX_API_KEY": key, "LITELLM_MASTER_KEY": "sk-master-abcdefghijklmnop"})
+    path = lc.write_config(s, "SmolLM2-135M-Instruct", tmp_path / "cfg.yaml")
+    text = path.read_text()
+    assert key not in text and "sk-master" not in text
+    cfg = yaml.safe_load(text)
+    assert {e["litellm_params"]["api_key"] for e in cfg["model_list"]} == {"os.environ/MLX_API_KEY"}
+    assert litellm_env(s)["MLX_API_KEY"] == key
+    unkeyed = load_settings(env={})
+    assert {e["litellm_params"]["api_key"] for e in lc.build_config(unkeyed, "m")["model_list"]} == {"none"}
+    assert "MLX_API_KEY" not in litellm_env(unkeyed) or litellm_env(unkeyed)["MLX_API_KEY"] == os.environ.get("MLX_API_KEY")
+    ready = ready_text(s, ["m"])
+    assert "sk-mas…nop" in ready and "sk-mlx…XYZ" in ready
+    assert "sk-master-abcdefghijklmnop" not in ready and key not in ready
+
+
+def test_private_files_and_dirs(tmp_path):
+    from mlxstack.system.secrets import make_private_dir, mask_secret, open_private_append, write_private_file
+
+    old = os.umask(0o022)
+    try:
+        d = make_private_dir(tmp_path / "a" / "logs")
+        assert oct(d.stat().st_mode & 0o777) == "0o700"
+        f = write_private_file(d / ".pid", "123\n")
+        assert f.read_text() == "123\n" and oct(f.stat().st_mode & 0o777) == "0o600"
+        write_private_file(f, "456\n")  # replacing keeps 0600 and leaves no temp file behind
+        assert f.read_text() == "456\n" and sorted(p.name for p in d.iterdir()) == [".pid"]
+        with open_private_append(d / "x.log") as fh:
+            fh.write(b"line\n")
+        assert oct((d / "x.log").stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.umask(old)
+    assert mask_secret("sk-abcdefghijklmnopqrstuvwxyz") == "sk-abc…xyz"
+    assert mask_secret("short") == "sh…" and mask_secret("") == "(empty)"

@@ -5,11 +5,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from http.server import ThreadingHTTPServer
 from typing import Any, Callable
 
-from ..config.settings import Settings
+from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
+from ..pipeline.images import ImageLimits
+from .http_guard import Guard, bind_refusal
 
 log = logging.getLogger("mlxstack.app")
 
@@ -30,6 +31,12 @@ class App:
         self._status_lock = threading.Lock()
         self.after_response_hooks: list[Callable[[Any, Any], None]] = []
         self.extra_get_routes: dict[str, Callable[[Any], None]] = {}
+        self.guard = Guard.from_settings(settings)
+        self.image_limits = ImageLimits.from_settings(settings)
+        self.vocab_size: int | None = None  # logits width, known once the model is loaded
+        from .image_fetch import is_public_address
+
+        self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
 
     # ------------------------------------------------------------------ lifecycle
     def start_loading(self, progress: Callable[[str], None] | None = None) -> Any:
@@ -49,6 +56,7 @@ class App:
             self.model_id = loaded.model_id
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
             self.family = loaded.family
+            self.vocab_size = model_vocab_size(loaded)
             self._install_features()
             self.ready = True
             log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",
@@ -64,6 +72,13 @@ class App:
         from .features import install_features
 
         install_features(self)
+
+    def image_fetcher(self) -> Any:
+        """A fetcher for one request's remote images (its deadline starts now)."""
+        from .image_fetch import RemoteImageFetcher
+
+        limits = self.image_limits
+        return RemoteImageFetcher(limits.max_bytes, limits.remote_timeout, address_allowed=self.remote_image_policy)
 
     def count_status(self, status: int) -> None:
         with self._status_lock:
@@ -89,7 +104,13 @@ class App:
         return routes
 
     def post_routes(self, h: Any) -> dict[str, Callable[[], None]]:
-        return {"/v1/chat/completions": h.chat_completions, "/chat/completions": h.chat_completions}
+        from .anthropic_messages import handle_count_tokens, handle_messages
+        from .openai_responses import handle_responses
+
+        return {"/v1/chat/completions": h.chat_completions, "/chat/completions": h.chat_completions,
+                "/v1/responses": lambda: handle_responses(h), "/responses": lambda: handle_responses(h),
+                "/v1/messages": lambda: handle_messages(h),
+                "/v1/messages/count_tokens": lambda: handle_count_tokens(h)}
 
     def health(self) -> dict:
         body = {"status": "ok" if self.load_error is None else "error", "model": self.model_id, "ready": self.ready,
@@ -114,10 +135,26 @@ class App:
         return stats
 
 
-def make_server(app: App, host: str, port: int) -> ThreadingHTTPServer:
+def model_vocab_size(loaded: Any) -> int | None:
+    """The logits width: config ``vocab_size`` (VLMs: ``text_config``), else the tokenizer's length."""
+    config = getattr(loaded, "config", None) or {}
+    for source in (config, config.get("text_config") or {}):
+        value = source.get("vocab_size")
+        if isinstance(value, int) and value > 0:
+            return value
+    try:
+        return len(loaded.tokenizer) or None
+    except (AttributeError, TypeError):
+        return None
+
+
+def make_server(app: App, host: str, port: int) -> "PooledHTTPServer":
+    """Bind the MLX server (IPv4 or IPv6). Refuses a non-loopback host without MLX_API_KEY."""
+    from .http_server import PooledHTTPServer
     from .server import Handler
 
+    refusal = bind_refusal(host, app.settings.mlx_api_key)
+    if refusal:
+        raise SettingsError(refusal)
     handler = type("BoundHandler", (Handler,), {"app": app})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return PooledHTTPServer((host, port), handler, threads=app.settings.mlx_http_threads)

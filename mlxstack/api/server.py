@@ -9,36 +9,43 @@ LiteLLM's pooled keep-alive sockets never park a handler.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import queue
-import select
-import socket
+import re
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-from ..engine.chat import ChatJob, ClientGone, PromptReady
+from ..engine.chat import ChatJob, ClientGone, ContextLengthExceeded, PromptReady
 from ..runtime.generate import SamplingParams
 from ..engine.worker import QueueFull
-from .errors import APIError, internal, not_found, unavailable
+from .errors import APIError, bad_request, internal, not_found, unavailable
+from .http_server import DeadlineReader, peer_closed
+from .image_fetch import prepare_request_images
 from .responses import StreamAssembler, completion_body
 from ..pipeline.images import ImageError
 from .validation import model_matches, parse_chat_request, parse_json, reject_images
 
 log = logging.getLogger("mlxstack.http")
 
+_DECIMAL = re.compile(r"^[0-9]{1,18}$")
+GUARD_DRAIN_BYTES = 1 << 20  # a refused request's body is read this far so the client sees our answer
 
-def peer_closed(sock: socket.socket) -> bool:
-    """True when the client has closed its end (readable with nothing to read)."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
-            return False
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
+
+def content_length(values: list[str] | None) -> int | None:
+    """The body size from Content-Length header value(s): None when absent, APIError(400) unless
+    it is one plain decimal number (``-1``, ``+5``, ``5_0``, ``0x10`` and conflicting copies are refused:
+    int() accepts some of them, and a negative length used to read until the client hung up)."""
+    if not values:
+        return None
+    distinct = {v.strip() for v in values}
+    if len(distinct) != 1 or not _DECIMAL.match(next(iter(distinct))):
+        raise bad_request("invalid Content-Length header: send the body size in bytes as one decimal number")
+    return int(next(iter(distinct)))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -48,6 +55,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quieter than stderr spam
         log.debug("%s %s", self.address_string(), fmt % args)
+
+    def setup(self) -> None:
+        super().setup()
+        # The request line and headers must all arrive within MLX_HEADER_TIMEOUT_SECONDS.
+        self._reader = DeadlineReader(self.connection, time.monotonic() + self.app.settings.mlx_header_timeout_seconds)
+        self.rfile = io.BufferedReader(self._reader, 65536)
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, status: int, body: bytes, content_type: str = "application/json",
@@ -72,10 +85,16 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _dispatch(self, routes: dict[str, Callable[[], None]]) -> None:
+    def _dispatch(self, routes: Callable[[], dict[str, Callable[[], None]]]) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        route = routes.get(path)
+        self.connection.settimeout(self.app.settings.mlx_body_timeout_seconds)  # writes to a stalled reader end
         try:
+            refusal = self.app.guard.check(self.command, path, {k.lower(): v for k, v in self.headers.items()},
+                                           str(self.client_address[0]))
+            if refusal is not None:
+                self._drain_refused()
+                raise refusal
+            route = routes().get(path)
             if route is None:
                 raise not_found(f"unknown path {self.command} {path}")
             route()
@@ -89,32 +108,54 @@ class Handler(BaseHTTPRequestHandler):
             self._error(internal(rid))
 
     def do_GET(self) -> None:  # noqa: N802
-        self._dispatch(self.app.get_routes(self))
+        self._dispatch(lambda: self.app.get_routes(self))
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch(self.app.post_routes(self))
+        self._dispatch(lambda: self.app.post_routes(self))
+
+    def _start_body_deadline(self) -> None:
+        self._reader.deadline = time.monotonic() + self.app.settings.mlx_body_timeout_seconds
 
     def read_body(self) -> bytes:
         limit = self.app.settings.max_request_bytes
-        length = self.headers.get("Content-Length")
-        if length is None:
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise APIError(411, "chunked request bodies are not supported; send Content-Length", code="length_required")
+        n = content_length(self.headers.get_all("Content-Length"))
+        if n is None:
             raise APIError(411, "Content-Length header is required", code="length_required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise APIError(400, "invalid Content-Length header") from None
+        self._start_body_deadline()
         if n > limit:
             self._drain(n)
             raise APIError(413, f"request body of {n} bytes exceeds MAX_REQUEST_BYTES={limit}",
                            code="request_too_large")
-        return self.rfile.read(n)
+        try:
+            raw = self.rfile.read(n)
+        except TimeoutError:
+            raise APIError(408, f"request body not received within MLX_BODY_TIMEOUT_SECONDS="
+                           f"{self.app.settings.mlx_body_timeout_seconds:g}", code="request_timeout") from None
+        finally:
+            self.connection.settimeout(self.app.settings.mlx_body_timeout_seconds)  # the reader narrowed it
+        if len(raw) != n:
+            raise bad_request(f"request body ended after {len(raw)} of the {n} bytes announced by Content-Length")
+        return raw
+
+    def _drain_refused(self) -> None:
+        """A request refused before its body was read: read a small body so the answer arrives."""
+        if self.command != "POST":
+            return
+        try:
+            n = content_length(self.headers.get_all("Content-Length"))
+        except APIError:
+            return
+        if n is not None and n <= GUARD_DRAIN_BYTES:
+            self._start_body_deadline()
+            self._drain(n)
 
     def _drain(self, n: int, cap: int = 256 * 1024 * 1024) -> None:
         """Read and discard a refused body so the client sees our 413, not a broken pipe."""
         if n > cap:
             return
         try:
-            self.connection.settimeout(10)
             while n > 0:
                 chunk = self.rfile.read(min(n, 1 << 20))
                 if not chunk:
@@ -122,6 +163,8 @@ class Handler(BaseHTTPRequestHandler):
                 n -= len(chunk)
         except OSError:
             pass
+        finally:
+            self.connection.settimeout(self.app.settings.mlx_body_timeout_seconds)
 
     # ------------------------------------------------------------------ chat
     def chat_completions(self) -> None:
@@ -129,11 +172,16 @@ class Handler(BaseHTTPRequestHandler):
         body = parse_json(self.read_body())
         if not app.ready:
             raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
-        req = parse_chat_request(body, app.settings)
+        req = parse_chat_request(body, app.settings, vocab_size=app.vocab_size)
         if not model_matches(req.model, app.model_id, app.aliases):
             raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}", code="model_not_found")
         if not getattr(app.loaded, "is_vlm", False):
             reject_images(req.messages, app.model_id)
+        else:  # remote fetches and header checks here, on this thread: never on the inference worker
+            try:
+                req.messages = prepare_request_images(req.messages, app.image_limits, app.image_fetcher())
+            except ImageError as exc:
+                raise APIError(400, str(exc), param="messages", code="invalid_image") from None
         completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
         cancelled = threading.Event()
         sock = self.connection
@@ -189,6 +237,8 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(499, str(exc), code="client_closed")
         if isinstance(exc, ValueError) and exc.__class__.__name__ == "TemplateError":
             raise APIError(400, str(exc), code="template_error")
+        if isinstance(exc, ContextLengthExceeded):
+            raise APIError(400, str(exc), param="messages", code="context_length_exceeded")
         if isinstance(exc, ImageError):
             raise APIError(400, str(exc), param="messages", code="invalid_image")
         rid = uuid.uuid4().hex[:12]
@@ -236,10 +286,23 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             app.count_status(200)
             app.after_response(None, outcome)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # client gone, or stopped reading past MLX_BODY_TIMEOUT_SECONDS
             cancelled.set()
-        except APIError:
-            if started:  # headers already sent: end the stream; the client sees it cut short
-                cancelled.set()
+        except Exception as exc:  # noqa: BLE001 - APIError from the job, or a bug while assembling frames
+            client_gone = cancelled.is_set()
+            cancelled.set()  # the worker stops at its next token
+            if not started:
+                raise
+            if client_gone:
                 return
-            raise
+            # The 200 status line is out: report the error as an event, never as a new status line.
+            if not isinstance(exc, APIError):
+                rid = uuid.uuid4().hex[:12]
+                log.error("stream failed after it started (request id %s)", rid, exc_info=exc)
+                exc = internal(rid)
+            app.count_status(exc.status)
+            try:
+                self.wfile.write(exc.sse_frame() + b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except OSError:
+                pass

@@ -65,7 +65,10 @@ def served_context_window(settings: Settings, timeout: float = 2.0) -> int | Non
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{mlx_base_url(settings)}/v1/models", timeout=timeout) as resp:
+        key = getattr(settings, "mlx_api_key", "")
+        req = urllib.request.Request(f"{mlx_base_url(settings)}/v1/models",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             value = json.load(resp)["data"][0].get("context_length")
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
@@ -99,7 +102,8 @@ def build_config(settings: Settings, served_model_id: str, context_window: int |
     params = {
         "model": f"hosted_vllm/{served_model_id}",
         "api_base": f"{mlx_base_url(settings)}/v1",
-        "api_key": "none",
+        # The MLX server requires this key when MLX_API_KEY is set; referenced, never written here.
+        "api_key": "os.environ/MLX_API_KEY" if getattr(settings, "mlx_api_key", "") else "none",
         "timeout": timeout,
         "stream_timeout": timeout,
     }

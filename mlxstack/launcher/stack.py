@@ -3,6 +3,11 @@
 Order matters: LiteLLM is started only after the MLX server's /health says ready, because its
 config needs the model id the server actually serves, and a proxy that accepts requests before
 its backend exists only produces confusing 500s.
+
+Faults: a crashed MLX server (killed, OOM) is restarted with backoff while LiteLLM keeps
+running; more than MLX_MAX_RESTARTS crashes within MLX_RESTART_WINDOW_SECONDS stop the stack.
+A configuration error or a failed model load exits at once with the server's own error line,
+never restarted (mlxstack/system/exit_codes.py).
 """
 from __future__ import annotations
 
@@ -19,11 +24,22 @@ from typing import IO, Callable
 from mlxstack.config.settings import REPO_ROOT, Settings
 from mlxstack.launcher import litellm_config as lc
 from mlxstack.launcher import ports
+from mlxstack.launcher.restarts import RestartPolicy
 from mlxstack.launcher.supervisor import Child, Supervisor, describe_exit
+from mlxstack.system.exit_codes import EXIT_CONFIG_ERROR, EXIT_MODEL_LOAD_FAILED, LOAD_FAILED_MARKER, NOT_RESTARTABLE
+from mlxstack.system.secrets import make_private_dir, mask_secret, write_private_file
 
 
 class LaunchError(RuntimeError):
     """Start-up cannot continue; the message says why and what to do."""
+
+
+class ChildExited(LaunchError):
+    """A child process exited while we waited for it to become ready."""
+
+    def __init__(self, message: str, child: Child) -> None:
+        super().__init__(message)
+        self.child = child
 
 
 class _Stop(Exception):
@@ -81,7 +97,22 @@ def litellm_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HOST", "PORT")}
     env.update(LITELLM_MASTER_KEY=settings.litellm_master_key, LITELLM_LOCAL_MODEL_COST_MAP="True",
                LITELLM_TELEMETRY="False", PYTHONUNBUFFERED="1")
+    if settings.mlx_api_key:  # the generated config refers to it as os.environ/MLX_API_KEY
+        env["MLX_API_KEY"] = settings.mlx_api_key
     return env
+
+
+def exit_message(child: Child) -> str:
+    """Why a child exited, with the server's own error line for the statuses that carry one."""
+    code = child.poll()
+    if child.name == "mlx" and code == EXIT_MODEL_LOAD_FAILED:
+        line = child.last_line_with(LOAD_FAILED_MARKER) or ""
+        detail = line.split(LOAD_FAILED_MARKER, 1)[1].strip() if LOAD_FAILED_MARKER in line else "see its output above"
+        return f"the MLX server could not load the model: {detail}"
+    if child.name == "mlx" and code == EXIT_CONFIG_ERROR:
+        line = child.last_line_with("configuration error") or "see its output above"
+        return f"the MLX server refused to start: {line.strip()}"
+    return f"{child.name} (pid {child.pid}) exited: {describe_exit(code)}; see its output above."
 
 
 def litellm_command(python: str, config: Path, host: str, port: int) -> list[str]:
@@ -98,7 +129,7 @@ def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, w
     tty = sys.stdout.isatty()
     while True:
         if child.poll() is not None:
-            raise LaunchError(f"{child.name} exited during start-up ({describe_exit(child.poll())}); see its output above.")
+            raise ChildExited(f"during start-up, {exit_message(child)}", child)
         result = probe()
         if result is not None:
             return result
@@ -141,21 +172,68 @@ def ready_text(settings: Settings, names: list[str]) -> str:
         f"-H 'Content-Type: application/json' -d '{body}'",
         f"  OpenClaw / PI / any OpenAI-compatible client: base URL {proxy}/v1, API key = LITELLM_MASTER_KEY "
         f"from .env, model {' or '.join(names)}",
+        f"  keys (full values in .env): LITELLM_MASTER_KEY {mask_secret(settings.litellm_master_key)}"
+        + (f"  |  MLX_API_KEY {mask_secret(settings.mlx_api_key)} (LiteLLM -> MLX server)" if settings.mlx_api_key else ""),
         "  Ctrl-C stops both servers.",
     ])
 
 
+def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say) -> tuple[Child, dict]:
+    """Start the MLX server and wait for /health to say ready (ChildExited if it dies first)."""
+    mlx = sup.start("mlx", cmd, mlx_env(settings), cwd=str(repo))
+    write_private_file(pidfile, f"{mlx.pid}\n")
+    health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
+                        "MLX server (loading / preparing the model; the first run converts it)", say)
+    return mlx, health
+
+
+def supervise(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
+              policy: RestartPolicy | None = None) -> None:
+    """Return when the stack must stop: LiteLLM died, the MLX server cannot be restarted, or it
+    crash-looped. A crashed MLX server is restarted meanwhile; LiteLLM is left running."""
+    policy = policy or RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds)
+    dead = sup.wait_any()
+    while True:
+        if dead.name != "mlx":
+            say(f"{dead.name} (pid {dead.pid}) stopped unexpectedly: {describe_exit(dead.poll())}. Stopping the stack.")
+            return
+        code = dead.poll()
+        if code in NOT_RESTARTABLE:
+            say(f"ERROR: {exit_message(dead)} (not restarted: restarting cannot fix it)")
+            return
+        delay = policy.next_delay(time.monotonic())
+        if delay is None:
+            say(f"ERROR: the MLX server crashed again ({describe_exit(code)}) after {policy.max_restarts} restart(s) "
+                f"within {policy.window:g}s: a crash loop (MLX_MAX_RESTARTS={policy.max_restarts}, "
+                "MLX_RESTART_WINDOW_SECONDS). Stopping the stack; see the MLX output above for the cause.")
+            return
+        say("!" * 78)
+        say(f"!! MLX SERVER DIED (pid {dead.pid}, {describe_exit(code)}). Restart {len(policy.history)} of at most "
+            f"{policy.max_restarts} per {policy.window:g}s, in {delay:g}s. LiteLLM stays up; requests fail until the "
+            f"server is back, and its prompt cache restarts cold.")
+        say("!" * 78)
+        sup.forget(dead)
+        time.sleep(delay)
+        try:
+            mlx, _ = start_mlx(sup, settings, cmd, repo, pidfile, say)
+        except ChildExited as exc:
+            dead = exc.child
+            continue
+        say(f"MLX server restarted (pid {mlx.pid}) and ready after {time.monotonic() - mlx.started:.1f}s")
+        dead = sup.wait_any()
+
+
 def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = REPO_ROOT,
               mlx_cmd: list[str] | None = None, out: IO[str] | None = None) -> int:
-    """Run until a child dies (exit 1) or we are asked to stop (exit 0)."""
+    """Run until we are asked to stop (exit 0) or the stack cannot go on (exit 1: LiteLLM died, the MLX
+    server failed to start, cannot be restarted, or crash-looped)."""
     sup = Supervisor(out)
     say = sup.say
     if not settings.litellm_master_key:
         say("LITELLM_MASTER_KEY is empty: LiteLLM refuses to start without one. "
             "Run python3 install_and_run.py (it writes one into .env) or set it yourself.")
         return 2
-    logs = settings.log_root_path
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = make_private_dir(settings.log_root_path)  # request logs hold prompts
     config_path, mlx_pid, proxy_pid = logs / "litellm_config.yaml", logs / ".mlx.pid", logs / ".litellm.pid"
     # SIGINT explicitly too: a launcher started in the background of a non-interactive shell
     # inherits SIGINT as ignored, and Ctrl-C / kill -INT must still stop the stack.
@@ -165,20 +243,17 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         free_port("mlx", settings.mlx_host, settings.mlx_port, repo, mlx_pid, (), say)
         free_port("litellm", settings.proxy_host, settings.proxy_port, repo, proxy_pid, (str(config_path),), say)
         say(f"starting MLX server on {lc.mlx_base_url(settings)} (model: {settings.model_path or lc.EMBEDDED_MODEL_NAME})")
-        mlx = sup.start("mlx", mlx_cmd or [python, "-m", "mlxstack.serve"], mlx_env(settings), cwd=str(repo))
-        mlx_pid.write_text(f"{mlx.pid}\n")
-        health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
-                            "MLX server (loading / preparing the model; the first run converts it)", say)
+        cmd = mlx_cmd or [python, "-m", "mlxstack.serve"]
+        mlx, health = start_mlx(sup, settings, cmd, repo, mlx_pid, say)
         served = str(health.get("model") or lc.model_name(settings))
         say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-        lc.write_config(settings, served, config_path)
+        lc.write_config(settings, served, config_path, lc.served_context_window(settings))
         proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
                           litellm_env(settings), cwd=str(repo))
-        proxy_pid.write_text(f"{proxy.pid}\n")
+        write_private_file(proxy_pid, f"{proxy.pid}\n")
         wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), settings.proxy_startup_timeout_seconds, "LiteLLM proxy", say)
         say(ready_text(settings, lc.proxy_model_names(settings)))
-        dead = sup.wait_any()
-        say(f"{dead.name} (pid {dead.pid}) stopped unexpectedly: {describe_exit(dead.poll())}. Stopping the stack.")
+        supervise(sup, settings, cmd, repo, mlx_pid, say)
     except LaunchError as exc:
         say(f"ERROR: {exc}")
     except (KeyboardInterrupt, _Stop):
