@@ -18,6 +18,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -275,23 +276,66 @@ def ensure_openblas():
         say("WARNING: could not install libopenblas0-pthread; prefill will be slow (continuing)")
 
 
+# LITELLM_MASTER_KEY: what clients send to LiteLLM; MLX_API_KEY: what LiteLLM sends to the MLX server.
+GENERATED_KEYS = ("LITELLM_MASTER_KEY", "MLX_API_KEY")
+
+
+def mask_secret(value):
+    """Enough of a key to recognise it, not enough to use it (same rule as mlxstack/system/secrets.py)."""
+    if not value:
+        return "(empty)"
+    if len(value) <= 12:
+        return value[:2] + "\u2026"
+    return value[:6] + "\u2026" + value[-3:]
+
+
+def write_private(path, text):
+    """Replace ``path`` atomically with a file that is 0600 from its creation (mkstemp), never
+    chmodded after the secret is in it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, str(path))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def ensure_env_file(repo=REPO, environ=None):
-    """Create .env from .env.example with a fresh LITELLM_MASTER_KEY. Returns (path, key, created)."""
+    """Create .env from .env.example with fresh keys (GENERATED_KEYS), or add a key an older .env lacks.
+
+    Returns (path, {name: value}, generated names). A key set in the environment wins and is not
+    written. An existing .env readable by others is tightened to 0600 (it was written by an older
+    version of this script)."""
     environ = os.environ if environ is None else environ
     env_path, example = Path(repo) / ".env", Path(repo) / ".env.example"
-    created = not env_path.exists()
-    text = env_path.read_text() if not created else (example.read_text() if example.exists() else "")
-    m = re.search(r"^LITELLM_MASTER_KEY=(.*)$", text, re.M)
-    key = m.group(1).strip().strip("'\"") if m else ""
-    if not key and not environ.get("LITELLM_MASTER_KEY"):
-        key = "sk-" + secrets.token_urlsafe(32)
-        line = "LITELLM_MASTER_KEY=" + key
-        text = (text[:m.start()] + line + text[m.end():]) if m else text.rstrip("\n") + ("\n" if text else "") + line + "\n"
-        created = True
-    if created:
-        env_path.write_text(text)
-        os.chmod(str(env_path), 0o600)  # it holds a secret
-    return env_path, key or environ.get("LITELLM_MASTER_KEY", ""), created
+    exists = env_path.exists()
+    text = env_path.read_text() if exists else (example.read_text() if example.exists() else "")
+    keys, generated = {}, []
+    for name in GENERATED_KEYS:
+        m = re.search(r"^%s=(.*)$" % name, text, re.M)
+        value = m.group(1).strip().strip("'\"") if m else ""
+        if not value and environ.get(name):
+            value = environ[name]
+        elif not value:
+            value = "sk-" + secrets.token_urlsafe(32)
+            line = name + "=" + value
+            text = (text[:m.start()] + line + text[m.end():]) if m else text.rstrip("\n") + ("\n" if text else "") + line + "\n"
+            generated.append(name)
+        keys[name] = value
+    if generated or not exists:
+        write_private(env_path, text)
+    elif env_path.stat().st_mode & 0o077:
+        os.chmod(str(env_path), 0o600)
+        say("%s was readable by other users; it holds keys, so it is now 0600" % env_path)
+    return env_path, keys, generated
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -323,11 +367,12 @@ def main(argv):
     ensure_venv(py312, recreate)
     install_requirements()
     ensure_openblas()
-    env_path, key, created = ensure_env_file()
-    if created:
-        say("wrote %s with a new LITELLM_MASTER_KEY=%s" % (env_path, key))
-    if key:
-        say("clients authenticate with the header  Authorization: Bearer <LITELLM_MASTER_KEY from %s>" % env_path)
+    env_path, keys, generated = ensure_env_file()
+    for name in generated:
+        say("wrote a new %s=%s into %s" % (name, mask_secret(keys[name]), env_path))
+    if keys.get("LITELLM_MASTER_KEY"):
+        say("clients authenticate with the header  Authorization: Bearer <LITELLM_MASTER_KEY from %s> (%s)"
+            % (env_path, mask_secret(keys["LITELLM_MASTER_KEY"])))
     py = str(venv_python(VENV))
     os.chdir(str(REPO))
     argv_out = [py, "-m", "mlxstack.launcher.test_runner"] + test_args if test_args is not None else [py, str(REPO / "start_llm.py")] + rest

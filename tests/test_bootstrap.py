@@ -122,27 +122,60 @@ def test_requirements_stamp(tmp_path):
     assert boot.requirements_stamp(req, extra=["--no-deps", "other==1"]) != boot.requirements_stamp(req)
 
 
-def test_env_file_created_once_with_key(tmp_path):
-    (tmp_path / ".env.example").write_text("# doc\nMLX_PORT=8080\nLITELLM_MASTER_KEY=\nPROXY_PORT=4000\n")
-    path, key, created = boot.ensure_env_file(tmp_path, environ={})
+def test_env_file_created_once_with_keys(tmp_path, monkeypatch):
+    (tmp_path / ".env.example").write_text("# doc\nMLX_PORT=8080\nLITELLM_MASTER_KEY=\nMLX_API_KEY=\nPROXY_PORT=4000\n")
+    chmods = []
+    monkeypatch.setattr(boot.os, "chmod", lambda *a: chmods.append(a))  # spy: creation must not need one
+    old = os.umask(0)  # even a permissive umask: the file is 0600 from its creation
+    try:
+        path, keys, generated = boot.ensure_env_file(tmp_path, environ={})
+    finally:
+        os.umask(old)
     text = path.read_text()
-    assert created and key.startswith("sk-") and len(key) > 30
-    assert f"\nLITELLM_MASTER_KEY={key}\n" in text and "PROXY_PORT=4000" in text and "MLX_PORT=8080" in text
+    assert generated == ["LITELLM_MASTER_KEY", "MLX_API_KEY"] and chmods == []
+    master, mlx = keys["LITELLM_MASTER_KEY"], keys["MLX_API_KEY"]
+    assert master.startswith("sk-") and len(master) > 30 and mlx.startswith("sk-") and mlx != master
+    assert f"\nLITELLM_MASTER_KEY={master}\nMLX_API_KEY={mlx}\n" in text and "PROXY_PORT=4000" in text
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    path2, key2, created2 = boot.ensure_env_file(tmp_path, environ={})
-    assert (key2, created2) == (key, False) and path2.read_text() == text
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".env.")] == [".env.example"]  # no temp left
+    path2, keys2, generated2 = boot.ensure_env_file(tmp_path, environ={})
+    assert (keys2, generated2) == (keys, []) and path2.read_text() == text
 
 
-def test_env_file_respects_key_from_environment(tmp_path):
+def test_older_env_gets_an_mlx_key_and_tightened_mode(tmp_path):
+    env = tmp_path / ".env"
+    env.write_text("LITELLM_MASTER_KEY=sk-existing-master-key-0123456789\n")
+    os.chmod(env, 0o644)  # as an older bootstrap left it
+    _, keys, generated = boot.ensure_env_file(tmp_path, environ={})
+    assert generated == ["MLX_API_KEY"] and keys["LITELLM_MASTER_KEY"] == "sk-existing-master-key-0123456789"
+    assert env.read_text() == f"LITELLM_MASTER_KEY=sk-existing-master-key-0123456789\nMLX_API_KEY={keys['MLX_API_KEY']}\n"
+    assert oct(env.stat().st_mode & 0o777) == "0o600"
+    os.chmod(env, 0o644)
+    assert boot.ensure_env_file(tmp_path, environ={})[2] == []
+    assert oct(env.stat().st_mode & 0o777) == "0o600"
+
+
+def test_env_file_respects_keys_from_environment(tmp_path):
     (tmp_path / ".env.example").write_text("LITELLM_MASTER_KEY=\n")
-    _, key, created = boot.ensure_env_file(tmp_path, environ={"LITELLM_MASTER_KEY": "sk-env"})
-    assert key == "sk-env" and created and (tmp_path / ".env").read_text() == "LITELLM_MASTER_KEY=\n"
+    _, keys, generated = boot.ensure_env_file(tmp_path, environ={"LITELLM_MASTER_KEY": "sk-env", "MLX_API_KEY": "sk-m"})
+    assert keys == {"LITELLM_MASTER_KEY": "sk-env", "MLX_API_KEY": "sk-m"} and generated == []
+    assert (tmp_path / ".env").read_text() == "LITELLM_MASTER_KEY=\n"
 
 
-def test_committed_env_example_gets_key(tmp_path):
+def test_committed_env_example_gets_keys(tmp_path):
     (tmp_path / ".env.example").write_text((REPO / ".env.example").read_text())
-    _, key, _ = boot.ensure_env_file(tmp_path, environ={})
-    assert (tmp_path / ".env").read_text().count("LITELLM_MASTER_KEY=") == 1 and key in (tmp_path / ".env").read_text()
+    _, keys, _ = boot.ensure_env_file(tmp_path, environ={})
+    text = (tmp_path / ".env").read_text()
+    for name in ("LITELLM_MASTER_KEY", "MLX_API_KEY"):
+        assert text.count(f"\n{name}=") == 1 and f"\n{name}={keys[name]}\n" in text
+
+
+def test_mask_secret_matches_the_package():
+    from mlxstack.system.secrets import mask_secret
+
+    for value in ("", "abc", "sk-123456789", "sk-1234567890", "sk-" + "x" * 40 + "END"):
+        assert boot.mask_secret(value) == mask_secret(value)
+    assert boot.mask_secret("sk-abcdefghijklmnopqrstuvwxyz") == "sk-abc\u2026xyz"
 
 
 def test_split_args():

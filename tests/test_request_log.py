@@ -165,3 +165,36 @@ def test_background_writer_and_failures_never_raise(tmp_path, caplog):
     assert good.flush(5)
     assert good.written == 5
     assert sorted(p.name for p in log_files(tmp_path / "logs")) == ["cache-session-s0.log", "cache-session-s1.log"]
+
+
+# ---------------------------------------------------------------- privacy (issue 10, item 11)
+
+def test_logs_are_private_from_creation(tmp_path):
+    old = os.umask(0o022)  # a typical umask would make files 0644 and folders 0755
+    try:
+        root = tmp_path / "logs"
+        logger = RequestLogger(root, 10**9)
+        path = logger.write(fake_row())
+        assert oct(root.stat().st_mode & 0o777) == "0o700"
+        assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        logger.write(fake_row())  # appending keeps the mode
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and len(list(read_records(path))) == 2
+        logger.close()
+    finally:
+        os.umask(old)
+
+
+def test_readable_logs_from_older_versions_are_tightened(tmp_path):
+    day = tmp_path / "2025-01-01"
+    day.mkdir(mode=0o755)
+    old_log = day / "cache-session-abc.log"
+    old_log.write_text("{}\n")
+    os.chmod(old_log, 0o644)
+    other = tmp_path / "litellm_config.yaml"  # not a session log: left alone
+    other.write_text("x")
+    os.chmod(other, 0o644)
+    logger = RequestLogger(tmp_path, 10**9)
+    assert oct(old_log.stat().st_mode & 0o777) == "0o600" and oct(day.stat().st_mode & 0o777) == "0o700"
+    assert oct(other.stat().st_mode & 0o777) == "0o644"
+    logger.close()

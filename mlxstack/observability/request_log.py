@@ -20,6 +20,9 @@ One line (``v`` = 1) holds:
 Lines are written by a background thread: a slow disk or a full queue drops a log line, never
 delays or fails a request. When the files under LOG_ROOT exceed LOG_MAX_BYTES, the oldest files
 (by modification time) are deleted first.
+
+The logs hold full prompts: files are created 0600 inside 0700 folders (mode given at creation,
+never chmodded after a write); logs an older version left readable are tightened at start-up.
 """
 from __future__ import annotations
 
@@ -27,12 +30,15 @@ import atexit
 import hashlib
 import json
 import logging
+import os
 import queue
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+from ..system.secrets import PRIVATE_DIR, PRIVATE_FILE, make_private_dir, open_private_append
 
 log = logging.getLogger("mlxstack.request_log")
 
@@ -140,6 +146,23 @@ def log_files(root: Path | str) -> list[Path]:
     return [p for _, _, p in sorted(files)]
 
 
+def tighten_permissions(root: Path) -> list[Path]:
+    """Make session logs 0600 and their day folders 0700 (what older versions left readable);
+    returns what changed."""
+    changed = []
+    for p in log_files(root):
+        for target, mode in ((p.parent, PRIVATE_DIR), (p, PRIVATE_FILE)):
+            try:
+                if target.stat().st_mode & 0o777 != mode:
+                    os.chmod(target, mode)
+                    changed.append(target)
+            except OSError:
+                continue
+    if changed:
+        log.info("request logs: made %d file(s)/folder(s) under %s private", len(changed), root)
+    return changed
+
+
 class RequestLogger:
     """Appends records on a background thread and keeps LOG_ROOT under ``max_bytes``."""
 
@@ -157,6 +180,8 @@ class RequestLogger:
         self.written = 0
         self._q: "queue.Queue[dict | None]" = queue.Queue(maxsize=queue_size)
         self._total = sum(self._size(p) for p in log_files(self.root)) if self.root.exists() else 0
+        if self.root.exists():
+            tighten_permissions(self.root)
         self._thread = threading.Thread(target=self._run, name="request-log", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -196,8 +221,9 @@ class RequestLogger:
             line = (json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "replace")
             day = time.strftime("%Y-%m-%d", time.localtime(rec["ts"]))
             path = self.root / day / session_file_name(rec["session"] or "")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "ab") as fh:
+            make_private_dir(self.root)
+            make_private_dir(path.parent)
+            with open_private_append(path) as fh:
                 fh.write(line)
             self.written += 1
             self._total += len(line)
