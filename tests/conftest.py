@@ -50,6 +50,26 @@ def tiny_vlm_path(tmp_path_factory, embedded_model_path) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"), embedded_model_path)
 
 
+@pytest.fixture(scope="session")
+def tiny_kind_paths(tmp_path_factory, embedded_model_path):
+    """One tiny model folder per cache kind (built lazily): kind name -> path builder."""
+    from tests.fixtures import tiny_models as tm
+    from tests.fixtures.tiny_gpt_oss import build_tiny_gpt_oss
+
+    builders = {"dense": tm.build_tiny_dense, "dense_hd64": tm.build_tiny_dense_hd64,
+                "hybrid": tm.build_tiny_hybrid, "gemma3": tm.build_tiny_gemma3,
+                "llama4": tm.build_tiny_llama4, "mamba2": tm.build_tiny_mamba2, "lfm2": tm.build_tiny_lfm2,
+                "gpt_oss": build_tiny_gpt_oss}
+    built: dict[str, Path] = {}
+
+    def path(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = builders[kind](tmp_path_factory.mktemp(f"tiny_{kind}"), embedded_model_path)
+        return built[kind]
+
+    return path
+
+
 # ===========================================================================
 # (end of tiny model fixtures)
 # ===========================================================================

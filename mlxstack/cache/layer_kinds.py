@@ -186,30 +186,46 @@ class QuantizedKind(KVKind):
 
 
 class RotatingKind(CacheKind):
-    """``RotatingKVCache`` (sliding-window layers). While every token since 0 is still held in
-    order (``_idx == offset``) it serves any depth; once the window has rotated, only its
-    exact depth, restored byte for byte (buffer layout, ``_idx``) as the model left it."""
+    """``RotatingKVCache`` (sliding-window layers).
+
+    - While every token since 0 is still held in order (``_idx == offset``) it serves any depth.
+    - Once the window has rotated it serves its exact depth, restored byte for byte (buffer
+      layout, ``_idx``) as the model left it -- and one token less when the ring is full
+      (``keep == 0``, decode's one-token writes): the next query at depth d needs the W-1 keys
+      before it, which the ring still holds; the dropped token's slot is the next one written
+      (in-place) or the first one trimmed (concatenating prefill). Only one such cut is sound, so
+      the layer is marked and cuts no further.
+    """
     name = "rotating"
     class_names = ("RotatingKVCache",)
+    CUT_MARK = "_mlxstack_cut"
 
     @staticmethod
     def _in_order(layer: Any) -> bool:
         return layer.keys is None or (layer._idx == layer.offset and layer.keys.shape[2] >= layer.offset)
 
+    def _one_back(self, layer: Any) -> bool:
+        return (layer.keep == 0 and layer.keys.shape[2] == layer.max_size and layer._idx >= 1
+                and layer.offset > layer.max_size and not getattr(layer, self.CUT_MARK, False))
+
     def floor(self, layer: Any, depth: int) -> int:
-        return 0 if self._in_order(layer) else depth
+        if self._in_order(layer):
+            return 0
+        return depth - 1 if self._one_back(layer) else depth
 
     def capture(self, layer: Any, depth: int) -> LayerState:
         base = (("keep", int(layer.keep)), ("max_size", int(layer.max_size)))
         if layer.keys is None:
-            return LayerState(self.name, type(layer), (None, None), base + (("idx", 0),), 0, 0)
+            return LayerState(self.name, type(layer), (None, None), base + (("cut", 0), ("idx", 0)), 0, 0)
         if self._in_order(layer):
             return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
-                              base + (("idx", depth),), depth, 0)
-        if depth != layer.offset:
+                              base + (("cut", 0), ("idx", depth)), depth, 0)
+        back = layer.offset - depth
+        if back not in (0, 1) or (back == 1 and not self._one_back(layer)):
             raise ValueError(f"rotated sliding-window cache at {layer.offset} cannot be cut to {depth}")
+        cut = 1 if back == 1 or getattr(layer, self.CUT_MARK, False) else 0
         return LayerState(self.name, type(layer), (_fresh(layer.keys), _fresh(layer.values)),
-                          base + (("idx", int(layer._idx)),), depth, depth)
+                          base + (("cut", cut), ("idx", int(layer._idx) - back)), depth, depth)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls(max_size=state.param("max_size"), keep=state.param("keep"))
@@ -222,12 +238,15 @@ class RotatingKind(CacheKind):
         else:
             c.keys, c.values = _fresh(k), _fresh(v)
             c.offset, c._idx = state.depth, state.param("idx")
+            if state.param("cut"):
+                setattr(c, self.CUT_MARK, True)
         return c
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
+        if not self._in_order(layer):
+            setattr(layer, self.CUT_MARK, True)
+        layer._idx -= depth - target
         layer.offset = target
-        layer._idx = target
-
 
 
 class ChunkedKind(CacheKind):

@@ -40,7 +40,7 @@ _FALSE = {"0", "false", "no", "off"}
 SPECS: tuple[Spec, ...] = (
     # --- model -----------------------------------------------------------------
     Spec("MODEL_PATH", "str", "", "Local model folder or Hugging Face repo id. Empty = embedded SmolLM2-135M-Instruct.", group="model"),
-    Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "generic"), group="model"),
+    Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "harmony", "generic"), group="model"),
     Spec("MODEL_CACHE_DIR", "str", "", "Where the embedded model is converted to MLX once. Empty = ~/.cache/mlxstack.", group="model"),
     Spec("CPU_FLOAT32", "bool", True, "On CPU-only MLX, dequantize/upcast weights to float32 (BLAS-friendly, much faster prefill).", group="model"),
     Spec("BLAS_PRELOAD", "str", "auto", "Linux: optimised BLAS to LD_PRELOAD into the MLX server (auto | off | /path/libopenblas.so).", group="model"),
@@ -91,6 +91,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("STRIP_BILLING_HEADER", "bool", True, "Remove Claude Code's per-request x-anthropic-billing-header line from the model input too.", group="cache"),
     Spec("HEALING_STORE", "bool", True, "Restore reasoning / raw tool-call markup that clients strip from echoed assistant turns.", group="cache"),
     Spec("HEALING_STORE_MAX_ENTRIES", "int", 2000, "LRU capacity of the healing store.", minimum=1, group="cache"),
+    Spec("HEALING_STORE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the healing store (least recently used replies go first).", minimum=1024, group="cache"),
     Spec("SNAPSHOT_MAX_ENTRIES", "int", 8, "Hybrid/recurrent-model state snapshots kept (0 = off).", minimum=0, group="cache"),
     Spec("SNAPSHOT_TTL_SECONDS", "float", 1800.0, "Snapshot time-to-live (0 = never expires).", minimum=0, group="cache"),
     Spec("DISK_CACHE_DIR", "str", "auto", "Disk tier of the prompt KV cache (warm across restarts). auto = kv/ under MODEL_CACHE_DIR (default ~/.cache/mlxstack/kv); empty or off = no disk tier; relative paths are under the repo.", group="cache"),

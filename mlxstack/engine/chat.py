@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..cache.kv_ops import KVState, LiveCache, capture, checkout
 from ..cache.lcp import as_tokens, lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
+from ..parsing.harmony import HarmonyStopper, healing_patch
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.render import TemplateError, encode
@@ -137,8 +138,11 @@ class ChatEngine:
         self.renderer = renderer
         self.state = state          # engine/state.py: caches, counters, stores, cache layout
         self.settings = settings
-        self.stop_ids = stop_token_ids(loaded.tokenizer, renderer.template_source)
+        self.harmony = loaded.family == "harmony"
+        self.stop_ids = stop_token_ids(loaded.tokenizer, renderer.template_source, loaded.family)
         self.context_limit = int(loaded.context_length)
+        vocab = loaded.tokenizer.get_vocab() if hasattr(loaded.tokenizer, "get_vocab") else {}
+        self.call_id = vocab.get("<|call|>") if self.harmony else None
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
@@ -319,6 +323,7 @@ class ChatEngine:
         if params.max_tokens <= 0:
             return
         stopper = StopMatcher(seq.job.stop)
+        harmony = HarmonyStopper() if self.harmony else None
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
         seq.sampler = Sampler(params, seq.prep.model_tokens, self._logit_width(logits))
@@ -329,12 +334,16 @@ class ChatEngine:
                 seq.finish_reason = "stop"
                 break
             detok.add_token(tok)
-            out, hit = stopper.push(detok.last_segment)
+            segment = detok.last_segment
+            out, hit = stopper.push(segment)
             if out:
                 seq.visible.append(out)
                 seq.job.emit(out)
             if hit:
                 seq.finish_reason, seq.stopped_by_string = "stop", True
+                break
+            if harmony is not None and harmony.push(segment):
+                seq.finish_reason = "stop"  # a final message ended, or a non-assistant turn began
                 break
         if not seq.stopped_by_string and not (seq.watchdog or seq.job.is_cancelled()):
             detok.finalize()
@@ -432,9 +441,16 @@ class ChatEngine:
         job = seq.job
         parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=job.tools, family=self.loaded.family)
         generated = visible if seq.stopped_by_string else raw_text
-        extra = self.renderer.generation_extra(job.enable_thinking, bool(job.tools))
+        if self.harmony:
+            # A harmony template wraps content in channel markup: heal the message's fields so
+            # it re-renders what the model generated (seed 002: track what is in the KV).
+            healed: Any = healing_patch(generated)
+            if healed is None:
+                return
+        else:
+            healed = self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
         healing.remember(history_digest([healing.view(m) for m in seq.prep.original]), parsed.content,
-                         parsed.tool_calls, extra + generated)
+                         parsed.tool_calls, healed)
 
     def _close_turn(self, seq: Sequence, content_ids: list[int]) -> list[int]:
         """Feed what the next turn is certain to contain after this reply: the last sampled
@@ -452,7 +468,12 @@ class ChatEngine:
         if seq.stopped_by_string:
             return in_kv  # the client never sees the rest: the next turn will not contain it
         closer = self.renderer.assistant_closer(seq.job.enable_thinking)
-        target = content_ids + (encode(self.loaded.tokenizer, closer) if closer else [])
+        closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
+        if self.harmony and generated and generated[-1] == self.call_id:
+            closer_ids = [self.call_id]   # a harmony tool call stays closed by <|call|> in history
+        elif closer_ids and content_ids[-len(closer_ids):] == closer_ids:
+            closer_ids = []               # the reply already ended with the closer (harmony <|end|>)
+        target = content_ids + closer_ids
         if len(prep.model_tokens) + len(target) > self.context_limit:
             return in_kv  # no room left in the window to close the turn
         if in_kv != target[:fed]:

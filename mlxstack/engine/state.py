@@ -52,7 +52,8 @@ class EngineState:
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
-        self.healing = HealingStore(settings.healing_store_max_entries, self._healing_view) if settings.healing_store else None
+        self.healing = (HealingStore(settings.healing_store_max_entries, self._healing_view,
+                                     max_bytes=settings.healing_store_max_bytes) if settings.healing_store else None)
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
         self.request_logger: Any = None

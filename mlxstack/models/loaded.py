@@ -37,6 +37,8 @@ def detect_family(config: dict, path: str, override: str = "auto") -> str:
     if override != "auto":
         return override
     text = (str(config.get("model_type", "")) + " " + path).lower()
+    if config.get("model_type") == "gpt_oss" or "gpt-oss" in text or "gpt_oss" in text:
+        return "harmony"  # GPT-OSS speaks the harmony channel format (parsing/harmony.py)
     if "glm" in text:
         return "glm4"
     if "qwen" in text:

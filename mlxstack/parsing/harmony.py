@@ -627,3 +627,45 @@ class HarmonyStopper:
         if self._explicit:
             role = _parse_header(self._header, False)[0]
             self._stopped = role != ASSISTANT
+
+
+# ---------------------------------------------------------------------------------------------
+# healing: the assistant message fields that re-render what the model generated
+# ---------------------------------------------------------------------------------------------
+
+
+def healing_patch(text: str) -> dict | None:
+    """The assistant-message fields that make a harmony template re-render ``text`` (what the
+    model generated, terminator included) instead of what a client echoed back: the analysis
+    body as ``reasoning_content``, the final / preamble body as ``content``, and each call's
+    arguments byte for byte (``tool_arguments``, in call order; the client's call ids are kept).
+
+    Returns None when the generation does not fit one assistant message (several analysis or
+    content messages, or a message under another role): such a turn is left as the client sent
+    it, and cache reuse simply stops where the tokens differ.
+    """
+    reasoning: list[str] = []
+    content: list[str] = []
+    arguments: list[str] = []
+    for m in parse_harmony_messages(text):
+        if not m.has_body and not m.content:
+            continue
+        if m.role != ASSISTANT:
+            return None
+        kind = _kind(m.role, m.channel, m.recipient)
+        if kind == _TOOL:
+            arguments.append(m.content)
+        elif kind == REASONING and m.recipient is None:
+            reasoning.append(m.content)
+        elif kind == CONTENT and m.has_body:
+            content.append(m.content)
+        else:
+            return None
+    if len(reasoning) > 1 or len(content) > 1 or not (reasoning or content or arguments):
+        return None
+    patch: dict = {"content": content[0] if content else ""}
+    if reasoning:
+        patch["reasoning_content"] = reasoning[0]
+    if arguments:
+        patch["tool_arguments"] = arguments
+    return patch

@@ -23,7 +23,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 from ..parsing.tool_calls import canonical_arguments
 
@@ -66,32 +66,74 @@ def healing_key(history: str, content: Any, tool_calls: Sequence[Any] | None) ->
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
 
 
+Healed = Union[str, dict]   # raw generated text (put in content) or a field patch (harmony)
+
+
+def _size(value: Healed) -> int:
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
+def apply_patch(message: dict, patch: dict) -> dict:
+    """``message`` with a harmony healing patch applied (parsing/harmony.py ``healing_patch``):
+    content and reasoning as generated, each tool call's arguments byte for byte (ids kept)."""
+    out = {k: v for k, v in message.items() if k not in ("reasoning", "thinking")}
+    out["content"] = patch.get("content", "")
+    if "reasoning_content" in patch:
+        out["reasoning_content"] = patch["reasoning_content"]
+    else:
+        out.pop("reasoning_content", None)
+    args = patch.get("tool_arguments")
+    calls = message.get("tool_calls")
+    if args and isinstance(calls, list) and len(calls) == len(args):
+        out["tool_calls"] = [{**c, "function": {**c.get("function", {}), "arguments": a}} for c, a in zip(calls, args)]
+    return out
+
+
 class HealingStore:
-    def __init__(self, max_entries: int = 2000, view: Callable[[dict], Any] = lambda m: m) -> None:
+    """LRU of healed replies, bounded by entry count and by bytes."""
+
+    def __init__(self, max_entries: int = 2000, view: Callable[[dict], Any] = lambda m: m,
+                 max_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.view = view  # one message -> the form the history digest covers (exact, billing line dropped)
-        self._items: "OrderedDict[str, str]" = OrderedDict()
+        self._items: "OrderedDict[str, tuple[Healed, int]]" = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
         self.healed = 0
 
-    def remember(self, history: str, content: Any, tool_calls: Sequence[Any] | None, original_text: str) -> None:
-        key = healing_key(history, content, tool_calls)
-        with self._lock:
-            self._items[key] = original_text
-            self._items.move_to_end(key)
-            while len(self._items) > self.max_entries:
-                self._items.popitem(last=False)
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
-    def lookup(self, history: str, message: dict) -> str | None:
+    def remember(self, history: str, content: Any, tool_calls: Sequence[Any] | None, healed: Healed) -> None:
+        key = healing_key(history, content, tool_calls)
+        size = _size(healed) + len(key)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._items[key] = (healed, size)
+            self._bytes += size
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self._bytes -= n
+
+    def lookup(self, history: str, message: dict) -> Healed | None:
         key = healing_key(history, message.get("content"), message.get("tool_calls"))
         with self._lock:
-            text = self._items.get(key)
-            if text is not None:
-                self._items.move_to_end(key)
-            return text
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
 
     def heal(self, messages: list[dict]) -> list[dict]:
-        """A new list where every recognised assistant turn carries the generated text verbatim."""
+        """A new list where every recognised assistant turn carries what was generated."""
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
         if last < 0 or not self._items:  # nothing could be healed: skip the history digests
             return list(messages)
@@ -102,10 +144,15 @@ class HealingStore:
                 out.extend(messages[i:])
                 break
             if m.get("role") == "assistant":
-                original = self.lookup(digest, m)
-                if original is not None and original != _content_text(m.get("content")):
-                    m = {k: v for k, v in m.items() if k not in ("tool_calls", "reasoning_content", "reasoning")}
-                    m["content"] = original
+                healed = self.lookup(digest, m)
+                new = m
+                if isinstance(healed, dict):
+                    new = apply_patch(m, healed)
+                elif healed is not None and healed != _content_text(m.get("content")):
+                    new = {k: v for k, v in m.items() if k not in ("tool_calls", "reasoning_content", "reasoning")}
+                    new["content"] = healed
+                if new != m:
+                    m = new
                     with self._lock:
                         self.healed += 1
             out.append(m)

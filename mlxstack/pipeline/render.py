@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from ..parsing.tool_calls import inject_tool_prompt
@@ -57,6 +58,9 @@ class ChatRenderer:
         source = _template_source(tokenizer)
         self.supports_tools = "tools" in source
         self.renders_reasoning_content = "reasoning_content" in source
+        # GPT-OSS-style templates read an assistant's reasoning from ``thinking`` instead.
+        self.renders_thinking_field = not self.renders_reasoning_content and bool(
+            re.search(r"message\.thinking|message\[['\"]thinking['\"]\]|['\"]thinking['\"] in message", source))
         self.supports_thinking = "enable_thinking" in source
         self.preserve_thinking = preserve_thinking and self._probe_preserve_thinking(source)
         self.template_source = source
@@ -98,7 +102,11 @@ class ChatRenderer:
 
     def _assistant(self, m: dict) -> dict:
         reasoning = m.get("reasoning_content") or m.get("reasoning")
-        if reasoning and not self.renders_reasoning_content:
+        if reasoning and self.renders_thinking_field:
+            m["thinking"] = reasoning
+            m.pop("reasoning_content", None)
+            m.pop("reasoning", None)
+        elif reasoning and not self.renders_reasoning_content:
             content = m.get("content") or ""
             if "<think>" not in content:
                 m["content"] = f"<think>\n{reasoning}\n</think>\n\n{content}"

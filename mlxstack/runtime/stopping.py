@@ -16,12 +16,20 @@ TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<end_of
                    "<|user|>", "<|observation|>")
 
 
-def stop_token_ids(tokenizer: Any, template_source: str) -> frozenset[int]:
+def stop_token_ids(tokenizer: Any, template_source: str, family: str = "generic") -> frozenset[int]:
+    """Token ids that end a reply: the tokenizer's eos ids plus the template's end-of-turn tokens.
+
+    Harmony (GPT-OSS) is the exception: ``<|end|>`` closes one message of a reply (analysis, then
+    final or a call), so only ``<|return|>`` / ``<|call|>`` end it (parsing/harmony.HarmonyStopper
+    guards the rest)."""
     ids = set(getattr(tokenizer, "eos_token_ids", None) or ())
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    for tok in TURN_END_TOKENS:
+    turn_ends = ("<|return|>", "<|call|>") if family == "harmony" else TURN_END_TOKENS
+    for tok in turn_ends:
         if tok in template_source and tok in vocab:
             ids.add(int(vocab[tok]))
+    if family == "harmony" and "<|end|>" in vocab:
+        ids.discard(int(vocab["<|end|>"]))
     return frozenset(ids)
 
 
