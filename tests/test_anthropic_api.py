@@ -193,6 +193,16 @@ def test_litellm_passes_messages_through_and_advertises_the_window():
     assert "sk-mlx" not in lc.render_yaml(lc.build_config(load_settings(env={"MLX_API_KEY": "sk-mlx"}), "m"))
 
 
+def test_served_context_window_asks_the_live_server_with_its_key(tiny_dense_path, tmp_path):
+    srv = LiveServer(engine_settings(tiny_dense_path, log_root=str(tmp_path), mlx_api_key="sk-mlx-test"))
+    try:
+        port = str(srv.port)
+        assert lc.served_context_window(load_settings(env={"MLX_PORT": port, "MLX_API_KEY": "sk-mlx-test"})) == 4096
+        assert lc.served_context_window(load_settings(env={"MLX_PORT": port, "MLX_API_KEY": "sk-wrong"})) is None
+    finally:
+        srv.close()
+
+
 # ============================================================================ the real MLX server
 @pytest.fixture(scope="module")
 def server(tiny_dense_path, tmp_path_factory):

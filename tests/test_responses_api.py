@@ -294,6 +294,12 @@ def test_previous_response_id_continues_the_stored_conversation(server):
     assert output_text(chained) == output_text(direct)
     # the first turn's whole prompt was reused (the tokenizer re-splits the newline after it)
     assert chained["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"] - 1
+    # streamed: stored before response.completed is written, so a client can chain at once
+    raw = post_stream(server.base + "/v1/responses", {"input": "Stream me.", "max_output_tokens": 3})
+    streamed_id = sse_events(raw)[-1][1]["response"]["id"]
+    s, again, _ = http_json(server.base + "/v1/responses", {"previous_response_id": streamed_id, "input": "More.",
+                                                            "max_output_tokens": 2})
+    assert s == 200 and again["usage"]["input_tokens_details"]["cached_tokens"] > 0
     # store: false keeps nothing
     _, unstored, _ = http_json(server.base + "/v1/responses", {"input": "x", "store": False, "max_output_tokens": 2})
     s, err, _ = http_json(server.base + "/v1/responses", {"previous_response_id": unstored["id"], "input": "y"})

@@ -511,9 +511,9 @@ class ResponsesStream:
     """FrameEncoder for one streamed response (see job_adapter.FrameEncoder)."""
 
     def __init__(self, response_id: str, model: str, call: ResponsesCall, *, tools: list | None, family: str,
-                 count_tokens: Callable[[str], int]) -> None:
+                 count_tokens: Callable[[str], int], on_finish: Callable[[Any], None] = lambda _o: None) -> None:
         self.response_id, self.model, self.call = response_id, model, call
-        self.tools, self.family, self.count_tokens = tools, family, count_tokens
+        self.tools, self.family, self.count_tokens, self.on_finish = tools, family, count_tokens, on_finish
         self.created_at = int(time.time())
         self.items = OutputItems(response_id, call.tool_names, call.reasoning_blob)
         self.splitter: Any = None
@@ -554,6 +554,7 @@ class ResponsesStream:
         payloads = self._split(self.splitter.finish()) + self.items.finish()
         status = "incomplete" if outcome_truncated(outcome) else "completed"
         usage = usage_object(outcome_usage(outcome), self.count_tokens(reasoning_text(self.items.items)))
+        self.on_finish(outcome)  # before the last event: a client may chain on it at once
         return self._frames(payloads + [{"type": f"response.{status}", "response": self._response(status, usage)}])
 
     def error(self, err: APIError) -> list[bytes]:
@@ -632,9 +633,16 @@ def handle_responses(h: Any) -> None:
     def count_tokens(text: str) -> int:
         return len(app.loaded.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
+    def remember(outcome: Any) -> None:
+        """Store the conversation before the client can see the response (and chain on its id)."""
+        if call.store and not outcome.aborted:
+            reply = assistant_message(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
+                                      family=app.family, response_id=response_id)
+            store.put(response_id, [*call.conversation, reply])
+
     if call.stream:
         encoder = ResponsesStream(response_id, app.model_id, call, tools=req.tools, family=app.family,
-                                  count_tokens=count_tokens)
+                                  count_tokens=count_tokens, on_finish=remember)
         outcome = run.stream(h, encoder)
     else:
         outcome = run.wait(h)
@@ -645,16 +653,12 @@ def handle_responses(h: Any) -> None:
                             reasoning_blob=call.reasoning_blob)
         usage = usage_object(outcome_usage(outcome), count_tokens(reasoning_text(items)))
         status = "incomplete" if outcome_truncated(outcome) else "completed"
+        remember(outcome)
         app.count_status(200)
         h._json(200, response_object(response_id, app.model_id, int(time.time()), call.echo, status=status,
                                      output=items, usage=usage))
-    if outcome is None:
-        return
-    app.after_response(run.job, outcome)
-    if call.store and not outcome.aborted:
-        reply = assistant_message(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
-                                  family=app.family, response_id=response_id)
-        store.put(response_id, [*call.conversation, reply])
+    if outcome is not None:
+        app.after_response(run.job, outcome)
 
 
 __all__ = ["OutputItems", "ResponseStore", "ResponsesCall", "ResponsesStream", "ToolNames", "assistant_message",
