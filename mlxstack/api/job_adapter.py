@@ -77,9 +77,12 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         params=SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
-            max_tokens=req.max_tokens, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=req.logit_bias or None, max_tokens=req.max_tokens, seed=req.seed,
+            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
         ),
         stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
+        tool_choice=req.tool_choice, response_format=req.response_format,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..parsing.output import reply_splitter, split_reply
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
-from .sse import ChunkEncoder
+from .sse import ChunkEncoder, encode_frame
 
 
 def usage_body(outcome: Any) -> dict:
@@ -29,10 +29,16 @@ def finish_reason(outcome: Any, has_tool_calls: bool) -> str:
     return "length" if outcome.finish_reason in ("length", "cancelled") else outcome.finish_reason
 
 
+def logprobs_body(outcome: Any) -> dict | None:
+    """OpenAI ``choices[].logprobs`` when the request asked for them (one entry per token)."""
+    entries = getattr(outcome, "logprobs", None)
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
 def completion_body(completion_id: str, model: str, outcome: Any, *, tools: list | None, family: str,
-                    enable_thinking: bool) -> dict:
+                    enable_thinking: bool, parse_tools: bool = True) -> dict:
     parsed = split_reply(outcome.text, thinking_started=outcome.thinking_started, tools=tools,
-                         family=family, id_salt=completion_id)
+                         family=family, id_salt=completion_id, parse_tools=parse_tools)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning or enable_thinking and outcome.thinking_started:
         message["reasoning_content"] = parsed.reasoning
@@ -45,7 +51,7 @@ def completion_body(completion_id: str, model: str, outcome: Any, *, tools: list
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs_body(outcome),
                      "finish_reason": finish_reason(outcome, bool(parsed.tool_calls))}],
         "usage": usage_body(outcome),
     }
@@ -55,11 +61,12 @@ class StreamAssembler:
     """Feeds text deltas to the splitter and yields ready SSE frames."""
 
     def __init__(self, completion_id: str, model: str, *, thinking_started: bool, tools: list | None,
-                 family: str, include_usage: bool) -> None:
+                 family: str, include_usage: bool, parse_tools: bool = True) -> None:
         self.encoder = ChunkEncoder(completion_id, int(time.time()), model)
         self.splitter = reply_splitter(thinking_started=thinking_started, tools=tools,
-                                       family=family, id_salt=completion_id)
+                                       family=family, id_salt=completion_id, parse_tools=parse_tools)
         self.include_usage = include_usage
+        self.parse_tools = parse_tools
         self.tool_calls = 0
 
     def start(self) -> bytes:
@@ -72,6 +79,10 @@ class StreamAssembler:
                 out.append(self.encoder.content_frame(ev.text))
             elif ev.kind == REASONING and ev.text:
                 out.append(self.encoder.reasoning_frame(ev.text))
+            elif ev.kind == TOOL_CALLS and ev.calls and not self.parse_tools:
+                # tool_choice "none" and the model called anyway: shown as text, never dropped
+                text = "\n".join(f"{c.name}({c.arguments})" for c in ev.calls)
+                out.append(self.encoder.content_frame(text))
             elif ev.kind == TOOL_CALLS and ev.calls:
                 self.tool_calls += len(ev.calls)
                 out.append(self.encoder.tool_calls_frame(ev.calls))
@@ -84,6 +95,10 @@ class StreamAssembler:
         frames = self._frames(self.splitter.finish())
         usage = usage_body(outcome)
         reason = finish_reason(outcome, self.tool_calls > 0)
+        lp = logprobs_body(outcome)
+        if lp is not None:  # per-token logprobs in one chunk before the finish frame
+            frames.append(encode_frame(self.encoder.chunk({}, None) | {"choices": [
+                {"index": 0, "delta": {}, "logprobs": lp, "finish_reason": None}]}))
         frames.append(self.encoder.final_frame(reason, None if self.include_usage else usage))
         if self.include_usage:
             frames.append(self.encoder.usage_frame(usage))

@@ -20,8 +20,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-from ..engine.chat import ChatJob, ClientGone, ContextLengthExceeded, PromptReady
-from ..runtime.generate import SamplingParams
+from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
+from .job_adapter import chat_job
 from ..engine.worker import QueueFull
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader, peer_closed
@@ -192,18 +192,9 @@ class Handler(BaseHTTPRequestHandler):
             return cancelled.is_set()
 
         deltas: "queue.Queue[Any]" = queue.Queue()
-        job = ChatJob(
-            request_id=completion_id[-12:], messages=req.messages, tools=req.tools,
-            enable_thinking=req.enable_thinking,
-            params=SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
-                max_tokens=req.max_tokens, seed=req.seed,
-            ),
-            stop=req.stop, body=body, headers={k.lower(): v for k, v in self.headers.items()},
-            emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,
-            on_prompt=deltas.put if req.stream else (lambda _p: None),
-        )
+        job = chat_job(req, completion_id[-12:], {k.lower(): v for k, v in self.headers.items()},
+                       emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,
+                       on_prompt=deltas.put if req.stream else (lambda _p: None))
         try:
             future = app.worker.submit(lambda: app.engine.run(job))
         except QueueFull:
@@ -224,7 +215,8 @@ class Handler(BaseHTTPRequestHandler):
             outcome = self._result(future)
             app.count_status(200)
             self._json(200, completion_body(completion_id, app.model_id, outcome, tools=req.tools,
-                                            family=app.family, enable_thinking=req.enable_thinking))
+                                            family=app.family, enable_thinking=req.enable_thinking,
+                                            parse_tools=req.tool_choice != "none"))
             app.after_response(job, outcome)
 
     def _result(self, future: Any) -> Any:
@@ -273,14 +265,16 @@ class Handler(BaseHTTPRequestHandler):
                     break
                 if isinstance(item, PromptReady):
                     asm = StreamAssembler(completion_id, app.model_id, thinking_started=item.thinking_started,
-                                          tools=req.tools, family=app.family, include_usage=req.include_usage)
+                                          tools=req.tools, family=app.family, include_usage=req.include_usage,
+                                          parse_tools=req.tool_choice != "none")
                     write([])  # headers + role frame as soon as the prompt is ready
                     continue
                 write(asm.feed(item))
             outcome = self._result(future)  # raises APIError before any byte if it failed early
             if asm is None:
                 asm = StreamAssembler(completion_id, app.model_id, thinking_started=outcome.thinking_started,
-                                      tools=req.tools, family=app.family, include_usage=req.include_usage)
+                                      tools=req.tools, family=app.family, include_usage=req.include_usage,
+                                      parse_tools=req.tool_choice != "none")
             write(asm.finish(outcome))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()

@@ -43,19 +43,29 @@ def expire_idle(items: dict[str, Any], max_idle: float, now: float) -> None:
 class _TurnRecord:
     messages: list[Any]
     touched: float
+    nbytes: int = 0
 
 
 class SessionTurnStore:
     def __init__(self, max_idle_seconds: float = 1800.0, clock: Callable[[], float] = time.monotonic,
-                 max_sessions: int = 4096) -> None:
+                 max_sessions: int = 4096, max_bytes: int = 256 * 1024 * 1024) -> None:
         self.max_idle = max_idle_seconds
         self.clock = clock
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
         self._records: "OrderedDict[str, _TurnRecord]" = OrderedDict()
+        self._bytes = 0
         self.refused_writes = 0
 
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
     def _expire(self) -> None:
+        before = set(self._records)
         expire_idle(self._records, self.max_idle, self.clock())
+        if len(self._records) != len(before):
+            self._bytes = sum(r.nbytes for r in self._records.values())
 
     def stable_prefix(self, session_id: str, canonical_messages: Sequence[Any]) -> int:
         self._expire()
@@ -73,10 +83,19 @@ class SessionTurnStore:
                 rec.touched = now
                 self.refused_writes += 1
                 return False
-        self._records[session_id] = _TurnRecord([json.loads(_message_key(m)) for m in canonical_messages], now)
-        self._records.move_to_end(session_id)
-        while len(self._records) > self.max_sessions:
-            self._records.popitem(last=False)
+        blobs = [_message_key(m) for m in canonical_messages]
+        size = sum(len(b) for b in blobs)
+        if size > self.max_bytes:
+            self.refused_writes += 1
+            return False
+        old = self._records.pop(session_id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._records[session_id] = _TurnRecord([json.loads(b) for b in blobs], now, size)
+        self._bytes += size
+        while len(self._records) > self.max_sessions or self._bytes > self.max_bytes:
+            _, dropped = self._records.popitem(last=False)
+            self._bytes -= dropped.nbytes
         return True
 
     def get(self, session_id: str) -> list[Any] | None:
@@ -97,12 +116,14 @@ class _SessionInfo:
 
 class SessionIndex:
     def __init__(self, max_entries_per_session: int = 2, anchor_stride: int = 2048,
-                 max_idle_seconds: float = 1800.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_idle_seconds: float = 1800.0, clock: Callable[[], float] = time.monotonic,
+                 max_sessions: int = 8192) -> None:
         self.max_per_session = max_entries_per_session
         self.anchor_stride = anchor_stride
         self.max_idle = max_idle_seconds
         self.clock = clock
-        self._sessions: dict[str, _SessionInfo] = {}
+        self.max_sessions = max_sessions
+        self._sessions: "OrderedDict[str, _SessionInfo]" = OrderedDict()
 
     def _expire(self) -> None:
         expire_idle(self._sessions, self.max_idle, self.clock())
@@ -110,6 +131,9 @@ class SessionIndex:
     def record(self, session_id: str, entry_id: int, depth: int, parent: str | None = None) -> None:
         self._expire()
         info = self._sessions.setdefault(session_id, _SessionInfo())
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.max_sessions:  # least recently recorded session goes first
+            self._sessions.popitem(last=False)
         info.touched = self.clock()
         if parent and parent != session_id and info.parent is None and not self._is_ancestor(session_id, parent):
             info.parent = parent

@@ -92,6 +92,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("HEALING_STORE", "bool", True, "Restore reasoning / raw tool-call markup that clients strip from echoed assistant turns.", group="cache"),
     Spec("HEALING_STORE_MAX_ENTRIES", "int", 2000, "LRU capacity of the healing store.", minimum=1, group="cache"),
     Spec("HEALING_STORE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the healing store (least recently used replies go first).", minimum=1024, group="cache"),
+    Spec("SESSION_STORE_MAX_BYTES", "int", 256 * 1024 * 1024, "Byte cap of the session turn store (each session's message history; least recently updated sessions go first).", minimum=1024, group="cache"),
+    Spec("TOKENIZER_CACHE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the tokeniser's piece cache (pieces over 256k characters are never cached).", minimum=1024, group="cache"),
     Spec("SNAPSHOT_MAX_ENTRIES", "int", 8, "Hybrid/recurrent-model state snapshots kept (0 = off).", minimum=0, group="cache"),
     Spec("SNAPSHOT_TTL_SECONDS", "float", 1800.0, "Snapshot time-to-live (0 = never expires).", minimum=0, group="cache"),
     Spec("DISK_CACHE_DIR", "str", "auto", "Disk tier of the prompt KV cache (warm across restarts). auto = kv/ under MODEL_CACHE_DIR (default ~/.cache/mlxstack/kv); empty or off = no disk tier; relative paths are under the repo.", group="cache"),

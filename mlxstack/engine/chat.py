@@ -26,6 +26,7 @@ from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
 from ..pipeline.session_context import SessionContext, extract_session_context
+from ..pipeline.tokenize import encoder_for
 from ..runtime.generate import Aborted, decode, feed, prefill
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.stopping import StopMatcher, stop_token_ids
@@ -63,6 +64,8 @@ class ChatJob:
     emit: Callable[[str], None]                  # text deltas, in order
     is_cancelled: Callable[[], bool] = lambda: False
     on_prompt: Callable[["PromptReady"], None] = lambda _p: None
+    tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
+    response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,13 @@ class PreparedPrompt:
         self.model_np = as_tokens(self.model_tokens)
         self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
 
+    def extended(self, text: str, ids: list[int]) -> "PreparedPrompt":
+        """The prompt with the start of the reply forced (``text`` encoded as ``ids``)."""
+        key = self.model_tokens + ids if self.key_tokens is self.model_tokens else self.key_tokens + ids
+        model = self.model_tokens + ids
+        return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
+                              model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras)
+
 
 @dataclass
 class Sequence:
@@ -130,6 +140,7 @@ class Sequence:
     t_first: float = 0.0
     t_end: float = 0.0
     sampler: Sampler | None = None
+    forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
 
 
 class ChatEngine:
@@ -141,6 +152,7 @@ class ChatEngine:
         self.harmony = loaded.family == "harmony"
         self.stop_ids = stop_token_ids(loaded.tokenizer, renderer.template_source, loaded.family)
         self.context_limit = int(loaded.context_length)
+        encoder_for(loaded.tokenizer).max_bytes = settings.tokenizer_cache_max_bytes
         vocab = loaded.tokenizer.get_vocab() if hasattr(loaded.tokenizer, "get_vocab") else {}
         self.call_id = vocab.get("<|call|>") if self.harmony else None
 
@@ -262,15 +274,19 @@ class ChatEngine:
         s = self.settings
         st = self.state
         prep = self.prepare(job)
+        thinking_started = prompt_opens_thinking(self._generation_prompt_text(prep, job))
+        forced = self._reply_prefix(job, thinking_started)
+        if forced:
+            prep = prep.extended(forced, encode(self.loaded.tokenizer, forced))
         n_prompt = len(prep.model_tokens)
         if n_prompt + 1 > self.context_limit:
             st.counters.bump("context_length_exceeded")
             raise ContextLengthExceeded(n_prompt, self.context_limit)
         # Never generate past the window: the rest of the budget ends with finish_reason=length.
         params = replace(job.params, stop_token_ids=job.params.stop_token_ids | self.stop_ids,
-                         max_tokens=min(job.params.max_tokens, self.context_limit - n_prompt))
+                         max_tokens=min(job.params.max_tokens, self.context_limit - n_prompt),
+                         logit_bias=self._logit_bias(job))
         session = extract_session_context(job.body, job.headers, self._session_key_tokens(prep, job))
-        thinking_started = prompt_opens_thinking(self._generation_prompt_text(prep, job))
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
@@ -293,7 +309,38 @@ class ChatEngine:
         deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
-                        history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline)
+                        history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
+                        forced=forced)
+
+    # ---------------------------------------------------------------- tool_choice / JSON mode
+    def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:
+        """Text the reply must start with, written for the model after the generation prompt:
+        the opening of a tool call (tool_choice "required" or a named function) or of a JSON
+        object (response_format json_object / json_schema). Nothing for everything else."""
+        choice, fmt = job.tool_choice, job.response_format or {}
+        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        close_think = "</think>\n\n" if thinking_started else ""
+        if job.tools and (choice == "required" or named):
+            if self.harmony:
+                return "<|channel|>commentary to=functions." + (f"{named} <|constrain|>json<|message|>" if named else "")
+            if "<function=" in self.renderer.template_source:   # Qwen3-Coder XML calls
+                return close_think + "<tool_call>\n<function=" + (f"{named}>\n" if named else "")
+            return close_think + '<tool_call>\n{"name": "' + (f'{named}", "arguments": ' if named else "")
+        if fmt.get("type") in ("json_object", "json_schema") and not self.harmony:
+            return close_think + "{"
+        if fmt.get("type") in ("json_object", "json_schema") and self.harmony:
+            return "<|channel|>final<|message|>{"
+        return ""
+
+    def _logit_bias(self, job: ChatJob) -> dict[int, float] | None:
+        """The request's logit_bias, plus a ban on the tool-call token for tool_choice "none"."""
+        bias = dict(job.params.logit_bias or {})
+        if job.tool_choice == "none" and job.tools:
+            tool_open = self.loaded.tokenizer.get_vocab().get("<tool_call>") if hasattr(
+                self.loaded.tokenizer, "get_vocab") else None
+            if tool_open is not None:
+                bias[int(tool_open)] = -1e9
+        return bias or None
 
     def _should_stop(self, seq: Sequence) -> Callable[[], bool]:
         def should_stop() -> bool:
@@ -327,6 +374,9 @@ class ChatEngine:
         detok = self.loaded.tokenizer.detokenizer
         detok.reset()
         seq.sampler = Sampler(params, seq.prep.model_tokens, self._logit_width(logits))
+        if seq.forced:
+            seq.visible.append(seq.forced)
+            seq.job.emit(seq.forced)
         for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, params, should_stop,
                           sampler=seq.sampler):
             seq.generated.append(tok)
@@ -370,8 +420,10 @@ class ChatEngine:
             st.counters.bump("disconnects")
         stop_ids = seq.params.stop_token_ids
         raw_ids = [t for t in seq.generated if t not in stop_ids]
-        raw_text = self.loaded.tokenizer.decode(raw_ids)
+        raw_text = seq.forced + self.loaded.tokenizer.decode(raw_ids)
         visible = "".join(seq.visible)
+        if not aborted and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
+            self._check_json(seq, visible)
         if not aborted and st.prompt_cache.enabled:
             try:
                 continuation = self._close_turn(seq, raw_ids)
@@ -409,6 +461,24 @@ class ChatEngine:
         )
         st.record(job, outcome, prep)
         return outcome
+
+    def _check_json(self, seq: Sequence, visible: str) -> None:
+        """JSON mode is enforced by prompting (the reply starts with "{") and checked here: a
+        reply that is not one JSON object is counted and logged, and goes out as generated."""
+        import json
+
+        from ..parsing.output import split_reply
+
+        content = split_reply(visible, thinking_started=seq.thinking_started, family=self.loaded.family,
+                              parse_tools=False).content
+        try:
+            ok = isinstance(json.loads(content), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            self.state.counters.bump("json_mode_invalid")
+            log.warning("%s response_format %s: the reply is not a JSON object (finish=%s)", seq.job.request_id,
+                        seq.job.response_format.get("type"), seq.finish_reason)
 
     def _logprobs(self, seq: Sequence) -> list[dict] | None:
         """OpenAI ``logprobs.content`` entries for the tokens the client sees (stop tokens excluded)."""

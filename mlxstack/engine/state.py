@@ -49,7 +49,8 @@ class EngineState:
         )
         seed = namespace_seed(model_id, template_hash=template_hash(template_source))
         self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict)
-        self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds)
+        self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds,
+                                      max_bytes=settings.session_store_max_bytes)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
         self.healing = (HealingStore(settings.healing_store_max_entries, self._healing_view,

@@ -88,7 +88,7 @@ def prompt_opens_thinking(prompt: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def strip_thinking(text: str, *, thinking_started: bool = False) -> tuple[str, str]:
+def strip_thinking(text: str, *, thinking_started: bool = False, parse_tools: bool = True) -> tuple[str, str]:
     """Split a whole generated text into (reasoning, content).
 
     Args:
@@ -116,7 +116,8 @@ def strip_thinking(text: str, *, thinking_started: bool = False) -> tuple[str, s
             pos = close + len(THINK_CLOSE)
             in_think = False
             continue
-        tags = [(text.find(tag, pos), tag) for tag in (THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN)]
+        tags = [(text.find(tag, pos), tag) for tag in ((THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN) if parse_tools
+                                                       else (THINK_OPEN, THINK_CLOSE))]
         found = [(i, tag) for i, tag in tags if i >= 0]
         if not found:
             content.append(text[pos:])
@@ -138,9 +139,13 @@ def split_output(
     tools: list | None = None,
     family: str = "generic",
     id_salt: str = "",
+    parse_tools: bool = True,
 ) -> ParsedOutput:
-    """`strip_thinking` then `parse_tool_calls`: the non-streaming response fields."""
-    reasoning, content = strip_thinking(text, thinking_started=thinking_started)
+    """`strip_thinking` then `parse_tool_calls`: the non-streaming response fields. With
+    ``parse_tools=False`` (tool_choice "none") tool-call markup stays content text."""
+    reasoning, content = strip_thinking(text, thinking_started=thinking_started, parse_tools=parse_tools)
+    if not parse_tools:
+        return ParsedOutput(reasoning, content, [])
     content, calls = parse_tool_calls(content, tools, family, id_salt=id_salt)
     return ParsedOutput(reasoning, content, calls)
 
@@ -208,7 +213,7 @@ class ReasoningStreamSplitter:
 
     __slots__ = (
         "_mode", "_pending", "_tool_buf", "_reasoning", "_content",
-        "_tools", "_family", "_id_salt", "_finished",
+        "_tools", "_family", "_id_salt", "_finished", "_content_tags",
     )
 
     def __init__(
@@ -218,8 +223,10 @@ class ReasoningStreamSplitter:
         tools: list | None = None,
         family: str = "generic",
         id_salt: str = "",
+        parse_tools: bool = True,
     ) -> None:
         self._mode = REASONING if thinking_started else CONTENT
+        self._content_tags = _CONTENT_TAGS if parse_tools else (THINK_OPEN, THINK_CLOSE)
         self._pending = ""
         self._tool_buf: list[str] = []
         self._reasoning = _Trimmer()
@@ -248,7 +255,7 @@ class ReasoningStreamSplitter:
                 self._tool_buf.append(buf)
                 buf = ""
                 break
-            tags = _REASONING_TAGS if self._mode == REASONING else _CONTENT_TAGS
+            tags = _REASONING_TAGS if self._mode == REASONING else self._content_tags
             hit, tag = -1, ""
             for t in tags:
                 i = buf.find(t)

@@ -28,7 +28,8 @@ def _inner(tokenizer: Any) -> Any:
 
 
 class SegmentedEncoder:
-    def __init__(self, tokenizer: Any, max_pieces: int = 8192, verify_first: int = 8, verify_every: int = 64) -> None:
+    def __init__(self, tokenizer: Any, max_pieces: int = 8192, verify_first: int = 8, verify_every: int = 64,
+                 max_bytes: int = 64 * 1024 * 1024, max_piece_chars: int = 256 * 1024) -> None:
         self.tokenizer = tokenizer
         inner = _inner(tokenizer)
         added = dict(inner.get_added_vocab()) if hasattr(inner, "get_added_vocab") else {}
@@ -38,6 +39,9 @@ class SegmentedEncoder:
             if self.added_ids else None
         )
         self.max_pieces = max_pieces
+        self.max_bytes = max_bytes
+        self.max_piece_chars = max_piece_chars   # longer pieces are encoded, never cached
+        self._bytes = 0
         self.verify_first = verify_first
         self.verify_every = verify_every
         self._pieces: "OrderedDict[str, list[int]]" = OrderedDict()
@@ -57,11 +61,24 @@ class SegmentedEncoder:
                 self.piece_hits += 1
                 return ids
         ids = self._plain(text)
+        if len(text) > self.max_piece_chars:
+            return ids
         with self._lock:
-            self._pieces[text] = ids
-            while len(self._pieces) > self.max_pieces:
-                self._pieces.popitem(last=False)
+            if text not in self._pieces:
+                self._pieces[text] = ids
+                self._bytes += self._cost(text, ids)
+            while len(self._pieces) > self.max_pieces or self._bytes > self.max_bytes:
+                old, old_ids = self._pieces.popitem(last=False)
+                self._bytes -= self._cost(old, old_ids)
         return ids
+
+    @staticmethod
+    def _cost(text: str, ids: list[int]) -> int:
+        return 4 * len(text) + 8 * len(ids)   # UCS-4 worst case + int64 ids: a bound, not an estimate
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def _segmented(self, text: str) -> list[int]:
         out: list[int] = []
