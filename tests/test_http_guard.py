@@ -416,3 +416,33 @@ def test_non_loopback_bind_without_key_refused():
     keyed = App(engine_settings(None, mlx_api_key="sk-k"))
     httpd = make_server(keyed, "0.0.0.0", 0)
     httpd.server_close()
+
+
+def test_listen_backlog_holds_a_burst_of_connects():
+    """While the accept loop is busy (here: not running yet), a burst of 60 connects completes its
+    handshakes in the backlog and every one is answered once accepting resumes (the default
+    backlog of 5 left the rest to SYN retries, and the soak saw a reset)."""
+    from mlxstack.api.app import App, make_server
+
+    app = App(engine_settings(None, mlx_http_threads=64))
+    httpd = make_server(app, "127.0.0.1", 0)
+    port = httpd.server_address[1]
+    socks = []
+    serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    try:
+        for _ in range(60):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+        for s in socks:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        serving.start()
+        statuses = []
+        for s in socks:
+            s.settimeout(10)
+            statuses.append(status_of(recv_all(s)))
+        assert statuses.count(503) + statuses.count(200) == 60, statuses  # 503: loading (no model) or busy
+    finally:
+        for s in socks:
+            s.close()
+        if serving.is_alive():
+            httpd.shutdown()
+        httpd.server_close()

@@ -89,6 +89,10 @@ def busy_response(threads: int) -> bytes:
 class PooledHTTPServer(HTTPServer):
     """HTTPServer with a bounded pool of handler threads (see the module docstring)."""
 
+    # The listen backlog: socketserver's default of 5 overflows under a burst of connects, and
+    # the kernel then drops or resets connections before we can answer them (even with a 503).
+    request_queue_size = 128
+
     def __init__(self, address: tuple[str, int], handler: Any, *, threads: int = 64,
                  queue_wait: float = QUEUE_WAIT_SECONDS) -> None:
         self.address_family = address_family(address[0])
