@@ -51,6 +51,12 @@ def tiny_vlm_path(tmp_path_factory, embedded_model_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dense_hd64_path(tiny_kind_paths) -> Path:
+    """qwen3 with head_dim 64: wide enough for KV quantisation groups."""
+    return tiny_kind_paths("dense_hd64")
+
+
+@pytest.fixture(scope="session")
 def tiny_kind_paths(tmp_path_factory, embedded_model_path):
     """One tiny model folder per cache kind (built lazily): kind name -> path builder."""
     from tests.fixtures import tiny_models as tm
@@ -101,6 +107,7 @@ def engine_settings(model_path: Path | str | None = None, **overrides):
         "DEFAULT_THINKING": "false",
         "ENABLE_REQUEST_LOGGING": "false",
         "MLX_PORT": "0",
+        "DISK_CACHE_DIR": "off",   # tests that want the disk tier point it at a tmp folder
     }
     env.update({k.upper(): str(v) for k, v in overrides.items()})
     return load_settings(env=env)
@@ -133,7 +140,7 @@ class LiveServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
-        self.app.worker.stop()
+        self.app.close()
 
 
 def http_json(url: str, body=None, headers=None, method=None, timeout=120):

@@ -84,25 +84,31 @@ def test_tool_loop_parity(engines):
     assert outs["warm"][1].cached_tokens > 0.6 * outs["warm"][1].prompt_tokens
 
 
-def test_watchdog_aborts_and_stores_nothing(tiny_dense_path):
+def test_watchdog_abort_keeps_the_prompt_kv_and_nothing_else(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path, generation_watchdog_seconds=0.000001))
     j, _ = job([{"role": "user", "content": "hello there"}], max_tokens=50)
     o = eng.run(j)
     assert o.finish_reason == "length" and o.aborted
-    assert len(eng.state.prompt_cache) == 0
-    assert len(eng.state.turns) == 0
+    # the KV it computed stays (nothing prefilled is thrown away) ...
+    (entry,) = eng.state.prompt_cache.entries()
+    assert entry.depth >= o.prompt_tokens
+    # ... but no conversation state: no turn record, no healing entry
+    assert len(eng.state.turns) == 0 and len(eng.state.healing) == 0
     assert eng.state.counters.get("watchdog_aborts") == 1
 
 
-def test_cancelled_mid_stream_stops_within_a_token_and_stores_nothing(tiny_dense_path):
+def test_cancelled_mid_stream_stops_within_a_token_and_keeps_only_the_kv(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path))
     emitted: list[str] = []
     j, emitted = job([{"role": "user", "content": "count to one hundred"}], max_tokens=60,
                      cancel=lambda: len(emitted) >= 3)
     o = eng.run(j)
     assert o.aborted and o.completion_tokens <= 4 + 1
-    assert len(eng.state.prompt_cache) == 0 and len(eng.state.turns) == 0
+    assert len(eng.state.turns) == 0 and len(eng.state.healing) == 0
     assert eng.state.counters.get("disconnects") == 1
+    retry, _ = job([{"role": "user", "content": "count to one hundred"}], max_tokens=8)
+    again = eng.run(retry)
+    assert again.cached_tokens == again.prompt_tokens - 1   # the whole prompt (one token is always fed)
 
 
 def test_stop_string_never_leaks(tiny_dense_path):

@@ -18,20 +18,37 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .layer_kinds import KINDS, LayerState, class_from_key, class_key, eval_state, kind_of
+from .layer_kinds import KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of
 
 
 class LiveCache:
-    """The caches one request writes into, and how many tokens they hold."""
+    """The caches one request writes into, how many tokens they hold, and the KV quantisation
+    policy (KV_BITS): plain KV layers become ``QuantizedKVCache`` at exactly ``quant.start``."""
 
-    __slots__ = ("layers", "depth")
+    __slots__ = ("layers", "depth", "quant", "quantized")
 
-    def __init__(self, layers: list[Any], depth: int = 0) -> None:
+    def __init__(self, layers: list[Any], depth: int = 0, quant: KVQuant | None = None) -> None:
         self.layers = layers
         self.depth = depth
+        self.quant = quant
+        self.quantized = quant is None or any(kind_of(c) is KINDS["quantized"] for c in layers)
 
     def advance(self, n: int) -> None:
         self.depth += n
+
+    def quantize_boundary(self) -> int | None:
+        """The depth a prefill chunk must stop at so quantisation starts exactly there."""
+        return None if self.quantized else self.quant.start
+
+    def maybe_quantize(self) -> None:
+        """At ``quant.start`` tokens, switch every plain KV layer to its quantised form (mlx-lm's
+        own conversion), so a cold run and a hit compute exactly the same from there on."""
+        if self.quantized or self.depth < self.quant.start:
+            return
+        for i, layer in enumerate(self.layers):
+            if kind_of(layer) is KINDS["kv"] and hasattr(layer, "to_quantized"):
+                self.layers[i] = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
+        self.quantized = True
 
     @property
     def floor(self) -> int:
@@ -75,8 +92,8 @@ class KVState:
         return self.floor <= depth <= self.depth
 
 
-def new_live_cache(layers: list[Any]) -> LiveCache:
-    return LiveCache(layers, 0)
+def new_live_cache(layers: list[Any], quant: KVQuant | None = None) -> LiveCache:
+    return LiveCache(layers, 0, quant)
 
 
 def capture(live: LiveCache, depth: int | None = None) -> KVState:
@@ -90,18 +107,21 @@ def capture(live: LiveCache, depth: int | None = None) -> KVState:
         kind = kind_of(layer)
         if kind is None:
             raise TypeError(f"unsupported cache layer type {type(layer).__name__}")
-        layers.append(kind.capture(layer, depth))
+        layers.append(kind.capture(layer, depth, live.quant))
     eval_state(layers)
     state_floor = max((s.floor for s in layers), default=0)
     return KVState(tuple(layers), depth, min(state_floor, depth), sum(s.nbytes for s in layers))
 
 
-def checkout(state: KVState, depth: int | None = None) -> LiveCache:
+def checkout(state: KVState, depth: int | None = None, quant: KVQuant | None = None) -> LiveCache:
     """Fresh cache objects (same classes, same parameters) holding ``state`` cut to ``depth``."""
     depth = state.depth if depth is None else depth
     if not state.can_serve(depth):
         raise ValueError(f"state at {state.depth} (floor {state.floor}) cannot serve depth {depth}")
-    return LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth)
+    live = LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth, quant)
+    if quant is not None:
+        live.maybe_quantize()   # a full-precision entry checked out at or past the start
+    return live
 
 
 def kv_offset(cache: LiveCache | Sequence[Any]) -> int:

@@ -29,10 +29,21 @@ object made by indexing (LESSONS.md §2).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+
+
+@dataclass(slots=True, frozen=True)
+class KVQuant:
+    """KV quantisation (KV_BITS): the live cache switches to ``QuantizedKVCache`` at exactly
+    ``start`` tokens, and stored entries keep K/V quantised. A stored entry checked out below
+    ``start`` is dequantised (the live cache is full precision there): approximate, not exact."""
+    bits: int
+    group_size: int
+    start: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +107,7 @@ class CacheKind:
     def floor(self, layer: Any, depth: int) -> int:
         raise NotImplementedError
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         raise NotImplementedError
 
     def checkout(self, state: LayerState, depth: int) -> Any:
@@ -146,11 +157,16 @@ class KVKind(CacheKind):
     def floor(self, layer: Any, depth: int) -> int:
         return 0
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None), (), 0, 0)
-        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
-                          (), depth, 0)
+        k, v = _cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)
+        if quant is not None:  # stored quantised: the same byte budget holds 2x (8-bit) / 4x (4-bit)
+            qcls = getattr(sys.modules[type(layer).__module__], "QuantizedKVCache")
+            q = lambda a: tuple(mx.quantize(a, group_size=quant.group_size, bits=quant.bits))  # noqa: E731
+            params = (("bits", quant.bits), ("dequant_below", quant.start), ("group_size", quant.group_size))
+            return LayerState(QuantizedKind.name, qcls, (q(k), q(v)), params, depth, 0)
+        return LayerState(self.name, type(layer), (k, v), (), depth, 0)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls()
@@ -165,20 +181,30 @@ class KVKind(CacheKind):
 
 
 class QuantizedKind(KVKind):
-    """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth."""
+    """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth. A state
+    captured with KV_BITS from full-precision layers records ``dequant_below``: checked out
+    below it, it becomes a full-precision ``KVCache`` again (dequantised)."""
     name = "quantized"
     class_names = ("QuantizedKVCache",)
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
-        params = (("bits", int(layer.bits)), ("group_size", int(layer.group_size)))
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
+        params = (("bits", int(layer.bits)), ("dequant_below", quant.start if quant is not None else 0),
+                  ("group_size", int(layer.group_size)))
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None), params, 0, 0)
         return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
                           params, depth, 0)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
-        c = state.cls(group_size=state.param("group_size"), bits=state.param("bits"))
+        params = dict(state.params)
+        group, bits = params["group_size"], params["bits"]
         k, v = state.arrays
+        if k is not None and depth < params.get("dequant_below", 0):
+            c = getattr(sys.modules[state.cls.__module__], "KVCache")()
+            dq = lambda t: mx.dequantize(*_cut_tokens(t, depth), group_size=group, bits=bits)  # noqa: E731
+            c.keys, c.values, c.offset = dq(k), dq(v), depth
+            return c
+        c = state.cls(group_size=group, bits=bits)
         if k is not None:
             c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
             c.offset = depth
@@ -213,7 +239,7 @@ class RotatingKind(CacheKind):
             return 0
         return depth - 1 if self._one_back(layer) else depth
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         base = (("keep", int(layer.keep)), ("max_size", int(layer.max_size)))
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None), base + (("cut", 0), ("idx", 0)), 0, 0)
@@ -260,7 +286,7 @@ class ChunkedKind(CacheKind):
         start, chunk = int(layer.start_position), int(layer.chunk_size)
         return min(depth, math.ceil(start / chunk) * chunk)
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         start = int(layer.start_position)
         params = (("chunk_size", int(layer.chunk_size)), ("start", start))
         if layer.keys is None:
@@ -298,7 +324,7 @@ class ArraysKind(CacheKind):
     def floor(self, layer: Any, depth: int) -> int:
         return depth
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         return LayerState(self.name, type(layer), tuple(_fresh(a) for a in layer.cache), (("size", len(layer.cache)),),
                           depth, depth)
 
@@ -327,8 +353,8 @@ class ListKind(CacheKind):
     def floor(self, layer: Any, depth: int) -> int:
         return max((kind_of(c).floor(c, depth) for c in layer.caches), default=0)
 
-    def capture(self, layer: Any, depth: int) -> LayerState:
-        children = tuple(kind_of(c).capture(c, depth) for c in layer.caches)
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
+        children = tuple(kind_of(c).capture(c, depth, quant) for c in layer.caches)
         floor = max((c.floor for c in children), default=0)
         return LayerState(self.name, type(layer), (), (), depth, floor, children)
 

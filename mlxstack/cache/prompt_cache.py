@@ -8,6 +8,10 @@ Invariants (each has a test in tests/test_prompt_cache.py):
   has floor 0; an entry whose cache cannot be cut back (recurrent state, a rotated sliding
   window) has floor == depth (exact depth only); a chunked-attention entry has its chunk floor.
 - Entries are opaque payloads with a byte size: this module never touches tensors.
+- Two tiers share one index: RAM entries (payload held) and disk entries (payload None,
+  ``disk_id`` set; loaded on a hit and promoted). Count / byte limits and eviction apply to RAM
+  entries only; an evicted RAM entry is spilled (``on_spill`` returns its disk id) and stays
+  findable as a disk entry, else it is removed.
 - Eviction order is deterministic: TTL first, then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
   ties broken by older entry id.
@@ -49,6 +53,7 @@ class CacheEntry:
     last_used: float
     hits: int = 0
     superseded: bool = False   # a longer entry now covers it (kept only as a safety net)
+    disk_id: int | None = None  # its copy on the disk tier (written through or spilled)
 
     @property
     def depth(self) -> int:
@@ -57,6 +62,10 @@ class CacheEntry:
     @property
     def trimmable(self) -> bool:
         return self.floor == 0
+
+    @property
+    def on_disk_only(self) -> bool:
+        return self.payload is None and self.disk_id is not None
 
 
 class MatchResult(NamedTuple):
@@ -98,12 +107,14 @@ class PromptCache:
         counters: CacheCounters | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[CacheEntry, str], None] | None = None,
+        on_spill: Callable[[CacheEntry, str], int | None] | None = None,
     ) -> None:
         self.config = config
         self.seed = seed
         self.counters = counters or CacheCounters()
         self.clock = clock
         self.on_evict = on_evict
+        self.on_spill = on_spill    # RAM eviction -> disk id of its copy, or None (then removed)
         self._entries: dict[int, CacheEntry] = {}
         self._index: dict[BlockHash, set[int]] = {}
         self._next_id = 1
@@ -231,6 +242,52 @@ class PromptCache:
         with self._lock:
             self._remove(entry_id, reason)
 
+    def insert_disk_entry(self, key_tokens: Sequence[int], model_tokens: Sequence[int], *, disk_id: int,
+                          nbytes: int, floor: int, pool: str = POOL_KV, session_id: str = "",
+                          last_used: float | None = None) -> CacheEntry | None:
+        """Index an entry that lives on the disk tier only (start-up: its index is read, its
+        tensors are not). It never culls or evicts anything: RAM limits do not count it."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            now = self.clock()
+            key = as_tokens(key_tokens).copy()
+            model = as_tokens(model_tokens).copy()
+            entry = CacheEntry(
+                entry_id=self._next_id, key_tokens=key, model_tokens=model, block_hashes=self.hashes(key),
+                payload=None, nbytes=int(nbytes), floor=min(int(floor), len(model)), pool=pool,
+                session_id=session_id, created=now, last_used=now if last_used is None else last_used,
+                disk_id=int(disk_id))
+            self._next_id += 1
+            self._entries[entry.entry_id] = entry
+            for h in entry.block_hashes:
+                self._index.setdefault(h, set()).add(entry.entry_id)
+            return entry
+
+    def promote(self, entry_id: int, payload: Any, nbytes: int) -> CacheEntry | None:
+        """A disk entry was loaded: hold its payload in RAM (RAM limits apply again; this entry
+        is protected from the eviction its promotion may cause)."""
+        with self._lock:
+            e = self._entries.get(entry_id)
+            if e is None:
+                return None
+            e.payload, e.nbytes = payload, int(nbytes)
+            self._enforce_limits(protect=entry_id)
+            return self._entries.get(entry_id)
+
+    def forget_disk(self, disk_ids: Iterable[int]) -> None:
+        """The disk tier dropped these (its own LRU, or a corrupt file): RAM copies stay, disk-only
+        entries leave the index."""
+        wanted = set(disk_ids)
+        if not wanted:
+            return
+        with self._lock:
+            for e in list(self._entries.values()):
+                if e.disk_id in wanted:
+                    e.disk_id = None
+                    if e.payload is None:
+                        self._remove(e.entry_id, "disk_evicted")
+
     def clear(self) -> None:
         with self._lock:
             for eid in list(self._entries):
@@ -239,14 +296,17 @@ class PromptCache:
     def get(self, entry_id: int) -> CacheEntry | None:
         return self._entries.get(entry_id)
 
-    def entries(self, pool: str | None = None) -> list[CacheEntry]:
+    def entries(self, pool: str | None = None, *, include_disk: bool = False) -> list[CacheEntry]:
+        """Entries held in RAM (plus disk-only ones with ``include_disk``)."""
         with self._lock:
-            return [e for e in self._entries.values() if pool is None or e.pool == pool]
+            return [e for e in self._entries.values()
+                    if (pool is None or e.pool == pool) and (include_disk or e.payload is not None)]
 
     @property
     def nbytes(self) -> int:
+        """Bytes held in RAM."""
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return sum(e.nbytes for e in self._entries.values() if e.payload is not None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -304,29 +364,47 @@ class PromptCache:
         now = self.clock()
         for e in list(self._entries.values()):
             ttl = self._limits[e.pool].ttl
-            if ttl > 0 and now - e.last_used > ttl:
-                self._remove(e.entry_id, "ttl")
+            if e.payload is not None and ttl > 0 and now - e.last_used > ttl:
+                self._evict(e, "ttl")
+
+    def _evict(self, e: CacheEntry, reason: str) -> None:
+        """Leave RAM: spilled to the disk tier when it takes it (still indexed), else removed."""
+        disk_id = e.disk_id
+        if disk_id is None and self.on_spill is not None and not e.superseded:
+            disk_id = self.on_spill(e, reason)
+        if disk_id is None:
+            self._remove(e.entry_id, reason)
+            return
+        e.disk_id, e.payload = disk_id, None
+        self.counters.bump("evictions")
+        self.counters.bump(f"evictions_{reason}")
+        self.counters.bump("spills")
+        self.eviction_log.append((e.entry_id, f"spill_{reason}"))
+        del self.eviction_log[:-256]
+
+    def _ram(self) -> list[CacheEntry]:
+        return [e for e in self._entries.values() if e.payload is not None]
 
     def _victim(self, pool: str | None, protect: int) -> CacheEntry | None:
         now = self.clock()
-        pool_entries = [e for e in self._entries.values() if (pool is None or e.pool == pool) and e.entry_id != protect]
+        pool_entries = [e for e in self._ram() if (pool is None or e.pool == pool) and e.entry_id != protect]
         if not pool_entries:
             return None
         return max(pool_entries, key=lambda e: (e.superseded, self.score(e, now), -e.entry_id))
 
     def _enforce_limits(self, protect: int) -> None:
         for pool, limits in self._limits.items():
-            while sum(1 for e in self._entries.values() if e.pool == pool) > limits.max_entries:
+            while sum(1 for e in self._ram() if e.pool == pool) > limits.max_entries:
                 victim = self._victim(pool, protect if limits.max_entries > 0 else -1)
                 if victim is None:
                     break
-                self._remove(victim.entry_id, "count")
+                self._evict(victim, "count")
         budget = self.config.max_bytes
-        while budget and sum(e.nbytes for e in self._entries.values()) > budget:
+        while budget and sum(e.nbytes for e in self._ram()) > budget:
             victim = self._victim(None, protect)
             if victim is None:  # the new entry alone exceeds the budget: drop it too
-                if protect in self._entries:
-                    self._remove(protect, "bytes")
+                if protect in self._entries and self._entries[protect].payload is not None:
+                    self._evict(self._entries[protect], "bytes")
                 break
             self._remove(victim.entry_id, "bytes")
 

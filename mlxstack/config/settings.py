@@ -66,6 +66,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("MLX_BODY_TIMEOUT_SECONDS", "float", 120.0, "Deadline for receiving a request body, and for each write to a client that stopped reading.", minimum=0.1, group="network"),
     Spec("MLX_MAX_RESTARTS", "int", 5, "The launcher restarts a crashed MLX server at most this often within MLX_RESTART_WINDOW_SECONDS, then stops the stack (0 = never restart).", minimum=0, group="network"),
     Spec("MLX_RESTART_WINDOW_SECONDS", "float", 600.0, "Crash-loop window for MLX_MAX_RESTARTS.", minimum=1, group="network"),
+    # --- backends (several MLX servers behind LiteLLM) --------------------------
+    Spec("BACKENDS_FILE", "str", "backends.yaml", "YAML file listing the MLX backends behind LiteLLM: local ones start_llm.py starts (model_path, port, replicas, per-backend env) and remote ones (url, api_key); backends.example.yaml shows the format. Not there = one backend from MODEL_PATH / MLX_PORT (times MLX_REPLICAS). Relative paths are under the repo.", group="backends"),
+    Spec("MLX_REPLICAS", "int", 1, "Without a backends file: local replicas of MODEL_PATH on ports MLX_PORT, MLX_PORT+1, … (each its own MLX server process; sessions stay on their replica).", minimum=1, group="backends"),
+    Spec("ROUTING", "choice", "cache_aware", "How LiteLLM places requests when a model has several backends. cache_aware: a session stays on its backend (moved, one cold turn, only when it is down); a new session goes to the backend already holding its longest message prefix, else the least loaded. affinity: LiteLLM's own session_affinity on the same session id, least-busy for new ones. shuffle: no affinity (for comparison).", choices=("cache_aware", "affinity", "shuffle"), group="backends"),
+    Spec("ROUTING_AFFINITY_TTL_SECONDS", "float", 3600.0, "How long a session stays pinned to its backend after its last request.", minimum=1, group="backends"),
     # --- sampling defaults -----------------------------------------------------
     Spec("DEFAULT_TEMPERATURE", "float", 0.1, "Sampling temperature when the request has none.", minimum=0, group="sampling"),
     Spec("DEFAULT_TOP_P", "float", 0.9, "Nucleus sampling.", minimum=0, group="sampling"),
@@ -96,6 +101,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("TOKENIZER_CACHE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the tokeniser's piece cache (pieces over 256k characters are never cached).", minimum=1024, group="cache"),
     Spec("SNAPSHOT_MAX_ENTRIES", "int", 8, "Hybrid/recurrent-model state snapshots kept (0 = off).", minimum=0, group="cache"),
     Spec("SNAPSHOT_TTL_SECONDS", "float", 1800.0, "Snapshot time-to-live (0 = never expires).", minimum=0, group="cache"),
+    Spec("KV_BITS", "choice", "off", "KV cache quantisation: the live cache switches to mlx-lm's QuantizedKVCache at QUANTIZED_KV_START tokens, and stored entries (RAM and disk) keep K/V quantised (8-bit: about half the bytes per token, 4-bit: about a quarter).", choices=("off", "4", "8"), group="cache"),
+    Spec("KV_GROUP_SIZE", "int", 64, "Quantisation group size along the head dimension (32, 64 or 128; must divide the model's head_dim).", minimum=32, group="cache"),
+    Spec("QUANTIZED_KV_START", "int", 5000, "Tokens before which the live cache stays full precision. Hits at or past it are exact (the same quantised computation as a cold run); a stored entry reused below it is dequantised (approximate).", minimum=0, group="cache"),
+    Spec("WARM_PROMPTS", "str", "", "A JSON or JSON-lines file of requests ({\"messages\": [...], \"tools\": [...]} or a bare message list) prefilled once the model is loaded, so the first real request is warm. Empty = none.", group="cache"),
+    Spec("KV_QUANT_SCHEME", "choice", "uniform", "Quantisation scheme: uniform (mx.quantize affine groups). turboquant is not supported yet.", choices=("uniform",), group="cache"),
     Spec("DISK_CACHE_DIR", "str", "auto", "Disk tier of the prompt KV cache (warm across restarts). auto = kv/ under MODEL_CACHE_DIR (default ~/.cache/mlxstack/kv); empty or off = no disk tier; relative paths are under the repo.", group="cache"),
     Spec("DISK_CACHE_MAX_BYTES", "int", 0, "Disk tier byte budget (least recently used evicted first). 0 = auto: 25% of (free disk + what the tier already holds) at start-up, at most 64 GiB.", minimum=0, group="cache"),
     Spec("DISK_CACHE_MIN_TOKENS", "int", 1024, "Write-through threshold: a new cache entry with at least this many tokens is also written to disk when created.", minimum=1, group="cache"),

@@ -65,6 +65,7 @@ class ChatJob:
     is_cancelled: Callable[[], bool] = lambda: False
     on_prompt: Callable[["PromptReady"], None] = lambda _p: None
     tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
+    prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
     response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
 
 
@@ -141,6 +142,7 @@ class Sequence:
     t_end: float = 0.0
     sampler: Sampler | None = None
     forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
+    from_disk: bool = False           # the reused KV was loaded from the disk tier
 
 
 class ChatEngine:
@@ -290,12 +292,13 @@ class ChatEngine:
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
-        match, stable_msgs = self.lookup(prep, session.session_id, job) if st.prompt_cache.enabled else (MISS, 0)
-        match = self.validate_match(prep, match)
-        live = checkout(match.entry.payload, match.depth) if match.hit else self.new_cache()
+        match, stable_msgs, from_disk = self._find(prep, session.session_id, job)
+        live = checkout(match.entry.payload, match.depth, st.kv_quant) if match.hit else self.new_cache()
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
+        if from_disk:
+            st.counters.bump("hits_disk")
 
         # Caches that may not be able to cut back later (sliding windows, chunks, recurrent state)
         # are checkpointed where a later turn will extend exactly: the end of the history
@@ -310,7 +313,27 @@ class ChatEngine:
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
-                        forced=forced)
+                        forced=forced, from_disk=from_disk)
+
+    def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool]:
+        """Lookup over both tiers. A hit on a disk-only entry is loaded (verified) and promoted to
+        RAM; a file that fails verification is dropped and the lookup runs again."""
+        st = self.state
+        if not st.prompt_cache.enabled:
+            return MISS, 0, False
+        if st.disk is not None:
+            st.disk.sync(st.prompt_cache)
+        for _ in range(4):
+            match, stable_msgs = self.lookup(prep, session_id, job)
+            match = self.validate_match(prep, match)
+            if not match.hit or match.entry.payload is not None:
+                return match, stable_msgs, False
+            state = st.disk.load(match.entry) if st.disk is not None else None
+            if state is not None and st.prompt_cache.promote(match.entry.entry_id, state, state.nbytes) is not None:
+                return match, stable_msgs, True
+            st.prompt_cache.remove(match.entry.entry_id, "disk_corrupt")
+            st.counters.bump("disk_load_failures")
+        return MISS, 0, False
 
     # ---------------------------------------------------------------- tool_choice / JSON mode
     def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:
@@ -360,7 +383,7 @@ class ChatEngine:
         except Aborted:
             logits = None
         seq.t_first = time.perf_counter()
-        if logits is not None:
+        if logits is not None and not job.prefill_only:
             self._decode(seq, logits, should_stop)
         seq.t_end = time.perf_counter()
         return self.finish(seq)
@@ -424,15 +447,20 @@ class ChatEngine:
         visible = "".join(seq.visible)
         if not aborted and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
             self._check_json(seq, visible)
-        if not aborted and st.prompt_cache.enabled:
+        if st.prompt_cache.enabled:
             try:
-                continuation = self._close_turn(seq, raw_ids)
-                self._store(seq, continuation)
+                if aborted:
+                    self._salvage(seq)
+                elif job.prefill_only:
+                    self._store(seq, [])
+                else:
+                    continuation = self._close_turn(seq, raw_ids)
+                    self._store(seq, continuation)
             except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
                 log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
                               job.request_id, st.layout.describe())
                 st.counters.bump("store_failures")
-        if not aborted:
+        if not aborted and not job.prefill_only:
             st.turns.update(seq.session.session_id, prep.canonical)
             self._remember_reply(seq, raw_text, visible)
 
@@ -457,6 +485,7 @@ class ChatEngine:
                 "prefilled_tokens": remaining,
                 "stable_prefix_msgs": seq.stable_msgs,
                 "key_delta_chars": prep.key_delta_chars,
+                "cache_tier": "disk" if seq.from_disk else ("ram" if seq.match.hit else "none"),
             },
         )
         st.record(job, outcome, prep)
@@ -557,19 +586,36 @@ class ChatEngine:
         feed(self.decode_model, live, target[fed:], self.settings.prefill_step_size)
         return target
 
-    def _store(self, seq: Sequence, continuation: list[int]) -> None:
+    def _salvage(self, seq: Sequence) -> None:
+        """Nothing prefilled is thrown away: a request aborted by a hang-up or the watchdog keeps
+        the KV it computed -- cut at the last completed prefill chunk, or the prompt plus what was
+        decoded -- as an ordinary entry, so the client's retry pays only the rest."""
+        prep, live = seq.prep, seq.live
+        n_prompt = len(prep.model_tokens)
+        in_kv = seq.generated[: max(0, live.depth - n_prompt)]
+        depth = live.depth
+        if depth <= seq.start or depth < self.state.prompt_cache.config.block_size:
+            return
+        self._store(seq, in_kv, prompt_depth=min(depth, n_prompt))
+        self.state.counters.bump("salvaged_prefill_tokens", min(depth, n_prompt) - seq.start)
+
+    def _store(self, seq: Sequence, continuation: list[int], prompt_depth: int | None = None) -> None:
         st = self.state
         prep, match, session_id = seq.prep, seq.match, seq.session.session_id
         parent = match.entry.session_id if match.hit else None
-        all_model = prep.model_tokens + continuation
+        n_prompt = len(prep.model_tokens) if prompt_depth is None else prompt_depth
+        all_model = prep.model_tokens[:n_prompt] + continuation
         state = capture(seq.live)
         depth = state.depth
-        extra = max(0, depth - len(prep.model_tokens))
-        key = prep.key_tokens + continuation[:extra]
+        extra = max(0, depth - n_prompt)
+        key = (prep.key_tokens if n_prompt == len(prep.model_tokens) else self.key_prefix(prep, n_prompt)) \
+            + continuation[:extra]
         entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes, floor=state.floor,
                                        pool=POOL_KV, session_id=session_id)
         if entry is not None:
             st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
+            if st.disk is not None:
+                st.disk.write_through(entry)
         for snap in seq.snapshots:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
@@ -578,6 +624,8 @@ class ChatEngine:
                                                 session_id=session_id)
             if snap_entry is not None:
                 st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)
+                if st.disk is not None:
+                    st.disk.write_through(snap_entry)
 
 
 def lcp_text(a: str, b: str) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..cache.layer_kinds import CacheLayout, probe_layout
+from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
 from ..pipeline.render import ChatRenderer
 from .chat import ChatEngine
 from .state import EngineState
@@ -32,8 +32,55 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
                     loaded.model_id, ", ".join(layout.unknown))
     else:
         log.info("cache layout: %s", layout.describe())
-    state = EngineState(settings, loaded.model_id, renderer.template_source, layout)
+    quant = kv_quant_policy(loaded, settings, layout)
+    state = EngineState(settings, loaded.model_id, renderer.template_source, layout,
+                        disk_namespace_parts=disk_namespace_parts(loaded, renderer, layout, settings, quant),
+                        kv_quant=quant)
     return engine_cls(loaded, renderer, state, settings)
+
+
+def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant | None:
+    """KV_BITS for this model, or None (off, or the model cannot attend over quantised K/V:
+    attention sinks, a head_dim the group size does not divide, a VLM) -- decided by a real
+    two-token forward over quantised caches, logged once."""
+    if settings.kv_bits == "off":
+        return None
+    quant = KVQuant(int(settings.kv_bits), int(settings.kv_group_size), int(settings.quantized_kv_start))
+    why = ""
+    if loaded.is_vlm:
+        why = "vision-language models prefill through mlx-vlm's own path"
+    elif "kv" not in layout.kinds:
+        why = "the model has no plain KV layers"
+    else:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..cache.kv_ops import LiveCache
+
+        try:
+            live = LiveCache(make_prompt_cache(loaded.model), 0, KVQuant(quant.bits, quant.group_size, 0))
+            live.maybe_quantize()
+            mx.eval(loaded.model(mx.array([[1, 2]], dtype=mx.int32), cache=live.layers))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not for this model
+            why = f"{type(exc).__name__}: {exc}"
+    if why:
+        log.warning("KV_BITS=%s is off for %s: %s", settings.kv_bits, loaded.model_id, why)
+        return None
+    log.info("KV quantisation: %d-bit, group %d, from %d tokens", quant.bits, quant.group_size, quant.start)
+    return quant
+
+
+def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settings: Any,
+                         quant: KVQuant | None = None) -> dict:
+    """Everything that makes stored KV incompatible: model files and numerics, chat template,
+    cache-kind layout, KV quantisation. A change in any of them opens another disk namespace."""
+    from ..cache.hashing import template_hash
+    from ..models.device import is_cpu_only
+    from ..models.fingerprint import model_fingerprint
+
+    return {"model": model_fingerprint(loaded.path, upcast=bool(settings.cpu_float32 and is_cpu_only())),
+            "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
+            "kv_quant": [quant.bits, quant.group_size, quant.start, settings.kv_quant_scheme] if quant else "off"}
 
 
 def probe_cache_layout(loaded: Any) -> CacheLayout:

@@ -15,8 +15,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
+from ..cache.disk_backing import DiskBacking
+from ..cache.disk_config import plan_disk_cache
+from ..cache.disk_tier import DiskTier, DiskTierBusy, disk_namespace
+from ..cache.journal import Journal
 from ..cache.kv_ops import LiveCache
-from ..cache.layer_kinds import CacheLayout
+from ..cache.layer_kinds import CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
@@ -30,7 +34,8 @@ log = logging.getLogger("mlxstack.request")
 
 class EngineState:
     def __init__(self, settings: Settings, model_id: str, template_source: str = "",
-                 layout: CacheLayout | None = None) -> None:
+                 layout: CacheLayout | None = None, disk_namespace_parts: dict | None = None,
+                 kv_quant: KVQuant | None = None) -> None:
         self.settings = settings
         self.counters = CacheCounters()
         budget = settings.prompt_cache_max_bytes or default_cache_budget()
@@ -38,6 +43,7 @@ class EngineState:
         # A cache class we do not understand is never stored half-understood: prefix caching
         # is switched off for that model (logged once at load), and serving goes on.
         self.layout = layout or CacheLayout(("kv",))
+        self.kv_quant = kv_quant
         config = PromptCacheConfig(
             block_size=settings.prompt_cache_block_size,
             max_entries=settings.prompt_cache_max_entries_global if self.layout.supported else 0,
@@ -48,17 +54,48 @@ class EngineState:
             snapshot_ttl_seconds=settings.snapshot_ttl_seconds,
         )
         seed = namespace_seed(model_id, template_hash=template_hash(template_source))
-        self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict)
+        self.disk = self._open_disk(disk_namespace_parts) if config.max_entries > 0 else None
+        self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict,
+                                        on_spill=self.disk.spill if self.disk is not None else None)
+        if self.disk is not None:
+            n = self.disk.restore(self.prompt_cache)
+            log.info("disk tier %s: %d entries indexed (%.1f MiB), budget %.1f GiB", self.disk.tier.directory, n,
+                     self.disk.tier.stats()["bytes"] / 2**20, self.disk.tier.max_bytes / 2**30)
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds,
                                       max_bytes=settings.session_store_max_bytes)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
         self.healing = (HealingStore(settings.healing_store_max_entries, self._healing_view,
                                      max_bytes=settings.healing_store_max_bytes) if settings.healing_store else None)
+        self.healing_journal = None
+        if self.disk is not None and self.healing is not None:
+            # Healing is what keeps a client-stripped reply a hit; it survives restarts with the KV.
+            self.healing_journal = Journal(self.disk.tier.directory / "healing.jsonl", settings.healing_store_max_bytes)
+            self.healing.restore(self.healing_journal.load())
+            self.healing.on_remember = self.healing_journal.append
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
+
+    def _open_disk(self, parts: dict | None) -> DiskBacking | None:
+        """The disk tier for this model's namespace, or None (off, or another process holds it)."""
+        plan = plan_disk_cache(self.settings)
+        if plan is None or parts is None:
+            return None
+        try:
+            tier = DiskTier(plan.directory, disk_namespace(**parts), plan.max_bytes)
+        except DiskTierBusy as exc:
+            log.warning("disk tier off for this process: %s", exc)
+            return None
+        return DiskBacking(tier, plan.min_tokens)
+
+    def close(self) -> None:
+        """Flush queued disk writes (shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
+        if self.healing_journal is not None:
+            self.healing_journal.close()
 
     def _healing_view(self, message: dict) -> Any:
         """The message as the model will see it (billing line dropped, nothing normalised): healing
@@ -69,10 +106,12 @@ class EngineState:
         return self.healing.heal(messages) if self.healing is not None else messages
 
     def new_cache(self, model: Any) -> LiveCache:
-        return LiveCache(make_prompt_cache(model), 0)
+        return LiveCache(make_prompt_cache(model), 0, self.kv_quant)
 
     def _on_evict(self, entry: CacheEntry, reason: str) -> None:
         self.sessions.forget_entry(entry.entry_id)
+        if self.disk is not None:
+            self.disk.forget(entry, reason)
         entry.payload = None
         mx.clear_cache()  # hand freed buffers back to the allocator / OS
 
@@ -88,7 +127,7 @@ class EngineState:
             "match_type": outcome.match_type,
             "finish_reason": outcome.finish_reason,
             **{k: outcome.timings[k] for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s",
-                                                "stable_prefix_msgs", "key_delta_chars", "prepare_ms")},
+                                                "stable_prefix_msgs", "key_delta_chars", "prepare_ms", "cache_tier")},
         }
         with self.rows_lock:
             self.rows.append(row)
@@ -96,9 +135,10 @@ class EngineState:
         self.counters.bump("cached_tokens", outcome.cached_tokens)
         self.counters.bump("prefilled_tokens", row["prefilled_tokens"])
         log.info(
-            "req=%s session=%s prompt=%d cached=%d match=%s prefilled=%d delta_chars=%d stable_msgs=%d "
+            "req=%s session=%s prompt=%d cached=%d match=%s tier=%s prefilled=%d delta_chars=%d stable_msgs=%d "
             "ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s finish=%s correctness=%s",
             job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
+            row["cache_tier"],
             row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["ttft_s"],
             row["prefill_tok_s"], row["decode_tok_s"], row["finish_reason"],
             ",".join(f"{k}:{v}" for k, v in self.counters.correctness().items()),
@@ -118,17 +158,25 @@ class EngineState:
         return {
             "enabled": pc.enabled,
             "cache_layout": self.layout.describe(),
+            "kv_quant": ({"bits": self.kv_quant.bits, "group_size": self.kv_quant.group_size,
+                          "start": self.kv_quant.start} if self.kv_quant else None),
             "unsupported_cache_classes": list(self.layout.unknown),
             "entries": len(entries),
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
             "tokens": sum(e.depth for e in entries),
             "bytes": sum(e.nbytes for e in entries),
+            "quantized_bytes": sum(e.nbytes for e in entries
+                                   if e.payload is not None and any(s.kind == "quantized" for s in e.payload.layers)),
             "budget_bytes": self.cache_budget,
             "max_entries": pc.config.max_entries,
             "block_size": pc.config.block_size,
             "sessions": len(self.sessions),
             "turn_records": len(self.turns),
-            "healing": {"entries": len(self.healing), "healed": self.healing.healed} if self.healing else None,
+            "healing": ({"entries": len(self.healing), "healed": self.healing.healed, "bytes": self.healing.nbytes}
+                        if self.healing else None),
+            "turn_store_bytes": self.turns.nbytes,
+            "disk": self.disk.stats() if self.disk is not None else None,
+            "disk_only_entries": sum(1 for e in pc.entries(include_disk=True) if e.payload is None),
             "correctness": {k: counters.get(k, 0) for k in CORRECTNESS_COUNTERS},
             "hits": {k[5:]: v for k, v in counters.items() if k.startswith("hits_")},
             "misses": counters.get("misses", 0),
@@ -136,7 +184,8 @@ class EngineState:
             "counters": counters,
             "entry_list": [
                 {"id": e.entry_id, "pool": e.pool, "tokens": e.depth, "bytes": e.nbytes, "hits": e.hits,
-                 "trimmable": e.trimmable, "session": e.session_id[:16],
+                 "floor": e.floor, "trimmable": e.trimmable, "on_disk": e.disk_id is not None,
+                 "session": e.session_id[:16],
                  "age_s": round(time.monotonic() - e.created, 1)}
                 for e in entries
             ],

@@ -111,6 +111,29 @@ class EngineCollector(Collector):
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0) or 0)
 
+        yield counter("mlxstack_salvaged_prefill_tokens",
+                      "Prompt tokens prefilled by requests that were aborted, kept in the cache for the retry.",
+                      "salvaged_prefill_tokens")
+        yield counter("mlxstack_cache_spills", "RAM cache entries moved to the disk tier instead of being dropped.",
+                      "spills")
+        yield counter("mlxstack_store_failures", "Finished requests whose KV could not be stored (logged).",
+                      "store_failures")
+        yield GaugeMetricFamily("mlxstack_cache_quantized_bytes",
+                                "Bytes of RAM cache entries held as quantised K/V (KV_BITS).",
+                                value=stats.get("quantized_bytes", 0) or 0)
+        disk = stats.get("disk")
+        if disk:
+            for key, doc in (("entries", "Entries on the disk tier."), ("bytes", "Bytes on the disk tier."),
+                             ("max_bytes", "Disk tier byte budget (DISK_CACHE_MAX_BYTES or derived).")):
+                yield GaugeMetricFamily(f"mlxstack_disk_{key}", doc, value=disk.get(key, 0))
+            for key, doc in (("hits", "Prompt cache hits served by loading an entry from disk."),
+                             ("writes", "Entries written to the disk tier."),
+                             ("evictions", "Disk tier evictions (least recently used first)."),
+                             ("corrupt_dropped", "Disk files dropped because they failed verification."),
+                             ("load_failures", "Disk hits that could not be loaded (dropped, served cold)."),
+                             ("dropped_writes", "Disk writes dropped because the write queue was full.")):
+                yield CounterMetricFamily(f"mlxstack_disk_{key}", doc, value=disk.get(key, 0))
+
 
 class RequestMetrics:
     """The per-App registry: the scrape-time collector plus per-request histograms."""

@@ -95,7 +95,8 @@ class HealingStore:
     """LRU of healed replies, bounded by entry count and by bytes."""
 
     def __init__(self, max_entries: int = 2000, view: Callable[[dict], Any] = lambda m: m,
-                 max_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_bytes: int = 64 * 1024 * 1024,
+                 on_remember: Callable[[str, Healed], None] | None = None) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.view = view  # one message -> the form the history digest covers (exact, billing line dropped)
@@ -103,6 +104,7 @@ class HealingStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self.healed = 0
+        self.on_remember = on_remember   # persistence seam (the engine journals entries to disk)
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +112,19 @@ class HealingStore:
 
     def remember(self, history: str, content: Any, tool_calls: Sequence[Any] | None, healed: Healed) -> None:
         key = healing_key(history, content, tool_calls)
+        if self._put(key, healed) and self.on_remember is not None:
+            self.on_remember(key, healed)
+
+    def restore(self, items: Sequence[tuple[str, Healed]]) -> None:
+        """Entries remembered before a restart (oldest first)."""
+        for key, healed in items:
+            if isinstance(healed, (str, dict)):
+                self._put(key, healed)
+
+    def _put(self, key: str, healed: Healed) -> bool:
         size = _size(healed) + len(key)
         if size > self.max_bytes:
-            return
+            return False
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
@@ -122,6 +134,7 @@ class HealingStore:
             while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
                 _, (_, n) = self._items.popitem(last=False)
                 self._bytes -= n
+        return True
 
     def lookup(self, history: str, message: dict) -> Healed | None:
         key = healing_key(history, message.get("content"), message.get("tool_calls"))

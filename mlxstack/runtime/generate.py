@@ -51,13 +51,13 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
             if should_stop is not None and pos and should_stop():
                 raise Aborted("prefill abandoned")
             n = min(step, len(tokens) - pos)
-            if boundary is not None:
-                stop_at = boundary(live)
+            for stop_at in (boundary(live) if boundary is not None else None, live.quantize_boundary()):
                 if stop_at is not None and live.depth < stop_at < live.depth + n:
                     n = stop_at - live.depth
             chunk = mx.array(list(tokens[pos:pos + n]), dtype=mx.int32)[None]
             model(chunk, cache=live.layers)
             live.advance(n)
+            live.maybe_quantize()
             mx.eval(cache_arrays(live))
             pos += n
     mx.clear_cache()
@@ -66,6 +66,7 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
 def last_logits(model: nn.Module, live: LiveCache, token: int) -> mx.array:
     """Feed one token and return its next-token logits (float32, shape [vocab])."""
     with mx.stream(generation_stream()):
+        live.maybe_quantize()
         logits = model(mx.array([[token]], dtype=mx.int32), cache=live.layers)[:, -1, :]
         live.advance(1)
         logits = logits.astype(mx.float32).squeeze(0)
@@ -128,6 +129,7 @@ def decode(
             sampler.accept(tok)
             if on_step is not None:
                 on_step(live)
+            live.maybe_quantize()
             logits = model(tok.reshape(1, 1), cache=live.layers)[:, -1, :]
             live.advance(1)
             return sampler.sample(logits)

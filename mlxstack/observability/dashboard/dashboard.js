@@ -150,6 +150,19 @@
     state.correctness = corr;
   }
 
+  function renderTiers(s) {
+    const d = s.disk || null, c = s.counters || {};
+    const tiles = d ? { "disk entries": d.entries, "disk hits": d.hits, "disk writes": d.writes,
+                        "disk evictions": d.evictions, "corrupt dropped": d.corrupt_dropped,
+                        "salvaged tokens": c.salvaged_prefill_tokens || 0 }
+                    : { "salvaged tokens": c.salvaged_prefill_tokens || 0 };
+    $("tiers").innerHTML = Object.keys(tiles).map((k) => ctile(k, tiles[k] || 0, k === "corrupt dropped")).join("");
+    const q = s.kv_quant ? `KV ${s.kv_quant.bits}-bit from ${fmtInt(s.kv_quant.start)} tokens, ` +
+      `${fmtBytes(s.quantized_bytes || 0)} quantised in RAM` : "KV quantisation off";
+    $("tiers-text").textContent = (d ? `disk ${fmtBytes(d.bytes)} of ${fmtBytes(d.max_bytes)} · ` : "disk tier off · ") + q;
+    state.tiers = tiles;
+  }
+
   function renderTiles(s, rows) {
     const c = s.counters || {};
     const hitsTotal = Object.values(s.hits || {}).reduce((a, b) => a + b, 0);
@@ -202,6 +215,7 @@
       renderMemory(s);
       renderHits(s);
       renderCounters(s);
+    renderTiers(s);
       renderTiles(s, rows);
       renderTable(rows, firstIndex);
       state.ready = true;

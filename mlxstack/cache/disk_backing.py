@@ -1,0 +1,135 @@
+"""The disk tier behind the RAM prompt cache: write-through, spill, restore at start-up, load.
+
+    backing = DiskBacking(tier, min_tokens=1024)
+    backing.restore(prompt_cache)              # start-up: index every disk entry (no tensor read)
+    backing.write_through(entry)               # a new long entry: copy it to disk now
+    PromptCache(..., on_spill=backing.spill)   # a RAM eviction keeps the entry findable on disk
+    state = backing.load(entry)                # a hit on a disk-only entry: verified, or None
+
+A load is verified twice: the file's checksum (torn / corrupt files are deleted and counted by
+the tier) and the model tokens the file itself carries against the index's; only then is the
+state handed to the lookup, whose model-token LCP acceptance is the same as for RAM entries.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from .disk_tier import DiskTier
+from .kv_disk import arrays_to_state, entry_to_record, record_to_state
+from .kv_ops import KVState
+from .prompt_cache import CacheEntry, PromptCache
+
+log = logging.getLogger("mlxstack.cache.disk")
+
+
+class DiskBacking:
+    def __init__(self, tier: DiskTier, min_tokens: int, min_spill_tokens: int = 16) -> None:
+        self.tier = tier
+        self.min_tokens = int(min_tokens)
+        self.min_spill_tokens = int(min_spill_tokens)
+        self._meta: dict[int, dict] = {}     # disk id -> the record's meta (the file's checksum covers it)
+        self.hits = 0
+        self.load_failures = 0
+        self.spills = 0
+        self.write_throughs = 0
+        self.restored = 0
+        self.load_seconds = 0.0
+
+    # ------------------------------------------------------------------ writes
+    def _put(self, entry: CacheEntry) -> int | None:
+        if entry.payload is None:
+            return None
+        record = entry_to_record(entry)
+        disk_id = self.tier.put(record)
+        if disk_id is not None:
+            self._meta[disk_id] = record.meta
+        return disk_id
+
+    def write_through(self, entry: CacheEntry | None) -> None:
+        """Copy a new entry of at least ``min_tokens`` to disk now (a crash cannot lose it)."""
+        if entry is None or entry.disk_id is not None or entry.depth < self.min_tokens:
+            return
+        entry.disk_id = self._put(entry)
+        self.write_throughs += entry.disk_id is not None
+
+    def spill(self, entry: CacheEntry, reason: str) -> int | None:
+        """PromptCache.on_spill: the disk copy's id, or None (the entry is then dropped)."""
+        if entry.depth < self.min_spill_tokens:
+            return None
+        disk_id = self._put(entry)
+        self.spills += disk_id is not None
+        return disk_id
+
+    def forget(self, entry: CacheEntry, reason: str) -> None:
+        """The entry left the index: its disk copy goes too (unless the tier already dropped it)."""
+        if entry.disk_id is not None and reason != "disk_evicted":
+            self.tier.remove(entry.disk_id)
+            self._meta.pop(entry.disk_id, None)
+
+    # ------------------------------------------------------------------ reads
+    def restore(self, cache: PromptCache) -> int:
+        """Index every disk entry (start-up): the tensors stay on disk until a hit."""
+        n = 0
+        for info in self.tier.entries():
+            meta = info.meta
+            entry = cache.insert_disk_entry(info.key_tokens, info.model_tokens, disk_id=info.entry_id,
+                                            nbytes=int(meta.get("ram_bytes", info.nbytes)),
+                                            floor=int(meta.get("floor", info.depth)),
+                                            pool=str(meta.get("pool", "kv")), session_id=str(meta.get("session", "")),
+                                            last_used=time.monotonic())
+            if entry is not None:
+                self._meta[info.entry_id] = meta
+                n += 1
+        self.restored = n
+        return n
+
+    def sync(self, cache: PromptCache) -> None:
+        """Forget entries the tier evicted or dropped since the last call."""
+        gone = self.tier.drain_removed()
+        for disk_id in gone:
+            self._meta.pop(disk_id, None)
+        cache.forget_disk(gone)
+
+    def load(self, entry: CacheEntry) -> KVState | None:
+        """The verified state of a disk-only entry, or None (corrupt / missing / mismatched)."""
+        t0 = time.perf_counter()
+        disk_id = entry.disk_id
+        state = None
+        try:
+            path = self.tier.verified_path(disk_id)
+            meta = self._meta.get(disk_id)
+            if path is not None and meta is not None:
+                import mlx.core as mx
+
+                arrays = mx.load(str(path))
+                stored = np.array(arrays.pop("mlxstack.model_tokens"), dtype=np.int64)
+                if np.array_equal(stored, entry.model_tokens):
+                    state = arrays_to_state(arrays, meta)
+            elif path is None:
+                record = self.tier.load(disk_id)   # still queued, or gone
+                if record is not None and np.array_equal(record.model_tokens, entry.model_tokens):
+                    state = record_to_state(record)
+        except Exception:  # noqa: BLE001 - a bad file must never fail the request: treat as a miss
+            log.exception("disk entry %s could not be loaded; dropping it", disk_id)
+            state = None
+        if state is None:
+            self.load_failures += 1
+            self.tier.remove(disk_id)
+            self._meta.pop(disk_id, None)
+        else:
+            self.hits += 1
+        self.load_seconds += time.perf_counter() - t0
+        return state
+
+    def stats(self) -> dict[str, Any]:
+        s = self.tier.stats()
+        return {**s, "hits": self.hits, "load_failures": self.load_failures, "spills": self.spills,
+                "write_throughs": self.write_throughs, "restored_at_start": self.restored,
+                "hit_load_seconds": round(self.load_seconds, 4), "directory": str(self.tier.directory)}
+
+    def close(self) -> None:
+        self.tier.close(flush=True)
