@@ -20,6 +20,7 @@ import threading
 from .config.settings import SettingsError, load_settings
 from .models.loader import hf_offline_env
 from .system.exit_codes import EXIT_CONFIG_ERROR, EXIT_MODEL_LOAD_FAILED, LOAD_FAILED_MARKER
+from .system.listen_socket import inherited_listen_fd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = App(settings)
     try:
-        server = make_server(app, settings.mlx_host, settings.mlx_port)
+        server = make_server(app, settings.mlx_host, settings.mlx_port, listen_fd=inherited_listen_fd(os.environ))
     except SettingsError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
-        app.worker.stop()
+        app.close()
         logging.getLogger("mlxstack").info("MLX server stopped")
         logging.shutdown()
         sys.stdout.flush()

@@ -235,25 +235,32 @@ def test_serve_exits_3_on_load_failure_and_2_on_exposed_bind(tmp_path):
 
 def test_dead_mlx_server_is_restarted_then_crash_loop_stops(tmp_path, embedded_model_path):
     """kill -9 of a real MLX server: restarted (new pid, ready again) while the other child keeps
-    running; the next crash beyond MLX_MAX_RESTARTS=1 ends supervision with a crash-loop error."""
+    running, and a request sent while it is down waits on the launcher's socket instead of being
+    refused; the next crash beyond MLX_MAX_RESTARTS=1 ends supervision with a crash-loop error."""
     import threading
 
     from mlxstack.launcher.restarts import RestartPolicy
     from mlxstack.launcher.stack import start_mlx, supervise
+    from mlxstack.system.listen_socket import listen_socket
+    from tests.conftest import http_json
 
     settings = _settings(mlx_max_restarts=1, mlx_restart_window_seconds=600, log_root=tmp_path)
     out = StringIO()
     sup = Supervisor(out)
     cmd = [sys.executable, "-m", "mlxstack.serve"]
     pidfile = tmp_path / ".mlx.pid"
+    listen = listen_socket("127.0.0.1", settings.mlx_port)
     try:
-        first, health = start_mlx(sup, settings, cmd, REPO, pidfile, sup.say)
+        first, health = start_mlx(sup, settings, cmd, REPO, pidfile, sup.say, listen)
         assert health["ready"] is True and oct(pidfile.stat().st_mode & 0o777) == "0o600"
         other = sup.start("litellm", [sys.executable, "-c", "import time; time.sleep(600)"], os.environ)
         policy = RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds, base=0.2)
-        runner = threading.Thread(target=supervise, args=(sup, settings, cmd, REPO, pidfile, sup.say, policy))
+        runner = threading.Thread(target=supervise, args=(sup, settings, cmd, REPO, pidfile, sup.say, policy, listen))
         runner.start()
         os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait(timeout=10)
+        status, body, _ = http_json(lc.mlx_base_url(settings) + "/health", timeout=120)  # not ECONNREFUSED
+        assert (status, body["ready"]) in ((503, False), (200, True)), (status, body)
         deadline = time.monotonic() + 180
         while "MLX server restarted" not in out.getvalue():
             assert runner.is_alive() and time.monotonic() < deadline, out.getvalue()[-3000:]
@@ -269,6 +276,7 @@ def test_dead_mlx_server_is_restarted_then_crash_loop_stops(tmp_path, embedded_m
         assert other.poll() is None  # supervision ended; stopping is run_stack's job
     finally:
         sup.stop_all(grace=2.0)
+        listen.close()
 
 
 # --- secrets (issue 10, items 11 and 12) ------------------------------------------------------------

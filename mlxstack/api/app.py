@@ -148,8 +148,10 @@ def model_vocab_size(loaded: Any) -> int | None:
         return None
 
 
-def make_server(app: App, host: str, port: int) -> "PooledHTTPServer":
-    """Bind the MLX server (IPv4 or IPv6). Refuses a non-loopback host without MLX_API_KEY."""
+def make_server(app: App, host: str, port: int, listen_fd: int | None = None) -> "PooledHTTPServer":
+    """Bind the MLX server (IPv4 or IPv6), or serve on an inherited listening socket
+    (``listen_fd``: the launcher keeps the port open across restarts). Refuses a non-loopback
+    host without MLX_API_KEY."""
     from .http_server import PooledHTTPServer
     from .server import Handler
 
@@ -157,4 +159,4 @@ def make_server(app: App, host: str, port: int) -> "PooledHTTPServer":
     if refusal:
         raise SettingsError(refusal)
     handler = type("BoundHandler", (Handler,), {"app": app})
-    return PooledHTTPServer((host, port), handler, threads=app.settings.mlx_http_threads)
+    return PooledHTTPServer((host, port), handler, threads=app.settings.mlx_http_threads, listen_fd=listen_fd)

@@ -12,6 +12,9 @@
   thread forever.
 - ``peer_closed`` uses poll(), not select(): select() cannot watch descriptors >= 1024, and
   reported every live socket as closed once a server held ~1,000 connections.
+- ``listen_fd``: serve on a socket the launcher bound and keeps open across restarts
+  (mlxstack/system/listen_socket.py), so connections that arrive while the server is down wait
+  in the backlog instead of being refused.
 """
 from __future__ import annotations
 
@@ -94,7 +97,7 @@ class PooledHTTPServer(HTTPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: Any, *, threads: int = 64,
-                 queue_wait: float = QUEUE_WAIT_SECONDS) -> None:
+                 queue_wait: float = QUEUE_WAIT_SECONDS, listen_fd: int | None = None) -> None:
         self.address_family = address_family(address[0])
         self.threads = threads
         self.queue_wait = queue_wait
@@ -102,7 +105,13 @@ class PooledHTTPServer(HTTPServer):
         self._pending: deque[tuple[socket.socket, Any, float]] = deque()
         self._cv = threading.Condition()
         self._closing = False
-        super().__init__(address, handler)
+        super().__init__(address, handler, bind_and_activate=listen_fd is None)
+        if listen_fd is not None:  # already bound and listening (inherited from the launcher)
+            self.socket.close()
+            self.socket = socket.socket(fileno=listen_fd)
+            self.address_family = self.socket.family
+            self.server_address = self.socket.getsockname()
+            self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self._pool = [threading.Thread(target=self._work, name=f"http-{i}", daemon=True) for i in range(threads)]
         for t in self._pool:
             t.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -27,6 +28,7 @@ from mlxstack.launcher import ports
 from mlxstack.launcher.restarts import RestartPolicy
 from mlxstack.launcher.supervisor import Child, Supervisor, describe_exit
 from mlxstack.system.exit_codes import EXIT_CONFIG_ERROR, EXIT_MODEL_LOAD_FAILED, LOAD_FAILED_MARKER, NOT_RESTARTABLE
+from mlxstack.system.listen_socket import LISTEN_FD_ENV, listen_socket
 from mlxstack.system.secrets import make_private_dir, mask_secret, write_private_file
 
 
@@ -178,9 +180,14 @@ def ready_text(settings: Settings, names: list[str]) -> str:
     ])
 
 
-def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say) -> tuple[Child, dict]:
-    """Start the MLX server and wait for /health to say ready (ChildExited if it dies first)."""
-    mlx = sup.start("mlx", cmd, mlx_env(settings), cwd=str(repo))
+def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
+              listen: socket.socket | None = None) -> tuple[Child, dict]:
+    """Start the MLX server (on ``listen``, the launcher's socket, when given) and wait for /health
+    to say ready (ChildExited if it dies first)."""
+    env = mlx_env(settings)
+    if listen is not None:
+        env[LISTEN_FD_ENV] = str(listen.fileno())
+    mlx = sup.start("mlx", cmd, env, cwd=str(repo), pass_fds=(listen.fileno(),) if listen is not None else ())
     write_private_file(pidfile, f"{mlx.pid}\n")
     health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
                         "MLX server (loading / preparing the model; the first run converts it)", say)
@@ -188,7 +195,7 @@ def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, p
 
 
 def supervise(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
-              policy: RestartPolicy | None = None) -> None:
+              policy: RestartPolicy | None = None, listen: socket.socket | None = None) -> None:
     """Return when the stack must stop: LiteLLM died, the MLX server cannot be restarted, or it
     crash-looped. A crashed MLX server is restarted meanwhile; LiteLLM is left running."""
     policy = policy or RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds)
@@ -209,13 +216,13 @@ def supervise(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, p
             return
         say("!" * 78)
         say(f"!! MLX SERVER DIED (pid {dead.pid}, {describe_exit(code)}). Restart {len(policy.history)} of at most "
-            f"{policy.max_restarts} per {policy.window:g}s, in {delay:g}s. LiteLLM stays up; requests fail until the "
-            f"server is back, and its prompt cache restarts cold.")
+            f"{policy.max_restarts} per {policy.window:g}s, in {delay:g}s. LiteLLM stays up; requests in flight are "
+            f"lost, new ones wait for the restarted server (503 while it loads); its prompt cache restarts cold.")
         say("!" * 78)
         sup.forget(dead)
         time.sleep(delay)
         try:
-            mlx, _ = start_mlx(sup, settings, cmd, repo, pidfile, say)
+            mlx, _ = start_mlx(sup, settings, cmd, repo, pidfile, say, listen)
         except ChildExited as exc:
             dead = exc.child
             continue
@@ -239,12 +246,20 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
     # inherits SIGINT as ignored, and Ctrl-C / kill -INT must still stop the stack.
     old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 1
+    listen: socket.socket | None = None
     try:
         free_port("mlx", settings.mlx_host, settings.mlx_port, repo, mlx_pid, (), say)
         free_port("litellm", settings.proxy_host, settings.proxy_port, repo, proxy_pid, (str(config_path),), say)
         say(f"starting MLX server on {lc.mlx_base_url(settings)} (model: {settings.model_path or lc.EMBEDDED_MODEL_NAME})")
         cmd = mlx_cmd or [python, "-m", "mlxstack.serve"]
-        mlx, health = start_mlx(sup, settings, cmd, repo, mlx_pid, say)
+        try:  # held by the launcher for its whole life: a restart never closes the port
+            listen = listen_socket(settings.mlx_host, settings.mlx_port)
+        except OSError as exc:
+            raise LaunchError(f"cannot listen on {settings.mlx_host}:{settings.mlx_port} ({exc}); "
+                              "choose another MLX_PORT / MLX_HOST in .env") from None
+        if settings.mlx_port == 0:
+            settings = settings.replace(mlx_port=listen.getsockname()[1])
+        mlx, health = start_mlx(sup, settings, cmd, repo, mlx_pid, say, listen)
         served = str(health.get("model") or lc.model_name(settings))
         say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
         lc.write_config(settings, served, config_path, lc.served_context_window(settings))
@@ -253,7 +268,7 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         write_private_file(proxy_pid, f"{proxy.pid}\n")
         wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), settings.proxy_startup_timeout_seconds, "LiteLLM proxy", say)
         say(ready_text(settings, lc.proxy_model_names(settings)))
-        supervise(sup, settings, cmd, repo, mlx_pid, say)
+        supervise(sup, settings, cmd, repo, mlx_pid, say, listen=listen)
     except LaunchError as exc:
         say(f"ERROR: {exc}")
     except (KeyboardInterrupt, _Stop):
@@ -270,6 +285,8 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             signal.signal(sig, handler)
         for f in (mlx_pid, proxy_pid):
             f.unlink(missing_ok=True)
+        if listen is not None:
+            listen.close()
     if code == 0:
         say("stopped; ports freed")
     return code

@@ -90,11 +90,12 @@ class Supervisor:
         self.out = out or sys.stdout
         self._lock = threading.Lock()
 
-    def start(self, name: str, cmd: Sequence[str], env: Mapping[str, str], cwd: str | None = None) -> Child:
+    def start(self, name: str, cmd: Sequence[str], env: Mapping[str, str], cwd: str | None = None,
+              pass_fds: Sequence[int] = ()) -> Child:
         proc = subprocess.Popen(
             list(cmd), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_child_setup,
+            start_new_session=True, preexec_fn=_child_setup, pass_fds=tuple(pass_fds),
         )
         child = Child(name, proc)
         child.pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]", self.out, self._lock, child.tail),
