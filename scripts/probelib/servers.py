@@ -50,7 +50,8 @@ class ServerProcess:
         child_env = dict(os.environ)
         child_env.update(blas_env())
         if kind == "ours":
-            child_env.update({"MLX_PORT": str(self.port), "MLX_HOST": "127.0.0.1"})
+            # MLX_API_KEY empty: the probes talk to this server directly (.env may hold a key for the stack)
+            child_env.update({"MLX_PORT": str(self.port), "MLX_HOST": "127.0.0.1", "MLX_API_KEY": ""})
             cmd = [python, "-m", "mlxstack.serve"]
         elif kind == "mlx_lm":
             model_path = model_path or str(embedded_model_path())
