@@ -139,3 +139,78 @@ def write_config(settings: Settings, served_model_id: str, path: Path, context_w
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_yaml(build_config(settings, served_model_id, context_window)))
     return path
+
+
+# --- several backends (issue 14) -----------------------------------------------------------------
+ROUTING_HOOK = "mlxstack.routing.litellm_hook.routing_hook"
+# Retries only where nothing ran on the backend: a refused connection (DefaultRetries covers
+# APIConnectionError) or a 503 (queue full / still loading). A timeout or a 500 may come after a
+# long prefill, which a retry would repeat: none for those.
+RETRY_POLICY = {"DefaultRetries": 1, "ServiceUnavailableErrorRetries": 1, "InternalServerErrorRetries": 0,
+                "TimeoutErrorRetries": 0, "BadRequestErrorRetries": 0, "AuthenticationErrorRetries": 0,
+                "NotFoundErrorRetries": 0, "RateLimitErrorRetries": 0, "ContentPolicyViolationErrorRetries": 0}
+
+
+def backend_key_refs(settings: Settings, backends: list) -> tuple[dict[str, str], dict[str, str]]:
+    """(backend url -> api_key value for LiteLLM's config, env vars LiteLLM needs for them).
+
+    Keys are never written into the config: the stack-wide MLX_API_KEY is referenced as
+    ``os.environ/MLX_API_KEY``; a backend with its own key gets ``MLXSTACK_BACKEND_KEY_<n>``."""
+    refs, env = {}, {}
+    for n, backend in enumerate(backends):
+        key = backend.api_key
+        if not key:
+            refs[backend.url] = "none"
+        elif key == settings.mlx_api_key:
+            refs[backend.url] = "os.environ/MLX_API_KEY"
+        else:
+            name = f"MLXSTACK_BACKEND_KEY_{n}"
+            env[name] = key
+            refs[backend.url] = f"os.environ/{name}"
+    return refs, env
+
+
+def build_stack_config(settings: Settings, groups: list) -> dict[str, Any]:
+    """LiteLLM config for several backends: every backend a deployment of its model group, under
+    every name of the group; ROUTING chooses how requests are placed among a group's backends.
+
+    /v1/messages is not a pass-through here (a pass-through has one fixed target): LiteLLM's own
+    Anthropic endpoint routes it by ``model`` like every other request."""
+    timeout = float(settings.proxy_request_timeout_seconds)
+    refs, _ = backend_key_refs(settings, [b for g in groups for b in g.backends])
+    model_list = []
+    for group in groups:
+        info = model_info(settings, group.context_window)
+        for name in group.names:
+            for backend in group.backends:
+                model_list.append({
+                    "model_name": name,
+                    "litellm_params": {"model": f"hosted_vllm/{group.model_id}", "api_base": f"{backend.url}/v1",
+                                       "api_key": refs[backend.url], "timeout": timeout, "stream_timeout": timeout},
+                    "model_info": {**info, "mlx_backend": backend.url},
+                })
+    litellm_settings: dict[str, Any] = {"num_retries": 0, "drop_params": True, "request_timeout": timeout}
+    router: dict[str, Any] = {"retry_policy": dict(RETRY_POLICY)}
+    if settings.routing == "cache_aware":
+        # The hook picks one backend and judges liveness itself; LiteLLM's cooldowns would move every
+        # session of a backend after one client's 4xx (measured with one backend: a 404).
+        litellm_settings["callbacks"] = [ROUTING_HOOK]
+        router.update(routing_strategy="simple-shuffle", disable_cooldowns=True)
+    elif settings.routing == "affinity":
+        litellm_settings["callbacks"] = [ROUTING_HOOK]  # writes the derived session id where LiteLLM reads it
+        router.update(routing_strategy="least-busy", optional_pre_call_checks=["session_affinity"],
+                      deployment_affinity_ttl_seconds=int(settings.routing_affinity_ttl_seconds))
+    else:
+        router.update(routing_strategy="simple-shuffle")
+    return {
+        "model_list": model_list,
+        "litellm_settings": litellm_settings,
+        "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY", "forward_client_headers_to_llm_api": True},
+        "router_settings": router,
+    }
+
+
+def write_stack_config(settings: Settings, groups: list, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_yaml(build_stack_config(settings, groups)))
+    return path

@@ -8,6 +8,12 @@ Faults: a crashed MLX server (killed, OOM) is restarted with backoff while LiteL
 running; more than MLX_MAX_RESTARTS crashes within MLX_RESTART_WINDOW_SECONDS stop the stack.
 A configuration error or a failed model load exits at once with the server's own error line,
 never restarted (mlxstack/system/exit_codes.py).
+
+Several backends (launcher/backends.py: a backends file, or MLX_REPLICAS): every local one is its
+own MLX server process on its own launcher-held port, all loading at once and each restarted on
+its own; LiteLLM starts once they are ready and lists each backend as a deployment of the model
+its /v1/models names. With other backends still serving, one that cannot be restarted is left
+down (said loudly) instead of stopping everything: the router moves its sessions.
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from mlxstack.config.settings import REPO_ROOT, Settings
+from mlxstack.config.settings import REPO_ROOT, Settings, SettingsError
 from mlxstack.launcher import litellm_config as lc
 from mlxstack.launcher import ports
+from mlxstack.launcher.backends import Backend, ModelGroup, load_backends, model_groups
 from mlxstack.launcher.restarts import RestartPolicy
 from mlxstack.launcher.supervisor import Child, Supervisor, describe_exit
 from mlxstack.system.exit_codes import EXIT_CONFIG_ERROR, EXIT_MODEL_LOAD_FAILED, LOAD_FAILED_MARKER, NOT_RESTARTABLE
@@ -52,9 +60,9 @@ def _raise_stop(signum, frame):  # noqa: ARG001
     raise _Stop()
 
 
-def get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+def get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, object]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             body = r.read()
             status = r.status
     except urllib.error.HTTPError as e:
@@ -95,23 +103,34 @@ def mlx_env(settings: Settings) -> dict[str, str]:
     return {**env, **(blas_preload_env(settings, environ=env) or {})}
 
 
-def litellm_env(settings: Settings) -> dict[str, str]:
+def litellm_env(settings: Settings, backends: list[Backend] | None = None, repo: Path = REPO_ROOT) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HOST", "PORT")}
     env.update(LITELLM_MASTER_KEY=settings.litellm_master_key, LITELLM_LOCAL_MODEL_COST_MAP="True",
                LITELLM_TELEMETRY="False", PYTHONUNBUFFERED="1")
     if settings.mlx_api_key:  # the generated config refers to it as os.environ/MLX_API_KEY
         env["MLX_API_KEY"] = settings.mlx_api_key
+    if backends:  # several backends: LiteLLM imports our routing hook, which reads its settings here
+        env.update(lc.backend_key_refs(settings, backends)[1])
+        env["PYTHONPATH"] = os.pathsep.join([str(repo)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.update(ROUTING=settings.routing, ROUTING_AFFINITY_TTL_SECONDS=str(settings.routing_affinity_ttl_seconds),
+                   CACHE_CANONICALIZE_TOOL_CONTEXT=str(settings.cache_canonicalize_tool_context).lower(),
+                   STRIP_BILLING_HEADER=str(settings.strip_billing_header).lower())
     return env
+
+
+def is_mlx(name: str) -> bool:
+    """An MLX server child: ``mlx`` (one backend) or ``mlx:<port>`` (several)."""
+    return name == "mlx" or name.startswith("mlx:")
 
 
 def exit_message(child: Child) -> str:
     """Why a child exited, with the server's own error line for the statuses that carry one."""
     code = child.poll()
-    if child.name == "mlx" and code == EXIT_MODEL_LOAD_FAILED:
+    if is_mlx(child.name) and code == EXIT_MODEL_LOAD_FAILED:
         line = child.last_line_with(LOAD_FAILED_MARKER) or ""
         detail = line.split(LOAD_FAILED_MARKER, 1)[1].strip() if LOAD_FAILED_MARKER in line else "see its output above"
         return f"the MLX server could not load the model: {detail}"
-    if child.name == "mlx" and code == EXIT_CONFIG_ERROR:
+    if is_mlx(child.name) and code == EXIT_CONFIG_ERROR:
         line = child.last_line_with("configuration error") or "see its output above"
         return f"the MLX server refused to start: {line.strip()}"
     return f"{child.name} (pid {child.pid}) exited: {describe_exit(code)}; see its output above."
@@ -180,95 +199,224 @@ def ready_text(settings: Settings, names: list[str]) -> str:
     ])
 
 
-def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
-              listen: socket.socket | None = None) -> tuple[Child, dict]:
-    """Start the MLX server (on ``listen``, the launcher's socket, when given) and wait for /health
-    to say ready (ChildExited if it dies first)."""
+def stack_ready_text(settings: Settings, groups: list[ModelGroup]) -> str:
+    """The READY line for several backends: every model name and where each backend answers."""
+    proxy = lc.proxy_base_url(settings)
+    lines = [f"READY  proxy {proxy}/v1  models {', '.join(g.names[1] if len(g.names) > 1 else g.names[0] for g in groups)}"
+             f"  |  routing {settings.routing}"]
+    for g in groups:
+        lines.append(f"  model {' or '.join(g.names)}: {len(g.backends)} backend(s)")
+        for b in g.backends:
+            where = f"{b.url}/v1  dashboard {b.url}/dashboard" if b.local else f"{b.url}/v1 (remote)"
+            lines.append(f"    {b.name:<22} {where}")
+    lines += [
+        "  curl:  KEY=$(sed -n 's/^LITELLM_MASTER_KEY=//p' .env)",
+        f"         curl {proxy}/v1/models -H \"Authorization: Bearer $KEY\"",
+        f"  keys (full values in .env): LITELLM_MASTER_KEY {mask_secret(settings.litellm_master_key)}"
+        + (f"  |  MLX_API_KEY {mask_secret(settings.mlx_api_key)} (LiteLLM -> MLX servers)" if settings.mlx_api_key else ""),
+        "  Ctrl-C stops every server.",
+    ]
+    return "\n".join(lines)
+
+
+def _spawn_mlx(sup: Supervisor, name: str, settings: Settings, cmd: list[str], repo: Path, pidfile: Path,
+               listen: socket.socket | None) -> Child:
     env = mlx_env(settings)
     if listen is not None:
         env[LISTEN_FD_ENV] = str(listen.fileno())
-    mlx = sup.start("mlx", cmd, env, cwd=str(repo), pass_fds=(listen.fileno(),) if listen is not None else ())
+    mlx = sup.start(name, cmd, env, cwd=str(repo), pass_fds=(listen.fileno(),) if listen is not None else ())
     write_private_file(pidfile, f"{mlx.pid}\n")
+    return mlx
+
+
+def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
+              listen: socket.socket | None = None, name: str = "mlx") -> tuple[Child, dict]:
+    """Start the MLX server (on ``listen``, the launcher's socket, when given) and wait for /health
+    to say ready (ChildExited if it dies first)."""
+    mlx = _spawn_mlx(sup, name, settings, cmd, repo, pidfile, listen)
     health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
                         "MLX server (loading / preparing the model; the first run converts it)", say)
     return mlx, health
 
 
+@dataclass
+class LocalServer:
+    """A local MLX backend the launcher keeps running: its settings, pid file, port and restart policy."""
+
+    name: str
+    settings: Settings
+    pidfile: Path
+    policy: RestartPolicy
+    listen: socket.socket | None = None
+    child: Child | None = None
+    restart_at: float | None = None     # when a crashed server is started again
+    starting: bool = False              # restarted, not ready yet
+    given_up: bool = False
+    _probe: Callable[[], dict | None] | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        """'' for the single backend (the messages stay as they were), else ' mlx:<port>'."""
+        return "" if self.name == "mlx" else f" {self.name}"
+
+
 def supervise(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, pidfile: Path, say,
               policy: RestartPolicy | None = None, listen: socket.socket | None = None) -> None:
-    """Return when the stack must stop: LiteLLM died, the MLX server cannot be restarted, or it
-    crash-looped. A crashed MLX server is restarted meanwhile; LiteLLM is left running."""
+    """One MLX server: return when the stack must stop (LiteLLM died, the server cannot be
+    restarted, or it crash-looped). A crashed server is restarted meanwhile; LiteLLM is left running."""
     policy = policy or RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds)
-    dead = sup.wait_any()
+    child = next((c for c in sup.children if c.name == "mlx"), None)
+    supervise_all(sup, {"mlx": LocalServer("mlx", settings, pidfile, policy, listen, child)}, cmd, repo, say)
+
+
+def supervise_all(sup: Supervisor, servers: dict[str, LocalServer], cmd: list[str], repo: Path, say,
+                  others_serve: bool = False, interval: float = 0.2) -> None:
+    """Return when the stack must stop: LiteLLM died, or no backend is left.
+
+    Each crashed server is restarted on its own (backoff, crash-loop limit); the others keep
+    serving meanwhile. One that cannot be restarted (a configuration error, a failed load, a crash
+    loop) stops the stack when it was the only one; with other backends (``others_serve``: remote
+    ones, or other local ones still up) it is left down and the stack goes on.
+    """
     while True:
-        if dead.name != "mlx":
+        now = time.monotonic()
+        dead = sup.first_exited()
+        if dead is not None and dead.name not in servers:
             say(f"{dead.name} (pid {dead.pid}) stopped unexpectedly: {describe_exit(dead.poll())}. Stopping the stack.")
             return
-        code = dead.poll()
-        if code in NOT_RESTARTABLE:
-            say(f"ERROR: {exit_message(dead)} (not restarted: restarting cannot fix it)")
-            return
-        delay = policy.next_delay(time.monotonic())
-        if delay is None:
-            say(f"ERROR: the MLX server crashed again ({describe_exit(code)}) after {policy.max_restarts} restart(s) "
-                f"within {policy.window:g}s: a crash loop (MLX_MAX_RESTARTS={policy.max_restarts}, "
-                "MLX_RESTART_WINDOW_SECONDS). Stopping the stack; see the MLX output above for the cause.")
-            return
-        say("!" * 78)
-        say(f"!! MLX SERVER DIED (pid {dead.pid}, {describe_exit(code)}). Restart {len(policy.history)} of at most "
-            f"{policy.max_restarts} per {policy.window:g}s, in {delay:g}s. LiteLLM stays up; requests in flight are "
-            f"lost, new ones wait for the restarted server (503 while it loads); its prompt cache restarts cold.")
-        say("!" * 78)
-        sup.forget(dead)
-        time.sleep(delay)
-        try:
-            mlx, _ = start_mlx(sup, settings, cmd, repo, pidfile, say, listen)
-        except ChildExited as exc:
-            dead = exc.child
+        if dead is not None:
+            server = servers[dead.name]
+            code = dead.poll()
+            problem = None
+            if code in NOT_RESTARTABLE:
+                problem = f"{exit_message(dead)} (not restarted: restarting cannot fix it)"
+            else:
+                delay = server.policy.next_delay(now)
+                if delay is None:
+                    p = server.policy
+                    problem = (f"the MLX server{server.label} crashed again ({describe_exit(code)}) after {p.max_restarts} "
+                               f"restart(s) within {p.window:g}s: a crash loop (MLX_MAX_RESTARTS={p.max_restarts}, "
+                               "MLX_RESTART_WINDOW_SECONDS)")
+            sup.forget(dead)
+            server.child, server.starting = None, False
+            if problem is not None:
+                server.given_up = True
+                left = [s.name for s in servers.values() if not s.given_up]
+                if not left and not others_serve:
+                    say(f"ERROR: {problem}. Stopping the stack; see the MLX output above for the cause.")
+                    return
+                say(f"ERROR: {problem}. It stays down; still serving: {', '.join(left) or 'the remote backends'}.")
+                continue
+            say("!" * 78)
+            if len(servers) == 1 and not others_serve:
+                after = ("LiteLLM stays up; requests in flight are lost, new ones wait for the restarted server "
+                         "(503 while it loads); its prompt cache restarts cold.")
+            else:
+                after = ("LiteLLM stays up and moves its sessions to the other backends (one cold turn each); "
+                         "requests in flight there are lost.")
+            say(f"!! MLX SERVER{server.label} DIED (pid {dead.pid}, {describe_exit(code)}). Restart "
+                f"{len(server.policy.history)} of at most {server.policy.max_restarts} per {server.policy.window:g}s, "
+                f"in {delay:g}s. {after}")
+            say("!" * 78)
+            server.restart_at = now + delay
             continue
-        say(f"MLX server restarted (pid {mlx.pid}) and ready after {time.monotonic() - mlx.started:.1f}s")
-        dead = sup.wait_any()
+        for server in servers.values():
+            if server.restart_at is not None and now >= server.restart_at:
+                server.restart_at = None
+                server.child = _spawn_mlx(sup, server.name, server.settings, cmd, repo, server.pidfile, server.listen)
+                server.starting = True
+                server._probe = _mlx_probe(lc.mlx_base_url(server.settings))
+            elif server.starting and server.child is not None and server._probe is not None:
+                if server._probe() is not None:
+                    server.starting = False
+                    say(f"MLX server{server.label} restarted (pid {server.child.pid}) and ready after "
+                        f"{time.monotonic() - server.child.started:.1f}s")
+                elif time.monotonic() - server.child.started > server.settings.mlx_startup_timeout_seconds:
+                    raise LaunchError(f"MLX server{server.label} not ready after "
+                                      f"{server.settings.mlx_startup_timeout_seconds:g}s (raise MLX_STARTUP_TIMEOUT_SECONDS?).")
+        time.sleep(interval)
+
+
+def discover_model(backend: Backend, timeout: float = 5.0) -> tuple[str, int | None] | None:
+    """(model id, context window) from a backend's /v1/models, None when it does not answer."""
+    headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
+    try:
+        status, body = get_json(f"{backend.url}/v1/models", timeout=timeout, headers=headers)
+        entry = body["data"][0] if status == 200 else None  # type: ignore[index]
+    except (OSError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(entry, dict) or not entry.get("id"):
+        return None
+    window = entry.get("context_length")
+    return str(entry["id"]), (window if isinstance(window, int) and window > 0 else None)
+
+
+def _pidfile(logs: Path, name: str) -> Path:
+    return logs / (".mlx.pid" if name == "mlx" else f".mlx-{name.split(':', 1)[1]}.pid")
 
 
 def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = REPO_ROOT,
               mlx_cmd: list[str] | None = None, out: IO[str] | None = None) -> int:
     """Run until we are asked to stop (exit 0) or the stack cannot go on (exit 1: LiteLLM died, the MLX
-    server failed to start, cannot be restarted, or crash-looped)."""
+    server failed to start, cannot be restarted, or crash-looped; exit 2: configuration error)."""
     sup = Supervisor(out)
     say = sup.say
     if not settings.litellm_master_key:
         say("LITELLM_MASTER_KEY is empty: LiteLLM refuses to start without one. "
             "Run python3 install_and_run.py (it writes one into .env) or set it yourself.")
         return 2
+    try:
+        backends = load_backends(settings, repo)
+    except SettingsError as exc:
+        say(f"ERROR: {exc}")
+        return 2
+    single = len(backends) == 1 and backends[0].local
     logs = make_private_dir(settings.log_root_path)  # request logs hold prompts
-    config_path, mlx_pid, proxy_pid = logs / "litellm_config.yaml", logs / ".mlx.pid", logs / ".litellm.pid"
+    config_path, proxy_pid = logs / "litellm_config.yaml", logs / ".litellm.pid"
+    servers = {b.name: LocalServer(b.name, settings if single else b.settings(), _pidfile(logs, b.name),
+                                   RestartPolicy(settings.mlx_max_restarts, settings.mlx_restart_window_seconds))
+               for b in backends if b.local}
     # SIGINT explicitly too: a launcher started in the background of a non-interactive shell
     # inherits SIGINT as ignored, and Ctrl-C / kill -INT must still stop the stack.
     old = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 1
-    listen: socket.socket | None = None
     try:
-        free_port("mlx", settings.mlx_host, settings.mlx_port, repo, mlx_pid, (), say)
+        for server in servers.values():
+            free_port("mlx", server.settings.mlx_host, server.settings.mlx_port, repo, server.pidfile, (), say)
         free_port("litellm", settings.proxy_host, settings.proxy_port, repo, proxy_pid, (str(config_path),), say)
-        say(f"starting MLX server on {lc.mlx_base_url(settings)} (model: {settings.model_path or lc.EMBEDDED_MODEL_NAME})")
         cmd = mlx_cmd or [python, "-m", "mlxstack.serve"]
-        try:  # held by the launcher for its whole life: a restart never closes the port
-            listen = listen_socket(settings.mlx_host, settings.mlx_port)
-        except OSError as exc:
-            raise LaunchError(f"cannot listen on {settings.mlx_host}:{settings.mlx_port} ({exc}); "
-                              "choose another MLX_PORT / MLX_HOST in .env") from None
-        if settings.mlx_port == 0:
-            settings = settings.replace(mlx_port=listen.getsockname()[1])
-        mlx, health = start_mlx(sup, settings, cmd, repo, mlx_pid, say, listen)
-        served = str(health.get("model") or lc.model_name(settings))
-        say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-        lc.write_config(settings, served, config_path, lc.served_context_window(settings))
+        for server in servers.values():  # all load at once; each port held by us for its whole life
+            s = server.settings
+            say(f"starting MLX server{server.label} on {lc.mlx_base_url(s)} (model: {s.model_path or lc.EMBEDDED_MODEL_NAME})")
+            try:
+                server.listen = listen_socket(s.mlx_host, s.mlx_port)
+            except OSError as exc:
+                raise LaunchError(f"cannot listen on {s.mlx_host}:{s.mlx_port} ({exc}); "
+                                  "choose another MLX_PORT / MLX_HOST in .env (or port in the backends file)") from None
+            if s.mlx_port == 0:
+                server.settings = s.replace(mlx_port=server.listen.getsockname()[1])
+                settings = settings.replace(mlx_port=server.settings.mlx_port) if single else settings
+            server.child = _spawn_mlx(sup, server.name, server.settings, cmd, repo, server.pidfile, server.listen)
+        healths = {name: wait_ready(server.child, _mlx_probe(lc.mlx_base_url(server.settings)),
+                                    server.settings.mlx_startup_timeout_seconds,
+                                    f"MLX server{server.label} (loading / preparing the model; the first run converts it)", say)
+                   for name, server in servers.items()}
+        if single:
+            mlx, health = servers["mlx"].child, healths["mlx"]
+            served = str(health.get("model") or lc.model_name(settings))
+            say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
+            lc.write_config(settings, served, config_path, lc.served_context_window(settings))
+            env = litellm_env(settings)
+        else:
+            groups = _model_groups(settings, backends, say)
+            lc.write_stack_config(settings, groups, config_path)
+            env = litellm_env(settings, [b for g in groups for b in g.backends], repo)
         proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
-                          litellm_env(settings), cwd=str(repo))
+                          env, cwd=str(repo))
         write_private_file(proxy_pid, f"{proxy.pid}\n")
         wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), settings.proxy_startup_timeout_seconds, "LiteLLM proxy", say)
-        say(ready_text(settings, lc.proxy_model_names(settings)))
-        supervise(sup, settings, cmd, repo, mlx_pid, say, listen=listen)
+        say(ready_text(settings, lc.proxy_model_names(settings)) if single else stack_ready_text(settings, groups))
+        supervise_all(sup, servers, cmd, repo, say, others_serve=any(not b.local for b in backends))
     except LaunchError as exc:
         say(f"ERROR: {exc}")
     except (KeyboardInterrupt, _Stop):
@@ -283,10 +431,31 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             sup.stop_all(grace=0.5)
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        for f in (mlx_pid, proxy_pid):
-            f.unlink(missing_ok=True)
-        if listen is not None:
-            listen.close()
+        proxy_pid.unlink(missing_ok=True)
+        for server in servers.values():
+            server.pidfile.unlink(missing_ok=True)
+            if server.listen is not None:
+                server.listen.close()
     if code == 0:
         say("stopped; ports freed")
     return code
+
+
+def _model_groups(settings: Settings, backends: list[Backend], say) -> list[ModelGroup]:
+    """Ask every backend what it serves; group them by model (LaunchError when none answers)."""
+    discovered = {}
+    for b in backends:
+        discovered[b.url] = discover_model(b)
+        if discovered[b.url] is None:
+            say(f"WARNING: backend {b.name} ({b.url}) did not answer /v1/models"
+                + (f"; listing it as {b.model} (from the backends file)" if b.model else
+                   "; it is left out (start it, then restart start_llm.py, or give its model: in the backends file)"))
+        else:
+            say(f"backend {b.name} ({b.url}) serves {discovered[b.url][0]}")
+    try:
+        groups = model_groups(backends, discovered, settings.proxy_model_id)
+    except SettingsError as exc:
+        raise LaunchError(str(exc)) from None
+    if not groups:
+        raise LaunchError("no backend answered /v1/models; nothing to route to.")
+    return groups

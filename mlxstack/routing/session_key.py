@@ -1,0 +1,52 @@
+"""The session a request belongs to, as the router sees it before choosing a backend (pure).
+
+    ctx = routing_session(body, headers, messages)      # SessionContext(session_id, source)
+    chain = request_digests(messages)                   # message-boundary digests (placement)
+
+Explicit ids are the MLX server's own (mlxstack/pipeline/session_context.py, same order: body
+``session_id`` / ``conversation_id`` / ``thread_id`` / ``chat_id`` at the top level, in
+``extra_body`` or ``metadata``; headers ``x-session-affinity`` > ``x-session-id`` >
+``x-claude-code-session-id``; Claude Code's ``metadata.user_id``), so one id means one session
+on both sides.
+
+Without one, the server hashes the canonical *tokens* of the opening (up to the end of the first
+user message); the router has no tokenizer, so it hashes the canonical *messages* of the same
+opening instead (``msg:<digest>``, source ``message-prefix``). Both are stable over the turns of
+one conversation, which is all affinity needs; the two ids differ in spelling only.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from mlxstack.cache.summary import message_digests
+from mlxstack.pipeline.canonicalize import canonicalize_messages
+from mlxstack.pipeline.session_context import SessionContext, extract_session_context
+
+IMPLICIT_PREFIX = "msg:"
+
+
+def canonical_messages(messages: Sequence[Any], *, canonicalize: bool = True, strip_billing_header: bool = True) -> list:
+    """The canonical messages the server keys its cache and turn store by."""
+    usable = [m for m in messages if isinstance(m, dict)] if isinstance(messages, (list, tuple)) else []
+    return canonicalize_messages(usable, enabled=canonicalize, strip_billing_header=strip_billing_header)[1]
+
+
+def request_digests(messages: Sequence[Any], **canon: bool) -> list[tuple[str, int]]:
+    """Message-boundary digests of a request, comparable with a backend's /v1/cache/summary."""
+    return message_digests(canonical_messages(messages, **canon))
+
+
+def opening_session_id(canonical: Sequence[Mapping[str, Any]]) -> str:
+    """``msg:`` + the digest of the messages up to and including the first user message."""
+    first_user = next((i for i, m in enumerate(canonical) if m.get("role") == "user"), len(canonical) - 1)
+    chain = message_digests(canonical[: first_user + 1])
+    return IMPLICIT_PREFIX + (chain[-1][0][:24] if chain else "empty")
+
+
+def routing_session(body: Mapping[str, Any], headers: Mapping[str, str] | None, messages: Sequence[Any],
+                    **canon: bool) -> SessionContext:
+    """The request's session id: the client's own when it sends one, else the opening's digest."""
+    explicit = extract_session_context(body if isinstance(body, Mapping) else {}, headers or {}, ())
+    if explicit.source != "prefix-hash":
+        return explicit
+    return SessionContext(opening_session_id(canonical_messages(messages, **canon)), "message-prefix")
