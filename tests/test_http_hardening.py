@@ -44,11 +44,12 @@ def events_of(raw: bytes) -> list:
 
 @pytest.fixture
 def run_spy(embedded_server, monkeypatch):
-    """Counts the jobs that reach the real engine (the spy calls it unchanged)."""
+    """Counts the jobs that reach the real engine (the spy calls it unchanged). ``start`` is where
+    every request enters it, run alone or by the batching scheduler."""
     calls = []
     engine = embedded_server.app.engine
-    real = engine.run
-    monkeypatch.setattr(engine, "run", lambda job: calls.append(job) or real(job))
+    real = engine.start
+    monkeypatch.setattr(engine, "start", lambda job: calls.append(job) or real(job))
     return calls
 
 
@@ -86,13 +87,13 @@ def test_top_k_equal_to_vocabulary_means_off(embedded_server):
 # ---------------------------------------------------------------------------- item 8: errors mid-stream
 def test_error_after_stream_started_is_an_sse_event(embedded_server, monkeypatch):
     engine = embedded_server.app.engine
-    real = engine.run
+    real = engine.finish
 
-    def fails_after_tokens(job):
-        real(job)  # every token is emitted and streamed ...
+    def fails_after_tokens(seq):
+        real(seq)  # every token was emitted and streamed ...
         raise RuntimeError("simulated failure after generation")  # ... then the job fails
 
-    monkeypatch.setattr(engine, "run", fails_after_tokens)
+    monkeypatch.setattr(engine, "finish", fails_after_tokens)
     raw = raw_stream(embedded_server, {**GREEDY, "stream": True})
     assert raw.startswith(b"HTTP/1.1 200 ") and raw.count(b"HTTP/1.1") == 1  # no status line inside the stream
     events = events_of(raw)
@@ -101,7 +102,7 @@ def test_error_after_stream_started_is_an_sse_event(embedded_server, monkeypatch
     assert error["code"] == "internal_error" and error["type"] == "server_error" and "request id" in error["message"]
     content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2] if e.get("choices"))
     assert content  # the tokens before the failure arrived
-    monkeypatch.setattr(engine, "run", real)
+    monkeypatch.setattr(engine, "finish", real)
     status, body = chat_raw(embedded_server, json.dumps(GREEDY).encode())
     assert status == 200 and body["choices"][0]["message"]["content"]
 
@@ -112,7 +113,7 @@ def test_stream_always_ends_well_formed_whenever_it_fails(embedded_server, monke
     """Property: a failure after k streamed tokens (k = 0 .. 6) still gives one 200 status line, parseable
     events, an error event and [DONE], in that order."""
     engine = embedded_server.app.engine
-    real = engine.run
+    real = engine.start
 
     def fails_mid_generation(job):
         emitted = [0]
@@ -127,11 +128,11 @@ def test_stream_always_ends_well_formed_whenever_it_fails(embedded_server, monke
         job.emit = counting
         return real(job)
 
-    monkeypatch.setattr(engine, "run", fails_mid_generation)
+    monkeypatch.setattr(engine, "start", fails_mid_generation)
     try:
         raw = raw_stream(embedded_server, {**GREEDY, "max_tokens": 8, "stream": True})
     finally:
-        monkeypatch.setattr(engine, "run", real)
+        monkeypatch.setattr(engine, "start", real)
     assert raw.startswith(b"HTTP/1.1 200 ") and raw.count(b"HTTP/1.1") == 1
     events = events_of(raw)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"

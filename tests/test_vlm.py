@@ -229,7 +229,7 @@ def test_vlm_over_http(tiny_vlm_path):
         status, body, _ = chat(server, [user("x", "https://example.com/cat.png")])
         assert status == 400 and "ALLOW_REMOTE_IMAGE_URLS" in body["error"]["message"], body
         status, body, _ = chat(server, [user("x", "data:image/png;base64," + base64.b64encode(b"junk").decode())])
-        assert status == 400 and "decoded" in body["error"]["message"], body
+        assert status == 400 and "format not accepted" in body["error"]["message"], body
         status, body, _ = chat(server, [SYSTEM, user("Describe it.", image_url(0))])
         assert status == 200                                          # errors left the server healthy
         assert server.app.state.counters.get("vlm_retreat") == 0

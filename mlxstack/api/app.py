@@ -7,12 +7,15 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
 from ..pipeline.images import ImageLimits
 from .http_guard import Guard, bind_refusal
 
 log = logging.getLogger("mlxstack.app")
+
+DEFAULT_MAX_SEQUENCES = 8   # MAX_CONCURRENT_SEQUENCES=0
 
 class App:
     def __init__(self, settings: Settings) -> None:
@@ -39,6 +42,53 @@ class App:
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
 
     # ------------------------------------------------------------------ lifecycle
+    def _attach_scheduler(self, engine: Any) -> None:
+        """Chat jobs run by the continuous-batching scheduler (MAX_CONCURRENT_SEQUENCES > 1), or one
+        at a time. Whether decode steps batch is decided once here (and logged)."""
+        from ..engine.batch import batching_support
+        from ..engine.scheduler import Scheduler
+
+        self.worker.run_chat = engine.run
+        n = self.settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
+        if n <= 1 or engine.loaded.is_vlm:
+            log.info("scheduling: one request at a time (%s)", "VLM" if engine.loaded.is_vlm else
+                     "MAX_CONCURRENT_SEQUENCES=1")
+            return
+        batching, why = batching_support(engine)
+        self.worker.scheduler = Scheduler(engine, n, self.settings.prefill_chunk_tokens, batching)
+        log.info("scheduling: up to %d sequences in flight, prefill chunks of %d tokens, decode %s", n,
+                 self.settings.prefill_chunk_tokens, "batched" if batching else f"interleaved, unbatched ({why})")
+
+    def _queue_warm_prompts(self) -> None:
+        """Prefill WARM_PROMPTS on the worker (after this load job; real requests queue behind)."""
+        from .warm_prompts import load_warm_jobs
+
+        jobs = load_warm_jobs(self.settings.warm_prompts, self.settings, self.vocab_size)
+
+        def run(job: Any) -> None:
+            try:
+                out = self.engine.run(job)
+                log.info("warm prompt %s: %d tokens prefilled (%d were cached)", job.request_id,
+                         out.prompt_tokens - out.cached_tokens, out.cached_tokens)
+            except Exception as exc:  # noqa: BLE001 - a warm-up must never take the server down
+                log.warning("warm prompt %s failed: %s", job.request_id, exc)
+
+        for job in jobs:
+            try:
+                self.worker.submit(lambda j=job: run(j))
+            except Exception:  # noqa: BLE001 - queue full: the rest is skipped
+                log.warning("warm-up queue full: %d warm prompts skipped", len(jobs))
+                break
+
+    def close(self) -> None:
+        """Stop the worker after its current job, then flush the engine's disk writes."""
+        self.worker.stop()
+        if self.state is not None:
+            try:
+                self.state.close()
+            except Exception:  # noqa: BLE001 - shutting down: log, never hang
+                log.exception("closing the engine state failed")
+
     def start_loading(self, progress: Callable[[str], None] | None = None) -> Any:
         self.worker.start()
         return self.worker.submit(lambda: self._load(progress))
@@ -62,6 +112,9 @@ class App:
             log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",
                      self.model_id, self.family, loaded.context_length, state.cache_budget / 2**30,
                      state.counters.correctness())
+            self._attach_scheduler(engine)
+            if self.settings.warm_prompts:
+                self._queue_warm_prompts()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
@@ -98,6 +151,7 @@ class App:
             "/v1/models": lambda: h._json(200, self.models()),
             "/models": lambda: h._json(200, self.models()),
             "/v1/cache/stats": lambda: h._json(200, self.cache_stats()),
+            "/v1/cache/summary": lambda: h._json(200, summary_for(self)),  # routers placing sessions
         }
         for path, fn in self.extra_get_routes.items():
             routes[path] = (lambda f=fn: f(h))
@@ -130,6 +184,12 @@ class App:
         stats = self.state.stats()
         stats["model"] = self.model_id
         stats["queue_depth"] = self.worker.queue_depth
+        sched = self.worker.scheduler
+        stats["scheduler"] = ({"max_sequences": sched.max_sequences, "active": sched.active,
+                               "prefilling": len(sched.prefilling), "decoding": len(sched.group),
+                               "batched": sched.group.batching, "last_batch_size": sched.last_batch,
+                               "prefill_chunk_tokens": sched.prefill_budget, "steps": sched.steps}
+                              if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
         with self._status_lock:
             stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}
         return stats

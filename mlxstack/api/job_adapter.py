@@ -95,6 +95,15 @@ def submit_on_worker(app: Any, fn: Callable[[], Any]) -> Any:
                           code="queue_full") from None
 
 
+def submit_chat(app: Any, job: ChatJob) -> Any:
+    """A future for a chat job: run alone, or by the continuous-batching scheduler; 503 when full."""
+    try:
+        return app.worker.submit_chat(job)
+    except QueueFull:
+        raise unavailable(f"server busy: {app.settings.max_queued_requests} requests queued", retry_after=2,
+                          code="queue_full") from None
+
+
 def request_headers(handler: Any) -> dict[str, str]:
     return {k.lower(): v for k, v in handler.headers.items()}
 
@@ -127,7 +136,7 @@ class JobRun:
 
         self.is_cancelled = is_cancelled
         self.job = job_factory(self)
-        self.future = submit_on_worker(self.app, lambda: self.app.engine.run(self.job))
+        self.future = submit_chat(self.app, self.job)
         self.future.add_done_callback(lambda _f: self.deltas.put(_DONE))
 
     @classmethod

@@ -21,8 +21,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
-from .job_adapter import chat_job
-from ..engine.worker import QueueFull
+from .job_adapter import chat_job, submit_chat
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader, peer_closed
 from .image_fetch import prepare_request_images
@@ -195,11 +194,7 @@ class Handler(BaseHTTPRequestHandler):
         job = chat_job(req, completion_id[-12:], {k.lower(): v for k, v in self.headers.items()},
                        emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,
                        on_prompt=deltas.put if req.stream else (lambda _p: None))
-        try:
-            future = app.worker.submit(lambda: app.engine.run(job))
-        except QueueFull:
-            raise unavailable(f"server busy: {app.settings.max_queued_requests} requests queued", retry_after=2,
-                              code="queue_full") from None
+        future = submit_chat(app, job)
         done = object()
         future.add_done_callback(lambda _f: deltas.put(done))
         if req.stream:

@@ -27,7 +27,7 @@ from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
 from ..pipeline.session_context import SessionContext, extract_session_context
 from ..pipeline.tokenize import encoder_for
-from ..runtime.generate import Aborted, decode, feed, prefill
+from ..runtime.generate import Aborted, decode, feed, last_logits, prefill
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
@@ -143,6 +143,17 @@ class Sequence:
     sampler: Sampler | None = None
     forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
     from_disk: bool = False           # the reused KV was loaded from the disk tier
+    # incremental prefill / decode state (engine/scheduler.py drives these step by step)
+    pos: int = -1                     # next prompt token to feed (-1: not started)
+    logits: Any = None                # after the last prompt token
+    prefill_aborted: bool = False
+    stopper: Any = None
+    harmony_stop: Any = None
+    detok: Any = None
+    pending: Any = None               # sampled, not yet read, next token (lazy mx array)
+    produced: int = 0
+    queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
+    batch_sizes: list[int] = field(default_factory=list)
 
 
 class ChatEngine:
@@ -389,42 +400,83 @@ class ChatEngine:
         return self.finish(seq)
 
     def _decode(self, seq: Sequence, logits: Any, should_stop: Callable[[], bool]) -> None:
-        params = seq.params
-        if params.max_tokens <= 0:
+        if not self.begin_decode(seq, logits):
             return
-        stopper = StopMatcher(seq.job.stop)
-        harmony = HarmonyStopper() if self.harmony else None
-        detok = self.loaded.tokenizer.detokenizer
-        detok.reset()
-        seq.sampler = Sampler(params, seq.prep.model_tokens, self._logit_width(logits))
+        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, seq.params, should_stop,
+                          sampler=seq.sampler):
+            if self.consume(seq, tok):
+                break
+        self.end_decode(seq)
+
+    # ---------------------------------------------------------------- incremental phases
+    def begin_decode(self, seq: Sequence, logits: Any) -> bool:
+        """Per-sequence decode state (sampler, stop matchers, detokenizer); False when there is
+        nothing to generate."""
+        seq.stopper = StopMatcher(seq.job.stop)
+        seq.harmony_stop = HarmonyStopper() if self.harmony else None
+        seq.detok = self.loaded.tokenizer.detokenizer
+        seq.detok.reset()
+        seq.sampler = Sampler(seq.params, seq.prep.model_tokens, self._logit_width(logits))
         if seq.forced:
             seq.visible.append(seq.forced)
             seq.job.emit(seq.forced)
-        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, params, should_stop,
-                          sampler=seq.sampler):
-            seq.generated.append(tok)
-            if tok in params.stop_token_ids:
-                seq.finish_reason = "stop"
-                break
-            detok.add_token(tok)
-            segment = detok.last_segment
-            out, hit = stopper.push(segment)
-            if out:
-                seq.visible.append(out)
-                seq.job.emit(out)
-            if hit:
-                seq.finish_reason, seq.stopped_by_string = "stop", True
-                break
-            if harmony is not None and harmony.push(segment):
-                seq.finish_reason = "stop"  # a final message ended, or a non-assistant turn began
-                break
+        return seq.params.max_tokens > 0
+
+    def consume(self, seq: Sequence, tok: int) -> bool:
+        """One generated token read back: stream its text, apply every stop rule. True when the
+        sequence is done (a stop token or string, harmony's stop rule, or max_tokens)."""
+        seq.generated.append(tok)
+        seq.produced += 1
+        if tok in seq.params.stop_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        seq.detok.add_token(tok)
+        segment = seq.detok.last_segment
+        out, hit = seq.stopper.push(segment)
+        if out:
+            seq.visible.append(out)
+            seq.job.emit(out)
+        if hit:
+            seq.finish_reason, seq.stopped_by_string = "stop", True
+            return True
+        if seq.harmony_stop is not None and seq.harmony_stop.push(segment):
+            seq.finish_reason = "stop"  # a final message ended, or a non-assistant turn began
+            return True
+        return seq.produced >= seq.params.max_tokens
+
+    def end_decode(self, seq: Sequence) -> None:
+        """Flush the text a stop matcher held back (unless a stop string or an abort ended it)."""
         if not seq.stopped_by_string and not (seq.watchdog or seq.job.is_cancelled()):
-            detok.finalize()
-            out, hit = stopper.push(detok.last_segment)
-            tail = out if hit else out + stopper.flush()
+            seq.detok.finalize()
+            out, hit = seq.stopper.push(seq.detok.last_segment)
+            tail = out if hit else out + seq.stopper.flush()
             if tail:
                 seq.visible.append(tail)
                 seq.job.emit(tail)
+
+    def prefill_step(self, seq: Sequence, budget: int) -> bool:
+        """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
+        True once the prompt is done (``seq.logits`` set) or the request was abandoned between
+        chunks (``seq.prefill_aborted``)."""
+        tokens = seq.prep.model_tokens
+        n = len(tokens)
+        if seq.pos < 0:
+            seq.pos = seq.start
+        elif self._should_stop(seq)():
+            seq.prefill_aborted = True
+            return True
+        end = min(n - 1, seq.pos + max(1, budget))
+        stop_at = min([k for k in seq.checkpoints if seq.pos < k <= end], default=end)
+        if stop_at > seq.pos:
+            feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size)
+            seq.pos = stop_at
+            if stop_at in seq.checkpoints:
+                seq.snapshots.append(capture(seq.live))
+        if seq.pos == n - 1:
+            seq.logits = last_logits(self.loaded.model, seq.live, tokens[-1])
+            seq.pos = n
+            return True
+        return False
 
     def _logit_width(self, logits: Any) -> int:
         return int(logits.shape[-1])
@@ -486,6 +538,9 @@ class ChatEngine:
                 "stable_prefix_msgs": seq.stable_msgs,
                 "key_delta_chars": prep.key_delta_chars,
                 "cache_tier": "disk" if seq.from_disk else ("ram" if seq.match.hit else "none"),
+                "queue_wait_s": round(max(0.0, seq.t0 - seq.queued_at), 4) if seq.queued_at else 0.0,
+                "batch_size_max": max(seq.batch_sizes, default=1),
+                "batch_size_mean": round(sum(seq.batch_sizes) / len(seq.batch_sizes), 2) if seq.batch_sizes else 1.0,
             },
         )
         st.record(job, outcome, prep)

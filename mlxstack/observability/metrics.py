@@ -55,6 +55,13 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("mlxstack_worker_busy", "1 while the inference worker runs a job.",
                                 value=1 if app.worker.busy else 0)
         yield GaugeMetricFamily("mlxstack_model_ready", "1 once the model is loaded.", value=1 if app.ready else 0)
+        sched = getattr(app.worker, "scheduler", None)
+        yield GaugeMetricFamily("mlxstack_active_sequences", "Requests in flight (prefilling or decoding).",
+                                value=app.worker.active_sequences)
+        yield GaugeMetricFamily("mlxstack_batch_size", "Sequences in the last decode forward pass.",
+                                value=sched.last_batch if sched is not None else 0)
+        yield GaugeMetricFamily("mlxstack_max_concurrent_sequences", "MAX_CONCURRENT_SEQUENCES in effect.",
+                                value=sched.max_sequences if sched is not None else 1)
         info = GaugeMetricFamily("mlxstack_model_info", "The served model (value is always 1).",
                                  labels=["model", "family"])
         info.add_metric([str(app.model_id), str(app.family)], 1)
@@ -151,6 +158,10 @@ class RequestMetrics:
                                 buckets=TOK_S_BUCKETS, registry=self.registry)
         self.reuse = Histogram("mlxstack_cache_reuse_ratio", "Per request: cached tokens / prompt tokens.",
                                buckets=RATIO_BUCKETS, registry=self.registry)
+        self.queue_wait = Histogram("mlxstack_queue_wait_seconds", "Time a request waited before it started.",
+                                    buckets=TTFT_BUCKETS, registry=self.registry)
+        self.batch = Histogram("mlxstack_request_batch_size", "Per request: the largest decode batch it was part of.",
+                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=self.registry)
         self.total = Histogram("mlxstack_request_duration_seconds", "Engine time per request (prepare to last token).",
                                buckets=TTFT_BUCKETS, registry=self.registry)
 
@@ -160,6 +171,10 @@ class RequestMetrics:
             self.ttft.observe(float(row["ttft_s"]))
         if row.get("total_s") is not None:
             self.total.observe(float(row["total_s"]))
+        if row.get("queue_wait_s") is not None:
+            self.queue_wait.observe(float(row["queue_wait_s"]))
+        if row.get("batch_size_max"):
+            self.batch.observe(float(row["batch_size_max"]))
         # An exact hit prefills nothing: its "speed" would be 0 or infinite, so it is not a sample.
         if row.get("prefilled_tokens", 0) > 0 and (row.get("prefill_tok_s") or 0) > 0:
             self.prefill.observe(float(row["prefill_tok_s"]))

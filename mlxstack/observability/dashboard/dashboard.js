@@ -175,6 +175,8 @@
     $("t-ttft").textContent = last ? fmtNum(last.ttft_s, 3) + " s" : "–";
     $("t-entries").textContent = fmtInt(s.entries);
     $("t-queue").textContent = fmtInt(s.queue_depth);
+    const sc = s.scheduler || {};
+    $("t-flight").textContent = `${fmtInt(sc.active || 0)} / ${fmtInt(sc.last_batch_size || 0)}`;
     $("model").textContent = s.model || "";
   }
 

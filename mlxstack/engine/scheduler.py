@@ -1,0 +1,130 @@
+"""Continuous batching on the one inference thread: many requests in flight, every one with its
+full cache pipeline (lookup -> checkout at its own depth -> prefill -> decode -> close the turn
+-> store), advanced a step at a time.
+
+    sched = Scheduler(engine, max_sequences=8, prefill_budget=512, batching=True)
+    sched.admit(job, future)       # starts the request (render, lookup, checkout)
+    sched.step()                   # one scheduler step (below); resolves finished futures
+
+One step:
+1. one prefill chunk (at most ``prefill_budget`` tokens) for ONE sequence still prefilling,
+   round-robin over them -- so a long cold prompt never freezes the others, and a short request
+   that arrives during it gets its first token within two chunks (its own chunk is next);
+2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup).
+
+Admission is FIFO up to ``max_sequences`` in flight; the worker's bounded queue (503 when full)
+holds the rest. A sequence that finished prefill joins the decode batch; one that finished or
+was abandoned (hang-up, watchdog) leaves it, and only it. Everything runs on the caller's thread:
+no MLX call ever leaves the inference thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+
+
+from .batch import DecodeGroup
+from .chat import ChatEngine, ChatJob, Sequence
+
+log = logging.getLogger("mlxstack.scheduler")
+
+
+def next_round_robin(count: int, last: int) -> int:
+    """Index of the next member after ``last`` in a round of ``count`` (pure; 0 when none yet)."""
+    return 0 if count <= 0 else (last + 1) % count
+
+
+class Scheduler:
+    def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
+        self.engine = engine
+        self.max_sequences = max(1, int(max_sequences))
+        self.prefill_budget = max(1, int(prefill_budget))
+        self.group = DecodeGroup(engine, batching)
+        self.prefilling: list[Sequence] = []
+        self.futures: dict[int, Future] = {}
+        self._rr = -1
+        self.steps = 0
+        self.last_batch = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.prefilling) + len(self.group)
+
+    def has_room(self) -> bool:
+        return self.active < self.max_sequences
+
+    def idle(self) -> bool:
+        return self.active == 0
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, job: ChatJob, future: Future, queued_at: float = 0.0) -> None:
+        """Start ``job`` now (render, lookup, checkout); a failure resolves its future at once."""
+        try:
+            seq = self.engine.start(job)
+        except BaseException as exc:  # noqa: BLE001 - travels back to the handler (4xx / 5xx)
+            future.set_exception(exc)
+            return
+        seq.queued_at = queued_at
+        self.futures[id(seq)] = future
+        self.prefilling.append(seq)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        self.steps += 1
+        if self.prefilling:
+            self._rr = next_round_robin(len(self.prefilling), self._rr)
+            seq = self.prefilling[self._rr]
+            try:
+                done = self.engine.prefill_step(seq, self.prefill_budget)
+            except BaseException as exc:  # noqa: BLE001
+                self.prefilling.remove(seq)
+                self._fail(seq, exc)
+                done = False
+            if done:
+                self.prefilling.remove(seq)
+                self._rr -= 1
+                self._prefilled(seq)
+        if len(self.group):
+            self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
+            try:
+                finished = self.group.step()
+            except BaseException as exc:  # noqa: BLE001 - the whole forward failed: fail its members
+                for seq in list(self.group.seqs):
+                    self.group.drop(seq)
+                    self._fail(seq, exc)
+                finished = []
+            for seq in finished:
+                self.engine.end_decode(seq)
+                seq.t_end = time.perf_counter()
+                self._finish(seq)
+
+    def _prefilled(self, seq: Sequence) -> None:
+        seq.t_first = time.perf_counter()
+        if seq.prefill_aborted or seq.logits is None or seq.job.prefill_only:
+            seq.t_end = seq.t_first
+            self._finish(seq)
+            return
+        try:
+            if not self.engine.begin_decode(seq, seq.logits):
+                seq.t_end = time.perf_counter()
+                self._finish(seq)
+                return
+            self.group.add(seq, seq.logits)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(seq, exc)
+
+    def _finish(self, seq: Sequence) -> None:
+        future = self.futures.pop(id(seq))
+        try:
+            outcome = self.engine.finish(seq)
+        except BaseException as exc:  # noqa: BLE001
+            future.set_exception(exc)
+            return
+        future.set_result(outcome)
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        log.error("request %s failed in the scheduler", seq.job.request_id, exc_info=exc)
+        future = self.futures.pop(id(seq), None)
+        if future is not None and not future.done():
+            future.set_exception(exc)

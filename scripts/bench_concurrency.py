@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Many agents at once (issue 12), measured side by side in one run on the embedded model:
+ours with continuous batching vs ours with MAX_CONCURRENT_SEQUENCES=1 (FIFO) vs mlx_lm.server,
+for 1 / 2 / 4 / 8 concurrent multi-turn agent sessions (streaming, greedy).
+
+Per server and session count: aggregate decode tok/s over the warm turns (all streamed tokens /
+wall time of the turn), p50 / p95 TTFT, p95 inter-token latency, warm-turn uncached tokens
+(prompt - cached, from usage). Then the interleaving check: a short request sent while another
+request's ~2k-token cold prefill is running -- its TTFT against the long prompt's.
+
+    .venv/bin/python scripts/bench_concurrency.py [--sessions 1 2 4 8] [--turns 3] [--max-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+from probelib.servers import ServerProcess  # noqa: E402
+
+SYSTEM = ("You are a coding agent in a large repository. Read files before editing, run the tests after "
+          "each change, and report briefly. ") * 6
+QUESTIONS = ["Look at module {i} and tell me what it does.", "What would you test first there?",
+             "Name one risk in that code.", "Summarise in one line."]
+
+
+def stream_chat(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps, text, usage = [], [], {}
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            frame = json.loads(line[6:])
+            if frame.get("usage"):
+                usage = frame["usage"]
+            for ch in frame.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content") or ""
+                if piece:
+                    stamps.append(time.perf_counter() - t0)
+                    text.append(piece)
+    return {"ttft": stamps[0] if stamps else time.perf_counter() - t0, "stamps": stamps, "text": "".join(text),
+            "usage": usage, "wall": time.perf_counter() - t0}
+
+
+def model_id(base: str) -> str:
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+        return (json.load(resp).get("data") or [{}])[0].get("id", "default_model")
+
+
+def run_sessions(base: str, n: int, turns: int, max_tokens: int) -> dict:
+    model = model_id(base)
+    histories = [[{"role": "system", "content": SYSTEM}] for _ in range(n)]
+    warm_results, turn_walls = [], []
+    for t in range(turns):
+        results: list[dict] = [{}] * n
+
+        def one(i: int) -> None:
+            msgs = histories[i] + [{"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(i=i)}]
+            results[i] = stream_chat(base, model, msgs, max_tokens)
+            histories[i] = msgs + [{"role": "assistant", "content": results[i]["text"]}]
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        if t > 0:
+            warm_results += results
+            turn_walls.append((wall, sum(len(r["stamps"]) for r in results)))
+    ttfts = sorted(r["ttft"] for r in warm_results)
+    gaps = sorted(b - a for r in warm_results for a, b in zip(r["stamps"], r["stamps"][1:]))
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0  # noqa: E731
+    tokens = sum(k for _, k in turn_walls)
+    wall = sum(w for w, _ in turn_walls)
+    uncached = [r["usage"].get("prompt_tokens", 0) - (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                for r in warm_results if r["usage"]]
+    return {"sessions": n, "agg_decode_tok_s": tokens / wall if wall else 0.0,
+            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": pct(ttfts, 0.95),
+            "itl_p95": pct(gaps, 0.95), "uncached_per_warm_turn": statistics.mean(uncached) if uncached else 0.0,
+            "texts": [r["text"] for r in warm_results]}
+
+
+def interleave_check(base: str, chunk: int) -> dict:
+    model = model_id(base)
+    long_user = " ".join(f"entry {i}: the scheduler must keep other streams moving while this prefills."
+                         for i in range(140))
+    out: dict = {}
+
+    def long_req() -> None:
+        out["long"] = stream_chat(base, model, [{"role": "user", "content": long_user}], 4)
+
+    th = threading.Thread(target=long_req)
+    th.start()
+    time.sleep(1.0)   # the long cold prefill is under way
+    out["short"] = stream_chat(base, model, [{"role": "user", "content": "Say hi."}], 4)
+    th.join()
+    return {"long_prompt_tokens": out["long"]["usage"].get("prompt_tokens"), "long_ttft_s": out["long"]["ttft"],
+            "short_ttft_s": out["short"]["ttft"], "short_done_before_long_first_token":
+            out["short"]["wall"] + 1.0 < out["long"]["ttft"], "chunk_tokens": chunk}
+
+
+def table(rows: list[dict]) -> str:
+    cols = [c for c in rows[0] if not c.startswith("_") and c != "texts"]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    args = ap.parse_args()
+    common = {"DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0", "ENABLE_REQUEST_LOGGING": "false",
+              "DISK_CACHE_DIR": "off", "PREFILL_CHUNK_TOKENS": str(args.chunk), "MAX_QUEUED_REQUESTS": "64"}
+    servers = [("ours batched", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions))}),
+               ("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"})]
+    if not args.skip_mlx_lm:
+        servers.append(("mlx_lm.server", "mlx_lm", {}))
+    rows, texts, rows_inter = [], {}, []
+    for label, kind, env in servers:   # one server at a time: 2 cores, nothing else heavy
+        with ServerProcess(kind, env=env) as srv:
+            srv.wait_ready(300)
+            for n in args.sessions:
+                r = run_sessions(srv.root, n, args.turns, args.max_tokens)
+                texts[(label, n)] = r.pop("texts")
+                rows.append({"server": label, **r})
+                print(f"{label:14s} sessions={n}: {r['agg_decode_tok_s']:.1f} tok/s", flush=True)
+            if kind == "ours":
+                inter = interleave_check(srv.root, args.chunk)
+                print(f"{label}: interleave {inter}", flush=True)
+                rows_inter.append({"server": label, **inter})
+    print("\n## concurrent agent sessions (embedded model, greedy, warm turns)\n")
+    print(table(rows))
+    base = {r["sessions"]: r["agg_decode_tok_s"] for r in rows if r["server"] == "ours FIFO"}
+    batched = {r["sessions"]: r["agg_decode_tok_s"] for r in rows if r["server"] == "ours batched"}
+    print("\naggregate decode, batched / FIFO: " + ", ".join(
+        f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
+    same = all(texts[("ours batched", n)] == texts[("ours FIFO", n)] for n in args.sessions)
+    print(f"batched replies identical to FIFO replies (greedy): {same}")
+    print("\n## a short request during a long cold prefill\n")
+    print(table(rows_inter))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
