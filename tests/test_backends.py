@@ -179,7 +179,8 @@ def test_stack_config_lists_every_backend_under_every_name(routing):
     assert {m["litellm_params"]["timeout"] for m in cfg["model_list"]} == {77.0}
     router, settings = cfg["router_settings"], cfg["litellm_settings"]
     assert router["retry_policy"]["DefaultRetries"] == 1 and router["retry_policy"]["TimeoutErrorRetries"] == 0
-    assert router["retry_policy"]["InternalServerErrorRetries"] == 0 and settings["num_retries"] == 0
+    assert router["retry_policy"]["InternalServerErrorRetries"] == (1 if routing == "cache_aware" else 0)
+    assert settings["num_retries"] == 0
     assert "pass_through_endpoints" not in cfg["general_settings"]
     if routing == "cache_aware":
         assert settings["callbacks"] == [lc.ROUTING_HOOK] and router["disable_cooldowns"] is True

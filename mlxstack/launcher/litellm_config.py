@@ -143,9 +143,12 @@ def write_config(settings: Settings, served_model_id: str, path: Path, context_w
 
 # --- several backends (issue 14) -----------------------------------------------------------------
 ROUTING_HOOK = "mlxstack.routing.litellm_hook.routing_hook"
-# Retries only where nothing ran on the backend: a refused connection (DefaultRetries covers
-# APIConnectionError) or a 503 (queue full / still loading). A timeout or a 500 may come after a
-# long prefill, which a retry would repeat: none for those.
+# One retry where it cannot repeat work on the same backend. Measured on 1.106.2: a refused
+# connection (backend down) arrives as InternalServerError ("Cannot connect to host"), the same
+# class as a 500 after a long prefill, and a timeout may also follow one. The cache_aware hook
+# sends a retry to a backend the request has not tried, so there a 500 is retried; with
+# LiteLLM's own placement (affinity / shuffle) a retry may land on the same backend, so only
+# 503s (queue full, still loading: nothing ran) are retried.
 RETRY_POLICY = {"DefaultRetries": 1, "ServiceUnavailableErrorRetries": 1, "InternalServerErrorRetries": 0,
                 "TimeoutErrorRetries": 0, "BadRequestErrorRetries": 0, "AuthenticationErrorRetries": 0,
                 "NotFoundErrorRetries": 0, "RateLimitErrorRetries": 0, "ContentPolicyViolationErrorRetries": 0}
@@ -196,6 +199,7 @@ def build_stack_config(settings: Settings, groups: list) -> dict[str, Any]:
         # session of a backend after one client's 4xx (measured with one backend: a 404).
         litellm_settings["callbacks"] = [ROUTING_HOOK]
         router.update(routing_strategy="simple-shuffle", disable_cooldowns=True)
+        router["retry_policy"]["InternalServerErrorRetries"] = 1
     elif settings.routing == "affinity":
         litellm_settings["callbacks"] = [ROUTING_HOOK]  # writes the derived session id where LiteLLM reads it
         router.update(routing_strategy="least-busy", optional_pre_call_checks=["session_affinity"],

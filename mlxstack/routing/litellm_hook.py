@@ -45,7 +45,7 @@ if not log.handlers:  # LiteLLM's own logging setup does not show INFO lines fro
     log.setLevel(logging.INFO)
     log.propagate = False
 
-HEALTH_TTL = 2.0        # seconds a backend's last health answer is trusted for a pinned session
+HEALTH_TTL = 0.25       # seconds a backend's last health answer is trusted (a probe costs ~2 ms locally)
 SUMMARY_TTL = 0.0       # placing a new session always asks afresh: sub-agents arrive right after their parent
 PLACED_MEMORY = 120.0   # seconds the router counts its own placements as held (before summaries show them)
 PLACED_MAX = 4096       # digests remembered per backend
@@ -132,6 +132,7 @@ class MlxRoutingHook(CustomLogger):
         self.monitor = BackendMonitor()
         self.pins: dict[str, tuple[str, float]] = {}          # session id -> (backend url, last used)
         self.inflight: dict[str, tuple[str, float]] = {}      # litellm_call_id -> (backend url, since)
+        self.attempts: dict[str, tuple[list[str], float]] = {}  # litellm_call_id -> (backends tried, since)
         self.counts: dict[str, int] = {"pinned": 0, "prefix": 0, "least-load": 0, "moved": 0}
         # What this router sent where, newest last: a session's first turn is not in its backend's
         # summary until it finishes, and its sub-agents often arrive before that.
@@ -165,18 +166,27 @@ class MlxRoutingHook(CustomLogger):
         self._expired = now
         for sid in [s for s, (_, t) in self.pins.items() if now - t > self.ttl]:
             del self.pins[sid]
-        for call in [c for c, (_, t) in self.inflight.items() if now - t > INFLIGHT_MAX_AGE]:
-            del self.inflight[call]
+        for table in (self.inflight, self.attempts):
+            for call in [c for c, (_, t) in table.items() if now - t > INFLIGHT_MAX_AGE]:
+                del table[call]
 
     async def async_filter_deployments(self, model, healthy_deployments, messages, request_kwargs=None,
                                        parent_otel_span=None):  # noqa: ANN001
         if self.mode != "cache_aware" or not healthy_deployments:
             return healthy_deployments
         kwargs = request_kwargs or {}
-        by_url = {backend_url(d): d for d in healthy_deployments}
+        call = str(kwargs.get("litellm_call_id") or "")
+        retry = any(int(m.get("attempted_retries") or 0) > 0 for m in _metadata_dicts(kwargs))
+        # A retry never goes back to a backend this request already failed on: a refused connection
+        # means it is down, and anything else may have come after a long prefill a retry would repeat.
+        tried = self.attempts.get(call, ([], 0.0))[0] if retry and call else []
+        by_url = {u: d for u, d in ((backend_url(d), d) for d in healthy_deployments) if u not in tried}
+        if not by_url:
+            log.warning("request %s failed on %s and %s has no other backend: not retried there", call,
+                        ", ".join(tried), model)
+            return []
         urls = list(by_url)
         session = self._session_of(kwargs, messages)
-        retry = any(int(m.get("attempted_retries") or 0) > 0 for m in _metadata_dicts(kwargs))
         now = time.monotonic()
         async with self._lock:  # one decision at a time: concurrent new sessions see each other's load
             self._expire(now)
@@ -195,14 +205,15 @@ class MlxRoutingHook(CustomLogger):
                 log.warning("no live backend for %s among %s; letting LiteLLM try them all", model, ", ".join(urls))
                 return healthy_deployments
             self.pins[session] = (choice.url, now)
-            call = kwargs.get("litellm_call_id")
             if call:
-                self.inflight[str(call)] = (choice.url, now)
+                self.inflight[call] = (choice.url, now)
+                self.attempts[call] = (tried + [choice.url], now)
             self.counts[choice.reason] += 1
             if choice.moved_from:
                 self.counts["moved"] += 1
-                log.warning("session %s moved %s -> %s (%s is down): this turn is cold there; moves so far %d",
-                            session[:24], choice.moved_from, choice.url, choice.moved_from, self.counts["moved"])
+                why = "failed this request" if choice.moved_from in tried else "is down"
+                log.warning("session %s moved %s -> %s (%s %s): this turn is cold there; moves so far %d",
+                            session[:24], choice.moved_from, choice.url, choice.moved_from, why, self.counts["moved"])
             elif choice.reason != "pinned":
                 log.info("new session %s -> %s (%s, %d shared chars)", session[:24], choice.url, choice.reason,
                          choice.shared_chars)
