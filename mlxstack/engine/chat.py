@@ -14,146 +14,34 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
-from ..cache.kv_ops import KVState, LiveCache, capture, checkout
-from ..cache.lcp import as_tokens, lcp
+from ..cache.kv_ops import LiveCache, capture, checkout
+from ..cache.lcp import lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..parsing.harmony import HarmonyStopper, healing_patch
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
-from ..pipeline.session_context import SessionContext, extract_session_context
+from ..pipeline.session_context import extract_session_context
 from ..pipeline.tokenize import encoder_for
 from ..runtime.generate import Aborted, decode, feed, last_logits, prefill
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
+from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
+    ChatJob,
+    ChatOutcome,
+    ClientGone,
+    ContextLengthExceeded,
+    PreparedPrompt,
+    PromptReady,
+    Sequence,
+)
+
 log = logging.getLogger("mlxstack.request")
-
-
-class ClientGone(RuntimeError):
-    """The client disconnected before or during generation."""
-
-
-class ContextLengthExceeded(ValueError):
-    """The prompt does not fit the model's context window (a client error: 400)."""
-
-    def __init__(self, prompt_tokens: int, limit: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
-            f"{prompt_tokens} tokens (at least 1 more is needed for the reply). Please reduce the length of "
-            "the messages, or raise MAX_KV_SIZE if the model supports a longer context.")
-        self.prompt_tokens = prompt_tokens
-        self.limit = limit
-
-
-@dataclass
-class ChatJob:
-    """What the HTTP layer hands to the engine (already validated)."""
-    request_id: str
-    messages: list[dict]
-    tools: list | None
-    enable_thinking: bool
-    params: SamplingParams
-    stop: list[str]
-    body: dict
-    headers: dict[str, str]
-    emit: Callable[[str], None]                  # text deltas, in order
-    is_cancelled: Callable[[], bool] = lambda: False
-    on_prompt: Callable[["PromptReady"], None] = lambda _p: None
-    tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
-    prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
-    response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
-
-
-@dataclass(frozen=True)
-class PromptReady:
-    """Sent once the prompt is rendered: does the output start inside a <think> block?"""
-    thinking_started: bool
-
-
-@dataclass
-class ChatOutcome:
-    text: str                 # visible generated text (stop strings removed)
-    raw_text: str             # everything generated (for the healing store)
-    finish_reason: str        # stop | length | cancelled
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    match_type: str
-    thinking_started: bool
-    session_id: str
-    timings: dict = field(default_factory=dict)
-    aborted: bool = False
-    logprobs: list[dict] | None = None
-
-
-@dataclass
-class PreparedPrompt:
-    original: list[dict]
-    canonical: list[dict]
-    model_text: str
-    model_tokens: list[int]
-    key_tokens: list[int]
-    key_delta_chars: int
-    extras: dict = field(default_factory=dict)   # backend-specific (e.g. VLM images, image spans)
-    model_np: Any = None                         # the same tokens as int64 arrays (LCP, hashing)
-    key_np: Any = None
-
-    def __post_init__(self) -> None:
-        self.model_np = as_tokens(self.model_tokens)
-        self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
-
-    def extended(self, text: str, ids: list[int]) -> "PreparedPrompt":
-        """The prompt with the start of the reply forced (``text`` encoded as ``ids``)."""
-        key = self.model_tokens + ids if self.key_tokens is self.model_tokens else self.key_tokens + ids
-        model = self.model_tokens + ids
-        return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
-                              model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras)
-
-
-@dataclass
-class Sequence:
-    """One request between start() and finish(): its prompt, cache, and decode state."""
-    job: ChatJob
-    prep: PreparedPrompt
-    session: SessionContext
-    match: MatchResult
-    stable_msgs: int
-    live: LiveCache
-    start: int                        # KV depth reused from the cache
-    thinking_started: bool
-    checkpoints: list[int]            # absolute depths to snapshot during prefill
-    history_end: int                  # where the rendered history ends (generation prompt excluded)
-    params: SamplingParams
-    t0: float
-    t_prep: float
-    deadline: float | None
-    snapshots: list[KVState] = field(default_factory=list)
-    generated: list[int] = field(default_factory=list)
-    visible: list[str] = field(default_factory=list)
-    finish_reason: str = "length"
-    stopped_by_string: bool = False
-    watchdog: bool = False
-    t_first: float = 0.0
-    t_end: float = 0.0
-    sampler: Sampler | None = None
-    forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
-    from_disk: bool = False           # the reused KV was loaded from the disk tier
-    # incremental prefill / decode state (engine/scheduler.py drives these step by step)
-    pos: int = -1                     # next prompt token to feed (-1: not started)
-    logits: Any = None                # after the last prompt token
-    prefill_aborted: bool = False
-    stopper: Any = None
-    harmony_stop: Any = None
-    detok: Any = None
-    pending: Any = None               # sampled, not yet read, next token (lazy mx array)
-    produced: int = 0
-    queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class ChatEngine:
@@ -171,22 +59,35 @@ class ChatEngine:
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
+        """heal -> canonicalise -> render both -> tokenise both (``_tokenize``: the VLM seam) ->
+        the key safety check (``_plain_key``: what the key falls back to)."""
         s = self.settings
         messages = self.state.heal(job.messages)
         original, canonical = canonicalize_messages(
             messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
         model_text = self.renderer.render(original, job.tools, job.enable_thinking)
         canon_text = scrub_cache_key(self.renderer.render(canonical, job.tools, job.enable_thinking))
-        tok = self.loaded.tokenizer
-        model_tokens = encode(tok, model_text)
-        key_tokens = model_tokens if canon_text == model_text else encode(tok, canon_text)
-        if s.cache_norm_safety_check and len(key_tokens) < 0.9 * len(model_tokens):
+        model_tokens, key_tokens, extras, key_extra = self._tokenize(original, canonical, model_text, canon_text)
+        if s.cache_norm_safety_check and len(key_tokens) - key_extra < 0.9 * len(model_tokens):
             log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
                         job.request_id, len(key_tokens), len(model_tokens))
             self.state.counters.bump("cache_key_safety_fallback")
-            key_tokens = model_tokens
+            key_tokens = self._plain_key(model_tokens, extras)
         return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
-                              len(model_text) - len(canon_text))
+                              len(model_text) - len(canon_text), extras)
+
+    def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
+                  canon_text: str) -> tuple[list[int], list[int], dict, int]:
+        """(model tokens, key tokens, backend extras, key tokens that are not text). A VLM expands
+        image placeholders and adds image identity markers here."""
+        tok = self.loaded.tokenizer
+        model_tokens = encode(tok, model_text)
+        key_tokens = model_tokens if canon_text == model_text else encode(tok, canon_text)
+        return model_tokens, key_tokens, {}, 0
+
+    def _plain_key(self, model_tokens: list[int], extras: dict) -> list[int]:
+        """The key when the canonical one is refused: the model tokens themselves."""
+        return model_tokens
 
     def _render_prefix(self, messages: list[dict], job: ChatJob) -> str | None:
         """The template's rendering of a message prefix without the generation prompt, or None

@@ -4,7 +4,7 @@
     outcome = engine.run(job)          # ChatEngine.run with the VLM backend seams below
 
 What differs from the text engine (engine/chat.py):
-- ``prepare``: images are decoded per message (pipeline/images.py); the model tokens come from
+- ``_tokenize`` (the seam of ``prepare``): images are decoded per message (pipeline/images.py); the model tokens come from
   the processor with each image's placeholder expanded to its patch count. The cache key is the
   text-only tokenizer's render of the canonical messages with the same expansion, plus a
   2-token identity marker after each image's pad run (CACHE_VLM_IMAGE_IDENTITY).
@@ -35,7 +35,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.kv_ops import LiveCache, kv_offset
 from ..cache.prompt_cache import MISS, MatchResult
-from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.images import (
     ImageError,
     ImageLimits,
@@ -115,17 +114,16 @@ class VLMChatEngine(ChatEngine):
         self._decoder = _DecodeLM(self.lm, self.mrope, 0)
 
     # ---------------------------------------------------------------- pipeline
-    def prepare(self, job: ChatJob) -> PreparedPrompt:
+    def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
+                  canon_text: str) -> tuple[list[int], list[int], dict, int]:
+        """Images decoded per message; model tokens from the processor (each placeholder expanded
+        to its patch count); the key is the text render with the same expansion plus a 2-token
+        identity marker after each image."""
         s = self.settings
-        messages = self.state.heal(job.messages)
-        original, canonical = canonicalize_messages(
-            messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
         images = extract_images(original, self.limits)
         if _count_image_parts(canonical) != len(images):
             raise RuntimeError(f"bug: canonical messages hold {_count_image_parts(canonical)} images, "
                                f"original {len(images)}")
-        model_text = self.renderer.render(original, job.tools, job.enable_thinking)
-        canon_text = scrub_cache_key(self.renderer.render(canonical, job.tools, job.enable_thinking))
         tok = self.loaded.tokenizer
         extras: dict[str, Any] = {"images": images, "spans": [], "counts": [], "markers": [],
                                   "pixel_values": [], "grids": []}
@@ -151,26 +149,22 @@ class VLMChatEngine(ChatEngine):
             extras.update(spans=spans, counts=counts, grids=grids,
                           pixel_values=[pixel_values[a:b] for a, b in zip(cuts[:-1], cuts[1:])],
                           markers=[image_marker_tokens(im.digest, self.vocab_size) for im in images])
-        counts = extras["counts"]
         if canon_text == model_text:
             key_tokens = list(model_tokens)
         else:
-            key_tokens = expand_image_pads(encode(tok, canon_text), self.image_pad_id, counts)
+            key_tokens = expand_image_pads(encode(tok, canon_text), self.image_pad_id, extras["counts"])
         if images and s.cache_vlm_image_identity:
             key_tokens = inject_image_markers(key_tokens, self.image_pad_id, [im.digest for im in images],
                                               self.vocab_size)
-        n_markers = 2 * len(images) if s.cache_vlm_image_identity else 0
-        if s.cache_norm_safety_check and len(key_tokens) - n_markers < 0.9 * len(model_tokens):
-            log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
-                        job.request_id, len(key_tokens), len(model_tokens))
-            self.state.counters.bump("cache_key_safety_fallback")
-            key_tokens = (inject_image_markers(model_tokens, self.image_pad_id, [im.digest for im in images],
-                                               self.vocab_size) if n_markers else list(model_tokens))
         if s.vlm_cache_debug:
-            log.info("%s vlm images=%d spans=%s first ids=%s", job.request_id, len(images), extras["spans"],
-                     model_tokens[:64])
-        return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
-                              len(model_text) - len(canon_text), extras)
+            log.info("vlm images=%d spans=%s first ids=%s", len(images), extras["spans"], model_tokens[:64])
+        return model_tokens, key_tokens, extras, 2 * len(images) if s.cache_vlm_image_identity else 0
+
+    def _plain_key(self, model_tokens: list[int], extras: dict) -> list[int]:
+        images = extras.get("images") or []
+        if images and self.settings.cache_vlm_image_identity:
+            return inject_image_markers(model_tokens, self.image_pad_id, [im.digest for im in images], self.vocab_size)
+        return list(model_tokens)
 
     def _expanded(self, text: str, prep: PreparedPrompt) -> list[int]:
         return expand_image_pads(encode(self.loaded.tokenizer, text), self.image_pad_id, prep.extras["counts"])

@@ -1,0 +1,139 @@
+"""What one chat request is on its way through the engine: the job the HTTP layer hands over,
+the prepared prompt, the in-flight sequence (cache, prefill and decode state), the outcome.
+
+    job = ChatJob(...)                    # api/job_adapter.py builds it from a validated request
+    seq = engine.start(job)               # -> Sequence (engine/chat.py)
+    outcome = engine.finish(seq)          # -> ChatOutcome
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..cache.kv_ops import KVState, LiveCache
+from ..cache.lcp import as_tokens
+from ..cache.prompt_cache import MatchResult
+from ..pipeline.session_context import SessionContext
+from ..runtime.sampling import Sampler, SamplingParams
+
+
+class ClientGone(RuntimeError):
+    """The client disconnected before or during generation."""
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt does not fit the model's context window (a client error: 400)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+            f"{prompt_tokens} tokens (at least 1 more is needed for the reply). Please reduce the length of "
+            "the messages, or raise MAX_KV_SIZE if the model supports a longer context.")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+@dataclass
+class ChatJob:
+    """What the HTTP layer hands to the engine (already validated)."""
+    request_id: str
+    messages: list[dict]
+    tools: list | None
+    enable_thinking: bool
+    params: SamplingParams
+    stop: list[str]
+    body: dict
+    headers: dict[str, str]
+    emit: Callable[[str], None]                  # text deltas, in order
+    is_cancelled: Callable[[], bool] = lambda: False
+    on_prompt: Callable[["PromptReady"], None] = lambda _p: None
+    tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
+    prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
+    response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
+
+
+@dataclass(frozen=True)
+class PromptReady:
+    """Sent once the prompt is rendered: does the output start inside a <think> block?"""
+    thinking_started: bool
+
+
+@dataclass
+class ChatOutcome:
+    text: str                 # visible generated text (stop strings removed)
+    raw_text: str             # everything generated (for the healing store)
+    finish_reason: str        # stop | length | cancelled
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    match_type: str
+    thinking_started: bool
+    session_id: str
+    timings: dict = field(default_factory=dict)
+    aborted: bool = False
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class PreparedPrompt:
+    original: list[dict]
+    canonical: list[dict]
+    model_text: str
+    model_tokens: list[int]
+    key_tokens: list[int]
+    key_delta_chars: int
+    extras: dict = field(default_factory=dict)   # backend-specific (e.g. VLM images, image spans)
+    model_np: Any = None                         # the same tokens as int64 arrays (LCP, hashing)
+    key_np: Any = None
+
+    def __post_init__(self) -> None:
+        self.model_np = as_tokens(self.model_tokens)
+        self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
+
+    def extended(self, text: str, ids: list[int]) -> "PreparedPrompt":
+        """The prompt with the start of the reply forced (``text`` encoded as ``ids``)."""
+        key = self.model_tokens + ids if self.key_tokens is self.model_tokens else self.key_tokens + ids
+        model = self.model_tokens + ids
+        return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
+                              model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras)
+
+
+@dataclass
+class Sequence:
+    """One request between start() and finish(): its prompt, cache, and decode state."""
+    job: ChatJob
+    prep: PreparedPrompt
+    session: SessionContext
+    match: MatchResult
+    stable_msgs: int
+    live: LiveCache
+    start: int                        # KV depth reused from the cache
+    thinking_started: bool
+    checkpoints: list[int]            # absolute depths to snapshot during prefill
+    history_end: int                  # where the rendered history ends (generation prompt excluded)
+    params: SamplingParams
+    t0: float
+    t_prep: float
+    deadline: float | None
+    snapshots: list[KVState] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    visible: list[str] = field(default_factory=list)
+    finish_reason: str = "length"
+    stopped_by_string: bool = False
+    watchdog: bool = False
+    t_first: float = 0.0
+    t_end: float = 0.0
+    sampler: Sampler | None = None
+    forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
+    from_disk: bool = False           # the reused KV was loaded from the disk tier
+    # incremental prefill / decode state (engine/scheduler.py drives these step by step)
+    pos: int = -1                     # next prompt token to feed (-1: not started)
+    logits: Any = None                # after the last prompt token
+    prefill_aborted: bool = False
+    stopper: Any = None
+    harmony_stop: Any = None
+    detok: Any = None
+    pending: Any = None               # sampled, not yet read, next token (lazy mx array)
+    produced: int = 0
+    queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
+    batch_sizes: list[int] = field(default_factory=list)
