@@ -1,0 +1,66 @@
+"""Imports point down only: every import of every module in mlxstack/ against the layer table in
+mlxstack/README.md (which this test keeps honest)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "mlxstack"
+
+ALLOWED = {
+    "launcher": {"config", "system"},
+    "routing": {"pipeline", "cache", "parsing", "config"},
+    "api": {"observability", "engine", "runtime", "models", "cache", "pipeline", "parsing", "config", "system"},
+    "observability": {"cache", "config", "system"},
+    "engine": {"runtime", "models", "cache", "pipeline", "parsing", "config"},
+    "runtime": {"cache", "config"},
+    "models": {"config", "system"},
+    "cache": {"config"},
+    "pipeline": {"parsing", "config"},
+    "parsing": set(),
+    "config": set(),
+    "system": {"config"},
+}
+
+
+def imported_layers(path: Path) -> set[str]:
+    """mlxstack sub-packages a module imports (absolute ``mlxstack.x`` or relative ``..x``)."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 2 and node.module:
+                out.add(node.module.split(".")[0])
+            elif node.level == 0 and node.module and node.module.startswith("mlxstack."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("mlxstack."):
+                    out.add(alias.name.split(".")[1])
+    return out
+
+
+MODULES = sorted(p for p in PKG.glob("*/**/*.py") if p.parent != PKG)
+
+
+def test_every_package_is_in_the_table():
+    packages = {p.relative_to(PKG).parts[0] for p in MODULES}
+    assert packages == set(ALLOWED), packages ^ set(ALLOWED)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_point_down(path):
+    layer = path.relative_to(PKG).parts[0]
+    wrong = imported_layers(path) - ALLOWED[layer] - {layer}
+    assert not wrong, f"{path.relative_to(PKG)} ({layer}) imports {sorted(wrong)} (see mlxstack/README.md)"
+
+
+@pytest.mark.parametrize("name", ["pipeline", "parsing"])
+def test_pure_layers_import_no_mlx_and_no_network(name):
+    for path in (PKG / name).glob("*.py"):
+        tree = ast.parse(path.read_text())
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        assert not mods & {"mlx", "mlx_lm", "mlx_vlm", "urllib", "socket", "http", "requests"}, (path.name, mods)
