@@ -322,3 +322,12 @@ def test_restart_of_one_backend_never_touches_the_other(tmp_path, embedded_model
         sup.stop_all(grace=2.0)
         for server in servers.values():
             server.listen.close()
+
+
+def test_the_example_backends_file_parses_as_documented():
+    data = yaml.safe_load((REPO / "backends.example.yaml").read_text())
+    backends = parse_backends(data, _settings(mlx_port=8080), environ={})
+    assert [(b.name, b.port, b.aliases) for b in backends] == [
+        ("mlx:8080", 8080, ()), ("mlx:8081", 8081, ()), ("mlx:8090", 8090, ("small-fast",))]
+    assert [b.settings().max_kv_size for b in backends] == [65536, 65536, 0]
+    assert backends[0].settings().model_path == "/models/Qwen3-Coder-30B-A3B-Instruct-4bit"

@@ -111,6 +111,21 @@ def test_a_new_session_goes_to_the_deepest_prefix_unless_that_backend_is_much_bu
     assert place(None, deeper, DIGESTS) == Placement(B, "prefix", 450)
 
 
+def test_sessions_sharing_a_system_prompt_spread_once_the_holder_is_ahead():
+    """Every session of an agent shares its system prompt: the holder takes new ones until it
+    has max_session_gap more sessions than the emptiest backend, which then pays the prefix once."""
+    held = {"d-system": 400}
+    views = lambda a_sessions, b_prefixes: [BackendView(A, True, sessions=a_sessions, prefixes=held),  # noqa: E731
+                                            BackendView(B, True, sessions=0, prefixes=b_prefixes)]
+    assert place(None, views(2, {}), DIGESTS) == Placement(A, "prefix", 400)
+    assert place(None, views(3, {}), DIGESTS) == Placement(B, "least-load", 0)
+    assert place(None, views(3, held), DIGESTS) == Placement(B, "prefix", 400)       # both hold it: the emptier
+    # a deeper prefix on a holder past the gap loses to the shallower one within it
+    gap = [BackendView(A, True, sessions=5, prefixes={"d-user": 450}), BackendView(B, True, sessions=2, prefixes=held)]
+    assert place(None, gap, DIGESTS) == Placement(B, "prefix", 400)
+    assert place(None, gap, DIGESTS, max_session_gap=3) == Placement(A, "prefix", 450)
+
+
 def test_least_load_ties_go_to_fewer_sessions_then_configuration_order():
     assert place(None, [BackendView(A, True, 1, 0), BackendView(B, True, 0, 5), BackendView(C, True, 0, 2)], []) == \
         Placement(C, "least-load")
