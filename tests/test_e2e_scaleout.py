@@ -131,6 +131,21 @@ def _warm(log) -> bool:
     return log[-1][2] >= log[-2][1] - SLACK
 
 
+def test_anthropic_messages_are_routed_by_model_too(stack):
+    """With several backends /v1/messages is LiteLLM's own Anthropic endpoint (a pass-through has
+    one fixed target), routed by model like chat completions: Claude Code's small-fast requests
+    reach the small model's backend."""
+    before = stack.requests(stack.small)
+    body = {"model": "small-fast", "max_tokens": 16, "system": "You are Claude Code, terse.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]}
+    status, reply, _ = http_json(stack.base + "/v1/messages", body,
+                                 headers={**AUTH, "x-claude-code-session-id": "5f0e8a9c-1111-2222-3333-444455556666"})
+    assert status == 200, reply
+    assert reply["type"] == "message" and reply["role"] == "assistant"
+    assert "".join(b.get("text", "") for b in reply["content"]).strip()
+    assert stack.requests(stack.small) == before + 1
+
+
 def _turn(stack, session, text):
     session["messages"].append({"role": "user", "content": text})
     status, reply, url = stack.served_by({"model": stack.model, "messages": session["messages"], "max_tokens": 4,
@@ -190,6 +205,21 @@ def test_sessions_stay_on_their_replica_and_a_dead_replica_costs_one_cold_turn(s
     log = stack.log_path.read_text()
     assert log.count("mlxstack routing: session ") == len(affected)
     assert f"!! MLX SERVER mlx:{victim.rsplit(':', 1)[1]} DIED" in log
+
+
+def test_responses_chains_stay_on_the_backend_holding_the_previous_response(stack):
+    """/v1/responses with previous_response_id: the stored response lives on one replica only
+    (measured before the fix: every other turn landed on the other replica and got 400
+    "Previous response ... not found")."""
+    previous, homes = None, []
+    for turn in range(4):
+        body = {"model": stack.model, "input": [{"role": "user", "content": f"turn {turn}: hello"}], "max_output_tokens": 4,
+                **({"previous_response_id": previous} if previous else {})}
+        status, reply, headers = http_json(stack.base + "/v1/responses", body, headers=AUTH, timeout=180)
+        assert status == 200, reply
+        previous = reply["id"]
+        homes.append(headers.get("x-litellm-model-api-base") or headers.get("X-Litellm-Model-Api-Base"))
+    assert len(set(homes)) == 1 and homes[0].rstrip("/").removesuffix("/v1") in stack.replicas, homes
 
 
 def test_sigterm_stops_every_server(stack):

@@ -77,6 +77,24 @@ def _metadata_dicts(kwargs: dict) -> list[dict]:
     return [kwargs[k] for k in ("metadata", "litellm_metadata") if isinstance(kwargs.get(k), dict)]
 
 
+def _responses_chain_backend(kwargs: dict, deployments: list[dict]) -> str | None:
+    """The backend that produced ``previous_response_id`` (LiteLLM encodes its deployment id into
+    the response ids it returns), None when the request does not chain or the id is not ours."""
+    previous = kwargs.get("previous_response_id")
+    if not previous:
+        return None
+    try:
+        from litellm.responses.utils import ResponsesAPIRequestUtils
+
+        model_id = ResponsesAPIRequestUtils.get_model_id_from_response_id(str(previous))
+    except Exception:  # noqa: BLE001 - a foreign or malformed id: no chain to follow
+        return None
+    for deployment in deployments:
+        if model_id and str((deployment.get("model_info") or {}).get("id")) == str(model_id):
+            return backend_url(deployment)
+    return None
+
+
 class BackendMonitor:
     """Cached /health and /v1/cache/summary answers per backend (async, short timeouts)."""
 
@@ -192,6 +210,9 @@ class MlxRoutingHook(CustomLogger):
             self._expire(now)
             pin = self.pins.get(session)
             pin_url = pin[0] if pin and now - pin[1] <= self.ttl else None
+            chained = _responses_chain_backend(kwargs, healthy_deployments)
+            if chained is not None:  # the stored previous response lives on that backend only
+                pin_url = chained
             if pin_url in by_url and await self.monitor.alive(pin_url, fresh=retry):
                 choice = place(pin_url, [BackendView(pin_url, True)], [])
             else:
@@ -204,7 +225,8 @@ class MlxRoutingHook(CustomLogger):
             if choice is None:
                 log.warning("no live backend for %s among %s; letting LiteLLM try them all", model, ", ".join(urls))
                 return healthy_deployments
-            self.pins[session] = (choice.url, now)
+            if chained is None:  # a chained turn's id changes every turn: the response id is its pin
+                self.pins[session] = (choice.url, now)
             if call:
                 self.inflight[call] = (choice.url, now)
                 self.attempts[call] = (tried + [choice.url], now)

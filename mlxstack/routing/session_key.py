@@ -49,4 +49,7 @@ def routing_session(body: Mapping[str, Any], headers: Mapping[str, str] | None, 
     explicit = extract_session_context(body if isinstance(body, Mapping) else {}, headers or {}, ())
     if explicit.source != "prefix-hash":
         return explicit
-    return SessionContext(opening_session_id(canonical_messages(messages, **canon)), "message-prefix")
+    usable = [m for m in messages if isinstance(m, dict)] if isinstance(messages, (list, tuple)) else []
+    first_user = next((i for i, m in enumerate(usable) if m.get("role") == "user"), len(usable) - 1)
+    # only the opening is hashed, so only the opening is canonicalised (per message: same result)
+    return SessionContext(opening_session_id(canonical_messages(usable[: first_user + 1], **canon)), "message-prefix")
