@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Start the stack: MLX server (MLX_PORT) behind a LiteLLM proxy (PROXY_PORT).
+"""Start the stack: MLX server(s) (MLX_PORT, or a backends file / MLX_REPLICAS) behind a LiteLLM proxy (PROXY_PORT).
 
 Normally run through ``python3 install_and_run.py``, which builds .venv and execs this file
 with the venv's Python 3.12. All configuration comes from .env / the environment (.env.example
