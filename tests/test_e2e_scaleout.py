@@ -82,13 +82,12 @@ class ScaleoutStack:
         return body["counters"].get("requests", 0) if body.get("ready", True) else 0  # restarting: nothing served yet
 
     def served_by(self, body, headers=None):
-        """(status, reply, the replica url that answered)."""
-        before = [self.requests(u) for u in self.replicas]
-        status, reply, _ = self.chat(body, headers)
-        after = [self.requests(u) for u in self.replicas]
-        moved = [u for u, a, b in zip(self.replicas, after, before) if a > b]
-        assert status != 200 or len(moved) == 1, (before, after)
-        return status, reply, (moved[0] if moved else None)
+        """(status, reply, the replica url that answered: LiteLLM's x-litellm-model-api-base)."""
+        status, reply, hdrs = self.chat(body, headers)
+        base = {k.lower(): v for k, v in hdrs.items()}.get("x-litellm-model-api-base", "")
+        url = base.rstrip("/").removesuffix("/v1") or None
+        assert status != 200 or url in self.replicas, (url, hdrs)
+        return status, reply, url
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -186,13 +185,15 @@ def test_sessions_stay_on_their_replica_and_a_dead_replica_costs_one_cold_turn(s
     survivor = next(u for u in stack.replicas if u != victim)
     pidfile = stack.logs / f".mlx-{victim.rsplit(':', 1)[1]}.pid"
     os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    time.sleep(0.5)  # longer than the hook trusts a health answer: the next turn probes the dead port
     affected = [s for s in [orchestrator, other, third, *subs] if s["log"][-1][0] == victim]
     unaffected = [s for s in [orchestrator, other, third, *subs] if s["log"][-1][0] != victim]
     for s in affected + unaffected:
         _turn(stack, s, "after the kill")
+    # Each affected session's next turn is cold: on the survivor (moved, logged) or, when the
+    # launcher had already restarted the victim by then, on the restarted (empty) victim.
     for s in affected:
-        url, prompt, cached = s["log"][-1]
-        assert url == survivor and not _warm(s["log"]), s["log"]                 # its history is cold there
+        assert s["log"][-1][0] in stack.replicas and not _warm(s["log"]), s["log"]
     for s in unaffected:
         assert s["log"][-1][0] == survivor and _warm(s["log"]), s["log"]
     deadline = time.monotonic() + 120
@@ -200,10 +201,12 @@ def test_sessions_stay_on_their_replica_and_a_dead_replica_costs_one_cold_turn(s
         assert time.monotonic() < deadline, stack.log_path.read_text()[-3000:]
         time.sleep(0.5)
     for s in affected:                                                             # they stay where they went, warm
+        went = s["log"][-1][0]
         _turn(stack, s, "back to work")
-        assert s["log"][-1][0] == survivor and _warm(s["log"]), s["log"]
+        assert s["log"][-1][0] == went and _warm(s["log"]), s["log"]
     log = stack.log_path.read_text()
-    assert log.count("mlxstack routing: session ") == len(affected)
+    moved = [s for s in affected if s["log"][-2][0] == survivor]
+    assert log.count("mlxstack routing: session ") == len(moved) >= 1
     assert f"!! MLX SERVER mlx:{victim.rsplit(':', 1)[1]} DIED" in log
 
 
