@@ -128,7 +128,10 @@ def agreement(loaded) -> list[dict]:
         return outs
 
     ref = convo(settings())
-    rows = []
+    ref_cold = convo(settings(prompt_cache_max_entries_global=0))
+    rows = [{"kv_bits": "off", "turns_identical_to_unquantised": len(turns), "turns": len(turns),
+             "leading_tokens_agreeing": "-", "quantised_hit_equals_quantised_cold":
+             all(a.raw_text == b.raw_text for a, b in zip(ref, ref_cold))}]
     for bits in ("8", "4"):
         q_warm = convo(settings(kv_bits=bits, quantized_kv_start=0))
         q_cold = convo(settings(kv_bits=bits, quantized_kv_start=0, prompt_cache_max_entries_global=0))
@@ -160,6 +163,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 8000])
     ap.add_argument("--quick", action="store_true", help="sizes 1000 only, skip agreement")
+    ap.add_argument("--parts", nargs="+", default=["restart", "bytes", "agreement"],
+                    choices=["restart", "bytes", "agreement"])
     args = ap.parse_args()
     from mlxstack.system.blas import reexec_with_blas
 
@@ -171,11 +176,13 @@ def main() -> int:
     sizes = [1000] if args.quick else [min(s, loaded.context_length - 200) for s in args.sizes]
     work = Path(tempfile.mkdtemp(prefix="bench-disk-"))
     try:
-        print("## restart-then-continue (embedded model, disk tier)\n")
-        print(table(restart_table(loaded, sizes, work)))
-        print("\n## bytes per cached token\n")
-        print(table(bytes_per_token([(loaded, "SmolLM2-135M (float32, head_dim 64)")])))
-        if not args.quick:
+        if "restart" in args.parts:
+            print("## restart-then-continue (embedded model, disk tier)\n")
+            print(table(restart_table(loaded, sizes, work)))
+        if "bytes" in args.parts:
+            print("\n## bytes per cached token\n")
+            print(table(bytes_per_token([(loaded, "SmolLM2-135M (float32, head_dim 64)")])))
+        if not args.quick and "agreement" in args.parts:
             print("\n## KV quantisation agreement (QUANTIZED_KV_START=0, greedy, 4 turns x 24 tokens)\n")
             print(table(agreement(loaded)))
     finally:

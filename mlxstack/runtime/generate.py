@@ -50,6 +50,7 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
         while pos < len(tokens):
             if should_stop is not None and pos and should_stop():
                 raise Aborted("prefill abandoned")
+            live.maybe_quantize()   # at QUANTIZED_KV_START exactly, before the tokens past it are fed
             n = min(step, len(tokens) - pos)
             for stop_at in (boundary(live) if boundary is not None else None, live.quantize_boundary()):
                 if stop_at is not None and live.depth < stop_at < live.depth + n:
