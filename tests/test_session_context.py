@@ -96,15 +96,16 @@ def test_claude_code_metadata_user_id():
     assert extract_session_context({"metadata": {"user_id": "alice"}}, {}, TOKENS).source == "prefix-hash"
 
 
-def test_prefix_hash_fallback_uses_first_128_tokens():
+def test_prefix_hash_fallback_hashes_every_opening_token():
     ctx = extract_session_context({}, {}, TOKENS)
-    expected = hashlib.sha1(np.asarray(TOKENS[:128], dtype="<i8").tobytes()).hexdigest()
+    expected = hashlib.sha1(np.asarray(TOKENS, dtype="<i8").tobytes()).hexdigest()
     assert ctx == SessionContext(expected, "prefix-hash")
-    # tokens after 128 do not matter; tokens before do
-    assert extract_session_context({}, {}, TOKENS[:128] + [1, 2, 3]).session_id == expected
-    changed = list(TOKENS)
-    changed[127] += 1
-    assert extract_session_context({}, {}, changed).session_id != expected
+    # a difference anywhere in the opening -- also past token 128 (long system prompts) -- is
+    # another conversation; the engine passes only the opening, so later turns keep the id
+    for i in (0, 127, len(TOKENS) - 1):
+        changed = list(TOKENS)
+        changed[i] += 1
+        assert extract_session_context({}, {}, changed).session_id != expected
     assert prefix_hash_session_id(np.asarray(TOKENS)) == expected
     assert extract_session_context({}, None, []).source == "prefix-hash"
 

@@ -120,7 +120,7 @@ class ChatEngine:
 
     def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
         """Tokens a session without an explicit id is recognised by: the canonical key up to the
-        end of the first user message (at most 128 tokens are hashed), so the id stays the same
+        end of the first user message (all of it is hashed: LESSONS 7, 22), so the id stays the same
         as the conversation grows even when that opening is shorter than 128 tokens."""
         first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
         opening = self._rendered_key_tokens(prep.canonical[: first_user + 1], prep, job)

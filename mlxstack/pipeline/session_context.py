@@ -14,7 +14,8 @@ Lookup order (first non-empty value wins):
      ``session_id`` / ``x-session-affinity`` only when configured to.
   3. Claude Code's ``metadata.user_id``, which embeds the session (``user_…_session_<uuid>`` or a JSON
      string with ``session_id``) (source ``"body.metadata.user_id"``) — only reaches us on direct calls.
-  4. SHA-1 of the first 128 canonical tokens (source ``"prefix-hash"``): requests sharing their
+  4. SHA-1 of the canonical tokens the caller passes -- the engine passes the conversation's
+     opening, up to the end of the first user message (source ``"prefix-hash"``): requests sharing their
      opening (system prompt + first user turn) share a session.
 
 Ids are strings (ints are accepted and stringified), stripped; ids longer than 256 characters
@@ -33,7 +34,6 @@ import numpy as np
 BODY_ID_KEYS = ("session_id", "conversation_id", "thread_id", "chat_id")
 BODY_LOCATIONS = ((), ("extra_body",), ("metadata",))
 HEADER_KEYS = ("x-session-affinity", "x-session-id", "x-claude-code-session-id")
-PREFIX_HASH_TOKENS = 128
 MAX_ID_CHARS = 256
 
 _CLAUDE_USER_SESSION = re.compile(r"_session_([0-9A-Za-z][0-9A-Za-z-]{7,})\s*$")
@@ -80,9 +80,10 @@ def _claude_code_session(metadata: Mapping[str, Any] | None) -> str | None:
     return _clean_id(match.group(1)) if match else None
 
 
-def prefix_hash_session_id(canonical_tokens: Sequence[int], n_tokens: int = PREFIX_HASH_TOKENS) -> str:
-    """SHA-1 hex of the first ``n_tokens`` canonical token ids (8-byte little-endian each)."""
-    head = np.asarray(list(canonical_tokens[:n_tokens]), dtype="<i8")
+def prefix_hash_session_id(canonical_tokens: Sequence[int]) -> str:
+    """SHA-1 hex of the canonical token ids (8-byte little-endian each). All of them: a cap (it
+    was 128) made every conversation whose system prompt is longer share one session."""
+    head = np.asarray(list(canonical_tokens), dtype="<i8")
     return hashlib.sha1(head.tobytes()).hexdigest()
 
 
