@@ -58,8 +58,11 @@ def stream_chat(base: str, model: str, messages: list[dict], max_tokens: int) ->
 
 
 def model_id(base: str) -> str:
-    with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
-        return (json.load(resp).get("data") or [{}])[0].get("id", "default_model")
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+            return (json.load(resp).get("data") or [{}])[0].get("id", "default_model")
+    except ValueError:   # mlx_lm.server: any name serves its one model
+        return "default_model"
 
 
 def run_sessions(base: str, n: int, turns: int, max_tokens: int) -> dict:
