@@ -3,12 +3,14 @@
 ours with continuous batching vs ours with MAX_CONCURRENT_SEQUENCES=1 (FIFO) vs mlx_lm.server,
 for 1 / 2 / 4 / 8 concurrent multi-turn agent sessions (streaming, greedy).
 
-Per server and session count: aggregate decode tok/s over the warm turns (all streamed tokens /
-wall time of the turn), p50 / p95 TTFT, p95 inter-token latency, warm-turn uncached tokens
+Per server and session count, over the warm turns: aggregate turn tok/s (all streamed tokens /
+wall time of the turn, prefill included) and aggregate decode tok/s (tokens after each stream's
+first / the time during which at least one stream was past its first token), p50 / p95 TTFT, p95 inter-token latency, warm-turn uncached tokens
 (prompt - cached, from usage). Then the interleaving check: a short request sent while another
 request's ~2k-token cold prefill is running -- its TTFT against the long prompt's.
 
     .venv/bin/python scripts/bench_concurrency.py [--sessions 1 2 4 8] [--turns 3] [--max-tokens 32]
+    .venv/bin/python scripts/bench_concurrency.py --sessions 4 8 --system-repeat 12   # ~1.9k-token contexts
 """
 from __future__ import annotations
 
@@ -54,7 +56,20 @@ def stream_chat(base: str, model: str, messages: list[dict], max_tokens: int) ->
                     stamps.append(time.perf_counter() - t0)
                     text.append(piece)
     return {"ttft": stamps[0] if stamps else time.perf_counter() - t0, "stamps": stamps, "text": "".join(text),
-            "usage": usage, "wall": time.perf_counter() - t0}
+            "usage": usage, "wall": time.perf_counter() - t0, "t0": t0}
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (pure): the time during which at least one
+    sequence was decoding."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
 def model_id(base: str) -> str:
@@ -65,10 +80,10 @@ def model_id(base: str) -> str:
         return "default_model"
 
 
-def run_sessions(base: str, n: int, turns: int, max_tokens: int) -> dict:
+def run_sessions(base: str, n: int, turns: int, max_tokens: int, system_repeat: int = 1) -> dict:
     model = model_id(base)
-    histories = [[{"role": "system", "content": SYSTEM}] for _ in range(n)]
-    warm_results, turn_walls = [], []
+    histories = [[{"role": "system", "content": SYSTEM * system_repeat}] for _ in range(n)]
+    warm_results, turn_walls, decode_spans = [], [], []
     for t in range(turns):
         results: list[dict] = [{}] * n
 
@@ -87,6 +102,9 @@ def run_sessions(base: str, n: int, turns: int, max_tokens: int) -> dict:
         if t > 0:
             warm_results += results
             turn_walls.append((wall, sum(len(r["stamps"]) for r in results)))
+            decode_spans.append((union_seconds([(r["t0"] + r["stamps"][0], r["t0"] + r["stamps"][-1])
+                                                for r in results if len(r["stamps"]) > 1]),
+                                 sum(len(r["stamps"]) - 1 for r in results if len(r["stamps"]) > 1)))
     ttfts = sorted(r["ttft"] for r in warm_results)
     gaps = sorted(b - a for r in warm_results for a, b in zip(r["stamps"], r["stamps"][1:]))
     pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0  # noqa: E731
@@ -94,7 +112,10 @@ def run_sessions(base: str, n: int, turns: int, max_tokens: int) -> dict:
     wall = sum(w for w, _ in turn_walls)
     uncached = [r["usage"].get("prompt_tokens", 0) - (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for r in warm_results if r["usage"]]
-    return {"sessions": n, "agg_decode_tok_s": tokens / wall if wall else 0.0,
+    dec_wall = sum(w for w, _ in decode_spans)
+    dec_tokens = sum(k for _, k in decode_spans)
+    return {"sessions": n, "agg_turn_tok_s": tokens / wall if wall else 0.0,
+            "agg_decode_tok_s": dec_tokens / dec_wall if dec_wall else 0.0,
             "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": pct(ttfts, 0.95),
             "itl_p95": pct(gaps, 0.95), "uncached_per_warm_turn": statistics.mean(uncached) if uncached else 0.0,
             "texts": [r["text"] for r in warm_results]}
@@ -133,6 +154,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--system-repeat", type=int, default=1,
+                    help="repeat the ~150-token system prompt (10: ~1.6k-token agent contexts)")
     args = ap.parse_args()
     common = {"DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0", "ENABLE_REQUEST_LOGGING": "false",
               "DISK_CACHE_DIR": "off", "PREFILL_CHUNK_TOKENS": str(args.chunk), "MAX_QUEUED_REQUESTS": "64"}
@@ -145,20 +168,22 @@ def main() -> int:
         with ServerProcess(kind, env=env) as srv:
             srv.wait_ready(300)
             for n in args.sessions:
-                r = run_sessions(srv.root, n, args.turns, args.max_tokens)
+                r = run_sessions(srv.root, n, args.turns, args.max_tokens, args.system_repeat)
                 texts[(label, n)] = r.pop("texts")
                 rows.append({"server": label, **r})
-                print(f"{label:14s} sessions={n}: {r['agg_decode_tok_s']:.1f} tok/s", flush=True)
+                print(f"{label:14s} sessions={n}: turn {r['agg_turn_tok_s']:.1f} tok/s, decode "
+                      f"{r['agg_decode_tok_s']:.1f} tok/s", flush=True)
             if kind == "ours":
                 inter = interleave_check(srv.root, args.chunk)
                 print(f"{label}: interleave {inter}", flush=True)
                 rows_inter.append({"server": label, **inter})
     print("\n## concurrent agent sessions (embedded model, greedy, warm turns)\n")
     print(table(rows))
-    base = {r["sessions"]: r["agg_decode_tok_s"] for r in rows if r["server"] == "ours FIFO"}
-    batched = {r["sessions"]: r["agg_decode_tok_s"] for r in rows if r["server"] == "ours batched"}
-    print("\naggregate decode, batched / FIFO: " + ", ".join(
-        f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
+    for col in ("agg_decode_tok_s", "agg_turn_tok_s"):
+        base = {r["sessions"]: r[col] for r in rows if r["server"] == "ours FIFO"}
+        batched = {r["sessions"]: r[col] for r in rows if r["server"] == "ours batched"}
+        print(f"\n{col}, batched / FIFO: " + ", ".join(
+            f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
     same = all(texts[("ours batched", n)] == texts[("ours FIFO", n)] for n in args.sessions)
     print(f"batched replies identical to FIFO replies (greedy): {same}")
     print("\n## a short request during a long cold prefill\n")

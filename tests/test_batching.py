@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import pytest
 
 from mlxstack.engine.batch import batching_support
+from mlxstack.engine.batch_prefill import choose_short
 from mlxstack.engine.scheduler import Scheduler, next_round_robin
 from mlxstack.runtime.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
@@ -45,6 +46,7 @@ def run_batched(engine, jobs, budget=64, max_sequences=8, cancel_after=None):
         sizes.append(sched.last_batch)
         members.append(len(sched.group))
     run_batched.members = members
+    run_batched.sched = sched
     return [f.result() for f in futures], sizes
 
 
@@ -127,6 +129,123 @@ def test_a_short_request_gets_its_first_token_within_two_prefill_chunks(dense):
     while not sched.idle():
         sched.step()
     assert long_f.result().prompt_tokens > 1000 and short_f.result().completion_tokens == 4
+
+
+def test_short_warm_prefills_go_through_one_forward_with_parity(dense):
+    """Warm follow-ups (a few new tokens each, from different cached depths) and one cold short
+    prompt (an empty cache) admitted together: one batched prefill, all decode from the next
+    step, every output equal to its solo run, reuse unchanged."""
+    solo_engine, batch_engine = build_engine(engine_settings(dense)), build_engine(engine_settings(dense))
+    histories = {}
+    for i, p in enumerate(PROMPTS[:3]):
+        for eng in (solo_engine, batch_engine):
+            o = eng.run(job(convo(p), max_tokens=5 + i, session=f"w{i}")[0])
+        histories[i] = convo(p) + [{"role": "assistant", "content": o.text}]
+    requests = [(convo("And then?", histories[0]), "w0"), (convo("Go on, in detail.", histories[1]), "w1"),
+                (convo("More.", histories[2]), "w2"),
+                ([{"role": "user", "content": PROMPTS[3]}], "w3")]
+    solo = [solo_engine.run(job(m, max_tokens=12, session=s)[0]) for m, s in requests]
+    batched, sizes = run_batched(batch_engine, [job(m, max_tokens=12, session=s)[0] for m, s in requests],
+                                 budget=512)
+    assert run_batched.sched.short_batches == 1
+    assert run_batched.members[0] == 4 and sizes[0] == 4          # all decoding after the first step
+    assert [o.raw_text for o in batched] == [o.raw_text for o in solo]
+    assert [o.cached_tokens for o in batched] == [o.cached_tokens for o in solo]
+    assert batched[3].cached_tokens == 0 and min(o.cached_tokens for o in batched[:3]) > 0
+    assert len({o.cached_tokens for o in batched[:3]}) == 3
+    assert batch_engine.state.counters.get("store_failures") == 0
+
+
+def test_choose_short_fits_the_padded_batch_in_the_budget():
+    assert choose_short([10, 20, 5], 64) == [0, 1, 2]               # 3 x 20 = 60
+    assert choose_short([10, 30, 5], 64) == [0, 1]                  # in order: 2 x 30 fits, 3 x 30 = 90 does not
+    assert choose_short([10, 70, 5], 64) == [0, 2]                  # one remainder alone over the budget waits
+    assert choose_short([100, 8, 8], 64) == [1, 2]                  # the long one waits its turn
+    assert choose_short([0, 4], 64) == [1]                          # nothing left to feed: not chosen
+    assert choose_short([], 64) == []
+
+
+def test_short_batches_and_a_long_prefill_alternate(dense):
+    eng = build_engine(engine_settings(dense))
+    long_user = " ".join(f"item {i}: check the parser output for token {i * 3}." for i in range(60))
+    sched = Scheduler(eng, 8, 128, batching=True)
+    futures = [Future() for _ in range(4)]
+    for f in futures:
+        f.set_running_or_notify_cancel()
+    sched.admit(job(convo(long_user), max_tokens=3, session="L")[0], futures[0])
+    sched.step()
+    long_seq = sched.prefilling[0]
+    shorts = [job(convo(f"hi {i}"), max_tokens=3, session=f"S{i}")[0] for i in range(3)]
+    for j, f in zip(shorts[:2], futures[1:3]):
+        sched.admit(j, f)
+    before = long_seq.pos
+    sched.step()                                   # the two shorts, together
+    assert sched.short_batches == 1 and long_seq.pos == before and len(sched.group) == 2
+    sched.admit(shorts[2], futures[3])
+    sched.step()                                   # the long one's chunk (the last short alone cannot batch)
+    assert long_seq.pos > before
+    while not sched.idle():
+        sched.step()
+    assert all(f.result().completion_tokens == 3 for f in futures)
+
+
+def test_sequences_join_and_leave_a_running_batch_with_parity(dense):
+    """Members arrive while others decode and finish at different times: rows are freed and
+    reused, the slab grows (2 -> 4 -> 8 rows) and shrinks again; every output equals its solo run."""
+    solo_engine, batch_engine = build_engine(engine_settings(dense)), build_engine(engine_settings(dense))
+    prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    lengths = [4, 18, 9, 14, 6, 20, 11]
+    solo = [solo_engine.run(job(convo(p), max_tokens=n, session=f"j{i}")[0])
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    sched = Scheduler(batch_engine, 8, 64, batching=True)
+    futures, rows_seen = [], set()
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        f = Future()
+        f.set_running_or_notify_cancel()
+        sched.admit(job(convo(p), max_tokens=n, session=f"j{i}")[0], f)
+        futures.append(f)
+        for _ in range(3):                        # a few steps before the next one arrives
+            sched.step()
+            if sched.group.slab is not None:
+                rows_seen.add(sched.group.slab[0].rows)
+    while not sched.idle():
+        sched.step()
+        if sched.group.slab is not None:
+            rows_seen.add(sched.group.slab[0].rows)
+    assert [f.result().raw_text for f in futures] == [o.raw_text for o in solo]
+    assert [f.result().completion_tokens for f in futures] == [o.completion_tokens for o in solo]
+    assert 4 in rows_seen and len(rows_seen) >= 2
+    assert sched.group.slab is None and not sched.group.row
+
+
+def test_slab_rows_place_take_and_rebuild_exactly():
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxstack.engine.batch_cache import SlabKVCache
+
+    def own(n, seed):
+        c = KVCache()
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(seed))
+        c.update_and_fetch(k, k * 2)
+        return c
+
+    a, b, c = own(5, 1), own(9, 2), own(3, 3)
+    slab = SlabKVCache.empty(4)
+    slab.place(0, a.keys, a.values, a.offset)
+    slab.place(2, b.keys, b.values, b.offset)        # longer than the shared index: rows shift right
+    slab.place(1, c.keys, c.values, c.offset)
+    assert slab._idx == 9 and slab.left_padding.tolist()[:3] == [4, 6, 0] and slab.offset.tolist()[:3] == [5, 3, 9]
+    for row, src in ((0, a), (1, c), (2, b)):
+        got = slab.take(row)
+        assert got.offset == src.offset
+        assert mx.array_equal(got.keys, src.keys[..., :src.offset, :]).item()
+        assert mx.array_equal(got.values, src.values[..., :src.offset, :]).item()
+    small = slab.rebuilt(2, [2, 1])
+    assert small.rows == 2 and small._idx == 9 and small.left_padding.tolist() == [0, 6]
+    assert mx.array_equal(small.take(1).keys, c.keys[..., :3, :]).item()
+    with pytest.raises(ValueError):
+        slab.place(3, None, None, 0)
 
 
 def test_round_robin_is_fair():

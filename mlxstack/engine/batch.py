@@ -5,11 +5,13 @@
     finished = group.step()               # feeds every pending token, samples the next ones,
                                           # then reads the previous ones (pipelined like decode())
 
-With ``batching`` the members' KV layers live in one mlx-lm ``BatchKVCache`` per layer
-(left-padded to a common length, per-sequence RoPE offsets and masks), built when a second
-sequence joins and filtered when one leaves; a sequence that leaves gets its own ``KVCache``
-layers back (``extract``) so the engine closes its turn and stores it like any other. A group of
-one always decodes on the sequence's own cache. Without ``batching`` (cache kinds mlx-lm has no
+With ``batching`` the members' KV layers live in one ``SlabKVCache`` per layer (engine/
+batch_cache.py: mlx-lm's ``BatchKVCache`` layout -- rows right-aligned with per-row left padding,
+RoPE offsets and masks -- that sequences join and leave in place, one row each): built when a
+second sequence joins; a sequence that leaves gets its own ``KVCache`` layers back (a copy of its
+row) so the engine closes its turn and stores it like any other, and its row is free for the next
+one. Rows double when full and halve when most are free. A group of one always decodes on the
+sequence's own cache. Without ``batching`` (cache kinds mlx-lm has no
 batched form for), each member is stepped on its own cache in turn: streams interleave, the
 arithmetic is the sequential one.
 
@@ -24,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..runtime.mlx_stream import generation_stream
+from .batch_cache import SlabKVCache, place_batch_rows, place_own_layers
 from .chat import ChatEngine, Sequence
 
 log = logging.getLogger("mlxstack.batch")
@@ -34,46 +37,82 @@ class DecodeGroup:
         self.engine = engine
         self.batching = batching
         self.seqs: list[Sequence] = []
-        self.batch_layers: list[Any] | None = None   # one BatchKVCache per layer while len(seqs) > 1
+        self.slab: list[SlabKVCache] | None = None   # one per layer while len(seqs) > 1
+        self.row: dict[int, int] = {}                 # id(seq) -> its row in the slab
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     # ------------------------------------------------------------------ membership
-    def add(self, seq: Sequence, logits: mx.array) -> None:
-        with mx.stream(generation_stream()):
-            seq.pending = seq.sampler.sample(logits)
-        mx.async_eval(seq.pending)
+    def add(self, seq: Sequence, logits: mx.array | None) -> None:
+        """Add a sequence after its prefill: with ``logits`` its first token is sampled now; without,
+        its last prompt token is still to be fed and rides in the next decode step."""
+        if logits is None:
+            seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
+        else:
+            with mx.stream(generation_stream()):
+                seq.pending = seq.sampler.sample(logits)
+            mx.async_eval(seq.pending)
         if self.batching and self.seqs:
-            self._join(seq)
+            self._make_room(1, len(seq.live.layers))
+            row = self._free_rows()[0]
+            place_own_layers(self.slab, row, seq.live.layers)
+            self.row[id(seq)] = row
         self.seqs.append(seq)
 
-    def _join(self, seq: Sequence) -> None:
-        from mlx_lm.models.cache import BatchKVCache
+    def adopt(self, seqs: list[Sequence], layers: list[Any], members: list[int]) -> None:
+        """Add sequences prefilled together (engine/batch_prefill.py): row ``members[i]`` of
+        ``layers`` (mlx-lm BatchKVCache, one per layer) is ``seqs[i]``'s KV up to its last prompt
+        token, which rides in the next decode step."""
+        for seq in seqs:
+            seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
+        self._make_room(len(seqs), len(layers))
+        rows = self._free_rows()[:len(seqs)]
+        place_batch_rows(self.slab, rows, layers, members)
+        for seq, row in zip(seqs, rows):
+            self.row[id(seq)] = row
+        self.seqs.extend(seqs)
 
-        if self.batch_layers is None:                      # second member: build the batch
-            only = self.seqs[0]
-            self.batch_layers = [BatchKVCache.merge([c]) for c in only.live.layers]
-        for layer, own in zip(self.batch_layers, seq.live.layers):
-            layer.extend(BatchKVCache.merge([own]))
+    def _free_rows(self) -> list[int]:
+        taken = set(self.row.values())
+        return [r for r in range(self.slab[0].rows) if r not in taken] if self.slab else []
 
-    def _leave(self, gone: list[int]) -> None:
-        """Give leaving members their own caches back and shrink the batch to the rest."""
-        if self.batch_layers is None:
+    def _make_room(self, joining: int, n_layers: int) -> None:
+        """A slab with at least ``joining`` free rows (built from a group of one on its own cache)."""
+        need = len(self.seqs) + joining
+        if self.slab is None:
+            self.slab = [SlabKVCache.empty(_pow2(need)) for _ in range(n_layers)]
+            if self.seqs:                                   # the one member so far: row 0
+                only = self.seqs[0]
+                place_own_layers(self.slab, 0, only.live.layers)
+                self.row[id(only)] = 0
+        elif need > self.slab[0].rows:
+            self._rebuild(_pow2(need), self.seqs)
+
+    def _rebuild(self, rows: int, members: list[Sequence]) -> None:
+        """Move ``members`` to a slab of ``rows`` rows (rows 0..n-1, in that order)."""
+        keep = [self.row[id(s)] for s in members]
+        with mx.stream(generation_stream()):
+            self.slab = [layer.rebuilt(rows, keep) for layer in self.slab]
+            mx.eval([x for layer in self.slab for x in (layer.keys, layer.values)])
+        self.row = {id(s): i for i, s in enumerate(members)}
+
+    def _leave(self, gone: list[Sequence]) -> None:
+        """Give leaving members their own caches back (a copy of their row); free the rows."""
+        if self.slab is None:
             return
-        for i in gone:
-            seq = self.seqs[i]
-            seq.live.layers = [layer.extract(i) for layer in self.batch_layers]
-        keep = [i for i in range(len(self.seqs)) if i not in gone]
-        if len(keep) == 1:                                 # back to a group of one: its own cache
-            seq = self.seqs[keep[0]]
-            seq.live.layers = [layer.extract(keep[0]) for layer in self.batch_layers]
-            self.batch_layers = None
-        elif keep:
-            for layer in self.batch_layers:
-                layer.filter(keep)
-        else:
-            self.batch_layers = None
+        for seq in gone:
+            row = self.row.pop(id(seq))
+            seq.live.layers = [layer.take(row) for layer in self.slab]
+        gone_ids = {id(s) for s in gone}
+        rest = [s for s in self.seqs if id(s) not in gone_ids]
+        if len(rest) <= 1:                                 # back to a group of one: its own cache
+            for seq in rest:
+                row = self.row.pop(id(seq))
+                seq.live.layers = [layer.take(row) for layer in self.slab]
+            self.slab, self.row = None, {}
+        elif len(rest) <= self.slab[0].rows // 4:          # mostly free rows: compute on fewer
+            self._rebuild(_pow2(len(rest)), rest)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Sequence]:
@@ -85,11 +124,14 @@ class DecodeGroup:
         current = [s.pending for s in self.seqs]
         with mx.stream(stream):
             for s in self.seqs:
-                s.sampler.accept(s.pending)
-            if self.batch_layers is not None:
-                tokens = mx.stack([t.reshape(()) for t in current])[:, None]
-                logits = model(tokens, cache=self.batch_layers)[:, -1, :]
-                nxt = [s.sampler.sample(logits[i]) for i, s in enumerate(self.seqs)]
+                if not s.tail:                       # a prompt token is already in the history
+                    s.sampler.accept(s.pending)
+            if self.slab is not None:
+                by_row = {self.row[id(s)]: t.reshape(()) for s, t in zip(self.seqs, current)}
+                dummy = mx.array(0, dtype=mx.int32)
+                tokens = mx.stack([by_row.get(r, dummy) for r in range(self.slab[0].rows)])[:, None]
+                logits = model(tokens, cache=self.slab)[:, -1, :]
+                nxt = [s.sampler.sample(logits[self.row[id(s)]]) for s in self.seqs]
                 for s in self.seqs:
                     s.live.advance(1)
             else:
@@ -100,27 +142,36 @@ class DecodeGroup:
                     s.live.advance(1)
                     nxt.append(s.sampler.sample(logits))
         mx.async_eval(nxt)
-        size = len(self.seqs)
-        done: list[int] = []
-        for i, (s, t) in enumerate(zip(self.seqs, current)):
-            s.batch_sizes.append(size if self.batch_layers is not None else 1)
-            if self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)():
-                done.append(i)
+        size = len(self.seqs) if self.slab is not None else 1
+        done: list[Sequence] = []
+        for s, t, n in zip(self.seqs, current, nxt):
+            s.batch_sizes.append(size)
+            if s.tail:                               # fed the last prompt token: nothing to read yet
+                s.tail = False
+                if self.engine._should_stop(s)():
+                    done.append(s)
+                else:
+                    s.pending = n
+            elif self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)():
+                done.append(s)
             else:
-                s.pending = nxt[i]
+                s.pending = n
         if not done:
             return []
-        finished = [self.seqs[i] for i in done]
         self._leave(done)
-        self.seqs = [s for i, s in enumerate(self.seqs) if i not in done]
-        return finished
+        done_ids = {id(s) for s in done}
+        self.seqs = [s for s in self.seqs if id(s) not in done_ids]
+        return done
 
     def drop(self, seq: Sequence) -> None:
         """Remove a member after a failure (its cache is given back like any leaver's)."""
-        if seq in self.seqs:
-            i = self.seqs.index(seq)
-            self._leave([i])
-            self.seqs.pop(i)
+        if any(s is seq for s in self.seqs):
+            self._leave([seq])
+            self.seqs = [s for s in self.seqs if s is not seq]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(1, (max(1, n) - 1).bit_length())
 
 
 def batching_support(engine: ChatEngine) -> tuple[bool, str]:
@@ -134,8 +185,6 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
         return False, f"cache layout {layout.describe()} has no batched form"
     if engine.state.kv_quant is not None:
         return False, "KV_BITS: quantised KV layers have no batched form"
-    from mlx_lm.models.cache import BatchKVCache
-
     from ..runtime.generate import feed
 
     model = engine.loaded.model
@@ -152,7 +201,9 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
             live = engine.new_cache()
             feed(model, live, list(range(100, 100 + n)), 16)
             lives2.append(live)
-        batch = [BatchKVCache.merge([a, b]) for a, b in zip(lives2[0].layers, lives2[1].layers)]
+        batch = [SlabKVCache.empty(2) for _ in lives2[0].layers]
+        for row, live in enumerate(lives2):
+            place_own_layers(batch, row, live.layers)
         together = model(nxt, cache=batch)[:, -1, :]
         ok = all(mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2))
     except Exception as exc:  # noqa: BLE001 - any failure: this model decodes one sequence at a time

@@ -56,6 +56,7 @@ class ChatEngine:
         encoder_for(loaded.tokenizer).max_bytes = settings.tokenizer_cache_max_bytes
         vocab = loaded.tokenizer.get_vocab() if hasattr(loaded.tokenizer, "get_vocab") else {}
         self.call_id = vocab.get("<|call|>") if self.harmony else None
+        self._width: int | None = None
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
@@ -355,10 +356,11 @@ class ChatEngine:
                 seq.visible.append(tail)
                 seq.job.emit(tail)
 
-    def prefill_step(self, seq: Sequence, budget: int) -> bool:
+    def prefill_step(self, seq: Sequence, budget: int, defer_last: bool = False) -> bool:
         """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
         True once the prompt is done (``seq.logits`` set) or the request was abandoned between
-        chunks (``seq.prefill_aborted``)."""
+        chunks (``seq.prefill_aborted``). With ``defer_last`` the last prompt token is left for the
+        first batched decode step (``seq.logits`` stays None, ``seq.pos`` is ``n - 1``)."""
         tokens = seq.prep.model_tokens
         n = len(tokens)
         if seq.pos < 0:
@@ -373,14 +375,31 @@ class ChatEngine:
             seq.pos = stop_at
             if stop_at in seq.checkpoints:
                 seq.snapshots.append(capture(seq.live))
+        if seq.pos == n - 1 and defer_last:
+            return True
         if seq.pos == n - 1:
             seq.logits = last_logits(self.loaded.model, seq.live, tokens[-1])
             seq.pos = n
             return True
         return False
 
+    def feed_last(self, seq: Sequence) -> None:
+        """Feed a deferred last prompt token now (a sequence that will not decode after all)."""
+        if seq.logits is None and seq.pos == len(seq.prep.model_tokens) - 1:
+            seq.logits = last_logits(self.loaded.model, seq.live, seq.prep.model_tokens[-1])
+            seq.pos = len(seq.prep.model_tokens)
+
     def _logit_width(self, logits: Any) -> int:
+        if logits is None:
+            return self.logit_width()
         return int(logits.shape[-1])
+
+    def logit_width(self) -> int:
+        """Width of the model's logits (once, from a one-token forward on a fresh cache)."""
+        if self._width is None:
+            live = self.new_cache()
+            self._width = int(last_logits(self.loaded.model, live, 0).shape[-1])
+        return self._width
 
     def finish(self, seq: Sequence) -> ChatOutcome:
         """Close the turn, store what the KV holds, record the request. Never raises because

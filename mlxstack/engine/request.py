@@ -98,7 +98,7 @@ class PreparedPrompt:
                               model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras)
 
 
-@dataclass
+@dataclass(eq=False)       # identity: a request is itself, never "equal" to another
 class Sequence:
     """One request between start() and finish(): its prompt, cache, and decode state."""
     job: ChatJob
@@ -134,6 +134,7 @@ class Sequence:
     harmony_stop: Any = None
     detok: Any = None
     pending: Any = None               # sampled, not yet read, next token (lazy mx array)
+    tail: bool = False                # ``pending`` is the last PROMPT token, fed by the next decode step
     produced: int = 0
     queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
     batch_sizes: list[int] = field(default_factory=list)

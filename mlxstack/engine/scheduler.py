@@ -7,9 +7,12 @@ full cache pipeline (lookup -> checkout at its own depth -> prefill -> decode ->
     sched.step()                   # one scheduler step (below); resolves finished futures
 
 One step:
-1. one prefill chunk (at most ``prefill_budget`` tokens) for ONE sequence still prefilling,
-   round-robin over them -- so a long cold prompt never freezes the others, and a short request
-   that arrives during it gets its first token within two chunks (its own chunk is next);
+1. prefill, within ``prefill_budget`` tokens: when decode batching is on and two or more waiting
+   sequences have short remainders (a warm agent turn's new tokens), all of them in one batched
+   forward (engine/batch_prefill.py) -- they join the decode batch together; otherwise one chunk
+   for ONE sequence still prefilling, round-robin over them. A long cold prompt never freezes the
+   others, and a short request that arrives during it gets its first token within two chunks
+   (short batches and long chunks alternate while both wait);
 2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup).
 
 Admission is FIFO up to ``max_sequences`` in flight; the worker's bounded queue (503 when full)
@@ -23,8 +26,8 @@ import logging
 import time
 from concurrent.futures import Future
 
-
 from .batch import DecodeGroup
+from .batch_prefill import choose_short, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -46,6 +49,8 @@ class Scheduler:
         self._rr = -1
         self.steps = 0
         self.last_batch = 0
+        self._short_last = False      # the previous step prefilled a short batch
+        self.short_batches = 0        # steps that prefilled several sequences together
 
     @property
     def active(self) -> int:
@@ -72,11 +77,16 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         self.steps += 1
-        if self.prefilling:
+        short = self._short_batch()
+        if len(short) >= 2:
+            self._prefill_short(short)
+        elif self.prefilling:
+            self._short_last = False
             self._rr = next_round_robin(len(self.prefilling), self._rr)
             seq = self.prefilling[self._rr]
             try:
-                done = self.engine.prefill_step(seq, self.prefill_budget)
+                done = self.engine.prefill_step(seq, self.prefill_budget,
+                                                defer_last=self.group.batching and not seq.job.prefill_only)
             except BaseException as exc:  # noqa: BLE001
                 self.prefilling.remove(seq)
                 self._fail(seq, exc)
@@ -99,14 +109,65 @@ class Scheduler:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
 
+    def _short_batch(self) -> list[Sequence]:
+        """Waiting sequences whose whole remainders fit one padded batch within the budget (only
+        with decode batching; a long prompt still waiting gets the next step)."""
+        if not self.group.batching or len(self.prefilling) < 2:
+            return []
+        cands = [s for s in self.prefilling
+                 if not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
+        chosen = [cands[i] for i in choose_short([remaining(s) for s in cands], self.prefill_budget)]
+        if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):
+            return []
+        return chosen
+
+    def _prefill_short(self, seqs: list[Sequence]) -> None:
+        self._short_last = True
+        self.short_batches += 1
+        for s in seqs:
+            self.prefilling.remove(s)
+        self._rr = -1
+        try:
+            layers = prefill_together(self.engine.loaded.model, seqs)
+        except BaseException as exc:  # noqa: BLE001 - the forward failed: fail its members
+            for s in seqs:
+                self._fail(s, exc)
+            return
+        now = time.perf_counter()
+        joining: list[int] = []
+        for i, s in enumerate(seqs):
+            s.t_first = now
+            try:
+                if self.engine.begin_decode(s, None):
+                    joining.append(i)
+                    continue
+            except BaseException as exc:  # noqa: BLE001
+                s.live.layers = [layer.extract(i) for layer in layers]
+                self._fail(s, exc)
+                continue
+            s.live.layers = [layer.extract(i) for layer in layers]   # nothing to generate
+            self.engine.feed_last(s)
+            s.t_end = time.perf_counter()
+            self._finish(s)
+        if not joining:
+            return
+        if len(joining) == 1 and not len(self.group):   # alone: it decodes on its own cache
+            i = joining[0]
+            seqs[i].live.layers = [layer.extract(i) for layer in layers]
+            self.group.add(seqs[i], None)
+            return
+        self.group.adopt([seqs[i] for i in joining], layers, joining)
+
     def _prefilled(self, seq: Sequence) -> None:
         seq.t_first = time.perf_counter()
-        if seq.prefill_aborted or seq.logits is None or seq.job.prefill_only:
+        deferred = seq.logits is None and seq.pos == len(seq.prep.model_tokens) - 1
+        if seq.prefill_aborted or (seq.logits is None and not deferred) or seq.job.prefill_only:
             seq.t_end = seq.t_first
             self._finish(seq)
             return
         try:
             if not self.engine.begin_decode(seq, seq.logits):
+                self.engine.feed_last(seq)
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
                 return

@@ -60,6 +60,8 @@ class EngineCollector(Collector):
                                 value=app.worker.active_sequences)
         yield GaugeMetricFamily("mlxstack_batch_size", "Sequences in the last decode forward pass.",
                                 value=sched.last_batch if sched is not None else 0)
+        yield CounterMetricFamily("mlxstack_batched_prefills", "Scheduler steps that prefilled several short "
+                                  "prompts in one forward pass.", value=sched.short_batches if sched is not None else 0)
         yield GaugeMetricFamily("mlxstack_max_concurrent_sequences", "MAX_CONCURRENT_SEQUENCES in effect.",
                                 value=sched.max_sequences if sched is not None else 1)
         info = GaugeMetricFamily("mlxstack_model_info", "The served model (value is always 1).",

@@ -1,0 +1,118 @@
+"""A batched KV layer that sequences join and leave in place.
+
+mlx-lm's ``BatchKVCache`` joins a sequence with ``extend`` (pad + concatenate every member's
+K/V) and removes one with ``filter`` (gather every remaining row): each join or leave copies the
+whole batch into freshly allocated memory. Measured on this CPU machine (30 layers, 7 members):
+122 ms per join at 400 tokens of context, 1.27 s at 2,000 -- with agent contexts of 10k+ tokens a
+join would cost more than the decoding it enables. Here the batch is a slab of rows:
+
+    slab = SlabKVCache.empty(rows=4)
+    slab.place(row, keys, values)          # write one sequence's K/V into a free row (in place)
+    kv = slab.take(row)                    # copy one row out as a plain KVCache; the row is free
+
+Rows stay right-aligned at one shared write index (``_idx``) with per-row left padding, exactly
+the layout ``BatchKVCache`` uses, so every mlx-lm model's attention, mask and RoPE offsets work
+unchanged (this class only adds ``place`` / ``take`` / ``rebuilt``). Placing costs one copy of
+the placed sequence, taking one copy of the taken row; nothing else moves, except when a sequence
+longer than the shared index joins (every row is shifted right once) or the slab is rebuilt with
+a different number of rows. A free row keeps its last (finite) contents and is fed a dummy
+token: rows never mix, and its output is ignored. No row is ever fully masked (that would give
+NaN, and a NaN left in a row's masked region poisons the next sequence placed there: 0 x NaN).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+class SlabKVCache(BatchKVCache):
+    step = 256
+
+    @classmethod
+    def empty(cls, rows: int) -> "SlabKVCache":
+        return cls([0] * rows)
+
+    @property
+    def rows(self) -> int:
+        return int(self.offset.shape[0])
+
+    def _alloc(self, rows: int, heads: int, length: int, k_dim: int, v_dim: int, dtype: Any) -> None:
+        cap = ((length + self.step) // self.step) * self.step
+        self.keys = mx.zeros((rows, heads, cap, k_dim), dtype=dtype)
+        self.values = mx.zeros((rows, heads, cap, v_dim), dtype=dtype)
+
+    def place(self, row: int, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+        """Write one sequence's K/V (``[1, heads, >= length, dim]``, the first ``length``
+        positions valid) into ``row``, right-aligned at the shared index."""
+        if length < 1 or keys is None:
+            raise ValueError("a decoding sequence holds at least its prompt")
+        keys, values = keys[..., :length, :], values[..., :length, :]
+        if self.keys is None:
+            self._alloc(self.rows, keys.shape[1], length, keys.shape[3], values.shape[3], keys.dtype)
+            self._idx = length
+            # rows nobody holds attend over zeros (finite): a fully masked row would turn to NaN,
+            # and NaN left behind in a row poisons whoever is placed there next (0 * NaN)
+            self.left_padding = mx.zeros((self.rows,), dtype=mx.int32)
+            self.offset = mx.full((self.rows,), length, dtype=mx.int32)
+        elif length > self._idx:                      # every row moves right once
+            shift = length - self._idx
+            old_k, old_v, old_idx = self.keys, self.values, self._idx
+            self._alloc(self.rows, old_k.shape[1], length, old_k.shape[3], old_v.shape[3], old_k.dtype)
+            self.keys[..., shift:shift + old_idx, :] = old_k[..., :old_idx, :]
+            self.values[..., shift:shift + old_idx, :] = old_v[..., :old_idx, :]
+            self.left_padding = self.left_padding + shift
+            self._idx = length
+        start = self._idx - length
+        self.keys[row:row + 1, :, start:self._idx, :] = keys
+        self.values[row:row + 1, :, start:self._idx, :] = values
+        self.left_padding[row] = start
+        self.offset[row] = length
+
+    def take(self, row: int) -> KVCache:
+        """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it)."""
+        cache = KVCache()
+        start = int(self.left_padding[row].item())
+        if self.keys is not None and start < self._idx:
+            cache.keys = mx.contiguous(self.keys[row:row + 1, :, start:self._idx, :])
+            cache.values = mx.contiguous(self.values[row:row + 1, :, start:self._idx, :])
+            cache.offset = self._idx - start
+        return cache
+
+    def row_view(self, row: int) -> tuple[mx.array | None, mx.array | None, int]:
+        """``row``'s valid K/V as views (for placing it into another slab without a copy)."""
+        if self.keys is None:
+            return None, None, 0
+        start = int(self.left_padding[row].item())
+        return (self.keys[row:row + 1, :, start:self._idx, :], self.values[row:row + 1, :, start:self._idx, :],
+                self._idx - start)
+
+    def rebuilt(self, rows: int, keep: list[int]) -> "SlabKVCache":
+        """A new slab of ``rows`` rows holding rows ``keep`` of this one (in that order, rows
+        0..len(keep)-1): to grow when full, or to shrink when most rows are free."""
+        new = SlabKVCache.empty(rows)
+        views = [self.row_view(r) for r in keep]
+        longest = max((n for _, _, n in views), default=0)
+        if longest:
+            # the longest first: one allocation, every other row lands without a shift
+            order = sorted(range(len(views)), key=lambda i: -views[i][2])
+            for i in order:
+                new.place(i, *views[i])
+        return new
+
+
+def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_layers: list[Any], members: list[int]) -> None:
+    """Copy rows ``members`` of mlx-lm ``BatchKVCache`` layers (a batched prefill) into ``rows``."""
+    for slab, batch in zip(slab_layers, batch_layers):
+        mx.eval(batch.left_padding)
+        pads = batch.left_padding.tolist()
+        for row, i in zip(rows, members):
+            slab.place(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
+                           batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i])
+
+
+def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache]) -> None:
+    """Copy a sequence's own KVCache layers into ``row``."""
+    for slab, own in zip(slab_layers, own_layers):
+        slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0)

@@ -1,0 +1,79 @@
+"""Prefill several short prompts in one forward pass (dense KV models, with batching on).
+
+A warm agent turn prefills only its new tokens -- often a few dozen. On a CPU (or any machine
+where a small forward is bound by reading the weights, not by arithmetic) eight such prefills one
+after another cost eight weight reads; together they cost one. So when several sequences are
+waiting with short remainders, the scheduler feeds them together:
+
+    layers = prefill_together(engine, seqs)   # every seq's remaining prompt, one BatchKVCache
+
+1. their own KV layers are merged into one ``BatchKVCache`` per layer (left-padded to a common
+   length, as decode batching does);
+2. the prompt tokens before each one's last are fed as one right-padded ``[B, T]`` forward; the
+   padding's K/V is rolled to the left edge afterwards (``finalize``), where the mask hides it --
+   mlx-lm's ``BatchGenerator.prompt`` does the same;
+3. every last prompt token is left for the first decode step, where it rides in the batched
+   ``[B, 1]`` forward with everyone else's token (as mlx-lm's BatchGenerator does) -- one forward
+   less per join, and the same shape as the last-token forward of the single-sequence path.
+
+The returned layers hold every sequence's KV; the decode group copies each row into its slab.
+Each sequence's ``LiveCache`` depth is advanced by what it was fed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..runtime.mlx_stream import generation_stream
+from .request import Sequence
+
+
+def remaining(seq: Sequence) -> int:
+    """Prompt tokens ``seq`` still has to feed (pure)."""
+    return len(seq.prep.model_tokens) - (seq.start if seq.pos < 0 else seq.pos)
+
+
+def choose_short(lengths: list[int], budget: int) -> list[int]:
+    """Indices (in order) of the waiting prompts to prefill together: each remainder at least 1
+    token, and the padded batch (members x longest remainder) within ``budget`` tokens (pure)."""
+    chosen: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if n < 1:
+            continue
+        if (len(chosen) + 1) * max(longest, n) <= budget:
+            chosen.append(i)
+            longest = max(longest, n)
+    return chosen
+
+
+def right_padded(rows: list[list[int]], width: int) -> mx.array:
+    return mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
+
+
+def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
+    """Feed every sequence's remaining prompt but its last token; return the BatchKVCache layers
+    (rows in ``seqs`` order)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    for s in seqs:
+        if s.pos < 0:
+            s.pos = s.start
+    n_layers = len(seqs[0].live.layers)
+    layers = [BatchKVCache.merge([s.live.layers[i] for s in seqs]) for i in range(n_layers)]
+    heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
+    width = max(len(h) for h in heads)
+    with mx.stream(generation_stream()):
+        if width:
+            pad = [width - len(h) for h in heads]
+            for layer in layers:
+                layer.prepare(right_padding=pad)
+            model(right_padded(heads, width), cache=layers)
+            for layer in layers:
+                layer.finalize()
+            mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
+    for s, h in zip(seqs, heads):
+        s.live.advance(len(h))
+        s.pos = len(s.prep.model_tokens) - 1
+    return layers
