@@ -189,9 +189,18 @@ def test_short_batches_and_a_long_prefill_alternate(dense):
     assert all(f.result().completion_tokens == 3 for f in futures)
 
 
-def test_sequences_join_and_leave_a_running_batch_with_parity(dense):
+@pytest.mark.parametrize("slack", [256, 1])
+def test_sequences_join_and_leave_a_running_batch_with_parity(dense, monkeypatch, slack):
     """Members arrive while others decode and finish at different times: rows are freed and
-    reused, the slab grows (2 -> 4 -> 8 rows) and shrinks again; every output equals its solo run."""
+    reused, the slab grows (2 -> 4 -> 8 rows) and shrinks again, and (slack 1) drops the columns
+    leavers used after every leave; every output equals its solo run."""
+    from mlxstack.engine import batch
+
+    monkeypatch.setattr(batch, "COMPACT_SLACK", slack)
+    compactions = []
+    real_compact = batch.SlabKVCache.compact
+    monkeypatch.setattr(batch.SlabKVCache, "compact",
+                        lambda self, active, s=256: compactions.append(real_compact(self, active, s)) or compactions[-1])
     solo_engine, batch_engine = build_engine(engine_settings(dense)), build_engine(engine_settings(dense))
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS + PROMPTS[:2])]
     lengths = [4, 18, 9, 14, 6, 20, 11]
@@ -216,6 +225,7 @@ def test_sequences_join_and_leave_a_running_batch_with_parity(dense):
     assert [f.result().completion_tokens for f in futures] == [o.completion_tokens for o in solo]
     assert 4 in rows_seen and len(rows_seen) >= 2
     assert sched.group.slab is None and not sched.group.row
+    assert (max(compactions) > 0) if slack == 1 else (max(compactions, default=0) == 0)
 
 
 def test_slab_rows_place_take_and_rebuild_exactly():
@@ -246,6 +256,12 @@ def test_slab_rows_place_take_and_rebuild_exactly():
     assert mx.array_equal(small.take(1).keys, c.keys[..., :3, :]).item()
     with pytest.raises(ValueError):
         slab.place(3, None, None, 0)
+    # row 2 (the longest) leaves: the columns only it used are dropped, the others read the same
+    assert slab.compact([0, 1], slack=256) == 0                   # not worth a copy yet
+    assert slab.compact([0, 1], slack=1) == 4
+    assert slab._idx == 5 and slab.left_padding.tolist()[:2] == [0, 2]
+    assert mx.array_equal(slab.take(0).keys, a.keys[..., :5, :]).item()
+    assert mx.array_equal(slab.take(1).values, c.values[..., :3, :]).item()
 
 
 def test_round_robin_is_fair():

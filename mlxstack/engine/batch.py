@@ -31,6 +31,8 @@ from .chat import ChatEngine, Sequence
 
 log = logging.getLogger("mlxstack.batch")
 
+COMPACT_SLACK = 256   # drop unused leading columns once every active row has this much padding
+
 
 class DecodeGroup:
     def __init__(self, engine: ChatEngine, batching: bool) -> None:
@@ -113,6 +115,10 @@ class DecodeGroup:
             self.slab, self.row = None, {}
         elif len(rest) <= self.slab[0].rows // 4:          # mostly free rows: compute on fewer
             self._rebuild(_pow2(len(rest)), rest)
+        else:                                              # columns only the leavers used
+            active = [self.row[id(s)] for s in rest]
+            for layer in self.slab:
+                layer.compact(active, COMPACT_SLACK)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Sequence]:

@@ -88,6 +88,22 @@ class SlabKVCache(BatchKVCache):
         return (self.keys[row:row + 1, :, start:self._idx, :], self.values[row:row + 1, :, start:self._idx, :],
                 self._idx - start)
 
+    def compact(self, active: list[int], slack: int = 256) -> int:
+        """Drop the columns no active row uses any more (every active row's left padding is at
+        least ``slack``): the shared index would otherwise grow for as long as the slab lives, and
+        every row attends over all of it. Returns the number of columns dropped."""
+        if self.keys is None or not active:
+            return 0
+        pads = self.left_padding.tolist()
+        cut = min(pads[r] for r in active)
+        if cut < slack:
+            return 0
+        self.keys = self.keys[..., cut:, :]
+        self.values = self.values[..., cut:, :]
+        self._idx -= cut
+        self.left_padding = mx.maximum(self.left_padding - cut, 0)   # free rows: any finite window
+        return cut
+
     def rebuilt(self, rows: int, keep: list[int]) -> "SlabKVCache":
         """A new slab of ``rows`` rows holding rows ``keep`` of this one (in that order, rows
         0..len(keep)-1): to grow when full, or to shrink when most rows are free."""
