@@ -38,6 +38,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from probelib.servers import launch_stack  # noqa: E402
+
 KEY, MLX_KEY = "sk-bench-scaleout", "sk-bench-scaleout-mlx"
 MODEL = "SmolLM2-135M-Instruct"
 CONFIGS = {"1 backend": (1, "cache_aware"), "shuffle": (2, "shuffle"), "affinity": (2, "affinity"),
@@ -115,17 +118,8 @@ class Stack:
                "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY, "MLX_API_KEY": MLX_KEY,
                "BACKENDS_FILE": str(tmp / "no-backends.yaml"), "LOG_ROOT": str(self.logs), "DISK_CACHE_DIR": "off",
                "DEFAULT_TEMPERATURE": "0", "ENABLE_REQUEST_LOGGING": "false", "PROXY_STARTUP_TIMEOUT_SECONDS": "300"}
-        code = ("import sys; from mlxstack.config.settings import load_settings; "
-                "from mlxstack.launcher.stack import run_stack; "
-                f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO)!r})))")
         self.log_path = tmp / "stack.log"
-        self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while "READY" not in self.log_path.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stack did not start:\n" + self.log_path.read_text()[-3000:])
-            time.sleep(0.5)
+        self.proc, self.log = launch_stack(env, self.log_path, timeout=600)
         self.base = f"http://127.0.0.1:{self.proxy_port}"
         self.replicas = [f"http://127.0.0.1:{self.mlx_port + i}" for i in range(replicas)]
 

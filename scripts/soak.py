@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  requests            {t.requests}")
         print(f"  bad inputs tried    {t.bad_inputs}")
         print(f"  faults survived     {len(t.faults)}: " + "; ".join(f"{f} ({o})" for f, o in t.faults))
-        print(f"  status counts       " + ", ".join(f"{tg} {st}: {n}" for (tg, st), n in sorted(t.statuses.items(), key=str)))
+        print("  status counts       " + ", ".join(f"{tg} {st}: {n}" for (tg, st), n in sorted(t.statuses.items(), key=str)))
         print(f"  5xx answers         {t.five_xx()} in all; unexpected (outside the kill window): "
               f"{sum(1 for u in t.unexpected if isinstance(u[2], int) and u[2] >= 500)}")
         print(f"  LiteLLM's own 500s  {len(t.known_litellm_500)} for malformed bodies it rejects itself: "

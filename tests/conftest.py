@@ -143,6 +143,17 @@ class LiveServer:
         self.app.close()
 
 
+def sse_events(raw: str) -> list[tuple[str, dict]]:
+    """A named-event SSE body (Anthropic / Responses streams) as (event, data) pairs."""
+    import json
+
+    out = []
+    for block in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
 def http_json(url: str, body=None, headers=None, method=None, timeout=120):
     """(status, parsed JSON or raw text, headers) with no exception for 4xx/5xx."""
     import json

@@ -18,7 +18,7 @@ from mlxstack.config.settings import load_settings
 from mlxstack.launcher import litellm_config as lc
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from mlxstack.parsing.tool_calls import ToolCall
-from tests.conftest import LiveServer, engine_settings, http_json
+from tests.conftest import LiveServer, engine_settings, http_json, sse_events
 
 ENV_BLOCK = "# Environment\nPrimary working directory: /work"
 
@@ -209,14 +209,6 @@ def server(tiny_dense_path, tmp_path_factory):
     srv = LiveServer(engine_settings(tiny_dense_path, log_root=str(tmp_path_factory.mktemp("logs"))))
     yield srv
     srv.close()
-
-
-def sse_events(raw: str) -> list[tuple[str, dict]]:
-    out = []
-    for block in raw.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 def text_of(message: dict) -> str:

@@ -9,12 +9,11 @@ request, every warm turn reuses at least the previous turn's prompt, and no requ
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from scripts.probelib.servers import launch_stack
 from tests.conftest import LiveServer, engine_settings, http_json, unused_port
 from tests.test_model_families import SYSTEM, TURNS
 
@@ -35,17 +34,8 @@ class FamiliesStack:
         env = {**COMMON, "BACKENDS_FILE": str(backends), "PROXY_PORT": str(self.proxy_port),
                "LITELLM_MASTER_KEY": KEY, "MLX_API_KEY": MLX_KEY, "LOG_ROOT": str(tmp / "logs"),
                "MODEL_CACHE_DIR": embedded_cache, "PROXY_STARTUP_TIMEOUT_SECONDS": "240"}
-        code = ("import sys; from mlxstack.config.settings import load_settings; "
-                "from mlxstack.launcher.stack import run_stack; "
-                f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO)!r})))")
         self.log_path = tmp / "stack.log"
-        self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 400
-        while "READY" not in self.log_path.read_text():
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "stack never printed its READY line"
-            time.sleep(0.5)
+        self.proc, self.log = launch_stack(env, self.log_path, timeout=400)
         self.base = f"http://127.0.0.1:{self.proxy_port}"
 
     def backend(self, kind: str) -> str:

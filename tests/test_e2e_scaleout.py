@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,17 +56,8 @@ class ScaleoutStack:
                "MLX_API_KEY": MLX_KEY, "LOG_ROOT": str(self.logs), "MODEL_CACHE_DIR": embedded_cache,
                "DEFAULT_TEMPERATURE": "0", "DEFAULT_MAX_TOKENS": "4", "DISK_CACHE_DIR": "off",
                "PROXY_STARTUP_TIMEOUT_SECONDS": "180", "ENABLE_REQUEST_LOGGING": "false"}
-        code = ("import sys; from mlxstack.config.settings import load_settings; "
-                "from mlxstack.launcher.stack import run_stack; "
-                f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO)!r})))")
         self.log_path = tmp / "stack.log"
-        self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while "READY" not in self.log_path.read_text():
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "stack never printed its READY line"
-            time.sleep(0.5)
+        self.proc, self.log = launch_stack(env, self.log_path)
         self.base = f"http://127.0.0.1:{self.proxy_port}"
         self.replicas = [f"http://127.0.0.1:{self.replica_port + i}" for i in range(2)]
         self.small = f"http://127.0.0.1:{self.small_port}"

@@ -226,7 +226,7 @@ def test_serve_exits_3_on_load_failure_and_2_on_exposed_bind(tmp_path):
     env = {**os.environ, "MODEL_PATH": str(tmp_path), "MLX_PORT": str(unused_port()), "ENABLE_REQUEST_LOGGING": "false"}
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "mlxstack.serve"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 3 and f"MODEL LOAD FAILED: " in done.stderr and "has no config.json" in done.stderr
+    assert done.returncode == 3 and "MODEL LOAD FAILED: " in done.stderr and "has no config.json" in done.stderr
     assert time.monotonic() - start < 60
     env.update(MLX_HOST="0.0.0.0", MLX_API_KEY="")
     done = subprocess.run([sys.executable, "-m", "mlxstack.serve"], env=env, capture_output=True, text=True, timeout=120)

@@ -161,7 +161,7 @@ def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch)
         j2, _ = job(follow, tools=WEATHER, max_tokens=8, session=f"harmony-{name}")
         outs[name] = (first, eng.run(j2))
     (w1, w2), (c1, c2) = outs["warm"], outs["cold"]
-    assert w2.raw_text == c2.raw_text
+    assert w1.raw_text == c1.raw_text and w2.raw_text == c2.raw_text
     # healed: the whole first prompt and the generated call (through <|call|>) are reused
     assert w2.cached_tokens >= w1.prompt_tokens + len(encode(tok, reply)) - 1, (w2.cached_tokens, w1.prompt_tokens)
     assert warm.state.healing.healed >= 1

@@ -15,7 +15,7 @@ from mlxstack.api.openai_responses import (OutputItems, ResponseStore, ToolNames
 from mlxstack.api.job_adapter import Usage
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from mlxstack.parsing.tool_calls import ToolCall
-from tests.conftest import LiveServer, engine_settings, http_json
+from tests.conftest import LiveServer, engine_settings, http_json, sse_events
 
 
 # ============================================================================ request side (pure)
@@ -220,14 +220,6 @@ def server(tiny_dense_path, tmp_path_factory):
     srv = LiveServer(engine_settings(tiny_dense_path, log_root=str(tmp_path_factory.mktemp("logs"))))
     yield srv
     srv.close()
-
-
-def sse_events(raw: str) -> list[tuple[str, dict]]:
-    out = []
-    for block in raw.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
 
 
 def post_stream(url: str, body: dict) -> str:

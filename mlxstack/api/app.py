@@ -5,13 +5,16 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
 from ..pipeline.images import ImageLimits
 from .http_guard import Guard, bind_refusal
+
+if TYPE_CHECKING:
+    from .http_server import PooledHTTPServer
 
 log = logging.getLogger("mlxstack.app")
 

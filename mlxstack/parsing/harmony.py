@@ -68,6 +68,7 @@ from mlxstack.parsing.reasoning import (
     TOOL_CALLS,
     Event,
     ParsedOutput,
+    StreamTrimmer,
 )
 from mlxstack.parsing.tool_calls import ToolCall, make_tool_call_id, parse_tool_calls
 
@@ -342,31 +343,6 @@ def _partial_marker_start(buf: str, markers: tuple[str, ...]) -> int:
     return len(buf)
 
 
-class _PieceTrimmer:
-    """Streams one piece's `.strip()`ped text: drops leading whitespace and holds trailing
-    whitespace until more text arrives (what is still held when the piece ends is dropped)."""
-
-    __slots__ = ("started", "held")
-
-    def __init__(self) -> None:
-        self.started = False
-        self.held = ""
-
-    def push(self, piece: str) -> str:
-        if not self.started:
-            piece = piece.lstrip()
-            if not piece:
-                return ""
-            self.started = True
-        body = piece.rstrip()
-        if not body:
-            self.held += piece
-            return ""
-        out = self.held + body
-        self.held = piece[len(body):]
-        return out
-
-
 class HarmonyStreamSplitter:
     """Streaming counterpart of `split_harmony` (same grammar; see the module docstring).
 
@@ -408,7 +384,7 @@ class HarmonyStreamSplitter:
         self._kind = ""
         self._recipient: str | None = None
         self._body: list[str] = []
-        self._trim = _PieceTrimmer()
+        self._trim = StreamTrimmer()
 
     def feed(self, chunk: str) -> list[Event]:
         """Classify the next generated chunk; returns the events now safe to send."""
@@ -484,9 +460,9 @@ class HarmonyStreamSplitter:
             self._calls.append(call)
             return
         raw = ("" if self._implied else START) + self._header + MESSAGE + body + terminator
-        self._push(out, CONTENT, _PieceTrimmer(), raw)
+        self._push(out, CONTENT, StreamTrimmer(), raw)
 
-    def _push(self, out: list[Event], kind: str, trimmer: _PieceTrimmer, text: str) -> None:
+    def _push(self, out: list[Event], kind: str, trimmer: StreamTrimmer, text: str) -> None:
         """Stream `text` of one piece (a message's text) through its trimmer as `kind`."""
         first = not trimmer.started
         text = trimmer.push(text)

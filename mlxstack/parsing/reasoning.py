@@ -155,7 +155,7 @@ def split_output(
 # ---------------------------------------------------------------------------------------------
 
 
-class _Trimmer:
+class StreamTrimmer:
     """Streams `"".join(pieces).strip()`: drops leading whitespace, holds trailing whitespace
     until more non-whitespace text arrives, and drops what is still held at the end."""
 
@@ -229,8 +229,8 @@ class ReasoningStreamSplitter:
         self._content_tags = _CONTENT_TAGS if parse_tools else (THINK_OPEN, THINK_CLOSE)
         self._pending = ""
         self._tool_buf: list[str] = []
-        self._reasoning = _Trimmer()
-        self._content = _Trimmer()
+        self._reasoning = StreamTrimmer()
+        self._content = StreamTrimmer()
         self._tools = tools
         self._family = family
         self._id_salt = id_salt

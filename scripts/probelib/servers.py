@@ -132,3 +132,23 @@ class ServerProcess:
         self.stop()
 
 
+# ----------------------------------------------------------------------------- the whole stack
+def launch_stack(env: dict, log_path: Path, timeout: float = 300.0) -> tuple[subprocess.Popen, object]:
+    """Start the whole stack (the launcher: MLX server(s) + LiteLLM) in a child process with
+    ``env`` as its settings, logging to ``log_path``; return (process, open log) once it printed
+    READY. Raises RuntimeError with the log's tail if it exits or times out first."""
+    code = ("import sys; from mlxstack.config.settings import load_settings; "
+            "from mlxstack.launcher.stack import run_stack; "
+            f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO_ROOT)!r})))")
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while "READY" not in log_path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+            raise RuntimeError("the stack did not print its READY line:\n" + log_path.read_text()[-3000:])
+        time.sleep(0.5)
+    return proc, log
+
