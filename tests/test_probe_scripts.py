@@ -101,7 +101,8 @@ def test_probe_session_end_to_end(tmp_path: Path) -> None:
     import _probe_common as pc
 
     port = unused_port()
-    env = {"MLX_PORT": str(port), "ENABLE_REQUEST_LOGGING": "true", "LOG_ROOT": str(tmp_path / "logs")}
+    env = {"MLX_PORT": str(port), "ENABLE_REQUEST_LOGGING": "true", "LOG_ROOT": str(tmp_path / "logs"),
+           "MLX_API_KEY": ""}  # .env from install_and_run.py holds a key; this server is loopback-only
     env.update(pc.blas_env())
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "mlxstack.serve"], cwd=REPO, env={**os.environ, **env},
