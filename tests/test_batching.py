@@ -316,3 +316,48 @@ def test_concurrent_http_streams_through_the_scheduler(dense):
         assert max(r.get("batch_size_max", 1) for r in stats["recent"]) >= 2
     finally:
         server.close()
+
+
+def test_turns_finishing_together_close_in_one_forward_with_parity(dense):
+    """Sequences that finish in the same decode step feed their closers (last sampled token + the
+    template's turn closer) in one batched forward; the entries they store serve the next turn
+    exactly as the one-by-one close does: same cached depth, same replies."""
+    solo_engine, batch_engine = build_engine(engine_settings(dense)), build_engine(engine_settings(dense))
+    first = [convo(p) for p in PROMPTS[:3]]
+    solo1 = [solo_engine.run(job(m, max_tokens=8, session=f"c{i}")[0]) for i, m in enumerate(first)]
+    batched1, _ = run_batched(batch_engine, [job(m, max_tokens=8, session=f"c{i}")[0] for i, m in enumerate(first)],
+                              budget=512)                             # one short batch: all join at once
+    assert [o.raw_text for o in batched1] == [o.raw_text for o in solo1]
+    assert all(o.finish_reason == "length" for o in batched1)           # all three ended in one step
+    assert run_batched.sched.closed_together == 3
+    second = [m + [{"role": "assistant", "content": o.text}, {"role": "user", "content": "Go on."}]
+              for m, o in zip(first, solo1)]
+    solo2 = [solo_engine.run(job(m, max_tokens=8, session=f"c{i}")[0]) for i, m in enumerate(second)]
+    batched2 = [batch_engine.run(job(m, max_tokens=8, session=f"c{i}")[0]) for i, m in enumerate(second)]
+    assert [o.cached_tokens for o in batched2] == [o.cached_tokens for o in solo2]
+    assert min(o.cached_tokens for o in batched2) > 0
+    assert [o.raw_text for o in batched2] == [o.raw_text for o in solo2]
+    assert batch_engine.state.counters.get("store_failures") == 0
+
+
+def test_the_worker_admits_everything_queued_at_once(dense):
+    """Requests that arrive while the inference thread is busy are all admitted at its next
+    iteration, so their short prefills share one forward (not one admission per step)."""
+    from mlxstack.engine.worker import InferenceWorker
+
+    eng = build_engine(engine_settings(dense))
+    worker = InferenceWorker(max_queued=16)
+    worker.scheduler = Scheduler(eng, 8, 256, batching=True)
+    worker.start()
+    gate = threading.Event()
+    try:
+        blocker = worker.submit(gate.wait)              # holds the thread while the jobs queue up
+        futures = [worker.submit_chat(job(convo(p), max_tokens=4, session=f"q{i}")[0])
+                   for i, p in enumerate(PROMPTS[:4])]
+        gate.set()
+        blocker.result(30)
+        outs = [f.result(120) for f in futures]
+    finally:
+        worker.stop()
+    assert worker.scheduler.short_batches == 1          # all four prefilled in one forward
+    assert all(o.completion_tokens == 4 for o in outs)

@@ -192,7 +192,8 @@ class App:
                                "prefilling": len(sched.prefilling), "decoding": len(sched.group),
                                "batched": sched.group.batching, "last_batch_size": sched.last_batch,
                                "prefill_chunk_tokens": sched.prefill_budget, "steps": sched.steps,
-                               "batched_prefills": sched.short_batches}
+                               "batched_prefills": sched.short_batches,
+                               "turns_closed_together": sched.closed_together}
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
         with self._status_lock:
             stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}

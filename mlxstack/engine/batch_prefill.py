@@ -18,6 +18,9 @@ waiting with short remainders, the scheduler feeds them together:
 
 The returned layers hold every sequence's KV; the decode group copies each row into its slab.
 Each sequence's ``LiveCache`` depth is advanced by what it was fed.
+
+``feed_together`` is the same forward for caches that go their own way afterwards: sequences that
+finish in the same decode step close their turns (last sampled token + turn closer) in one pass.
 """
 from __future__ import annotations
 
@@ -52,6 +55,36 @@ def right_padded(rows: list[list[int]], width: int) -> mx.array:
     return mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
 
 
+def _forward_padded(model: Any, layers: list[Any], rows: list[list[int]]) -> None:
+    """One right-padded forward of ``rows`` into merged BatchKVCache ``layers`` (padding's K/V
+    rolled to the left edge, where the mask hides it)."""
+    width = max(len(r) for r in rows)
+    if not width:
+        return
+    pad = [width - len(r) for r in rows]
+    for layer in layers:
+        layer.prepare(right_padding=pad)
+    model(right_padded(rows, width), cache=layers)
+    for layer in layers:
+        layer.finalize()
+    mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
+
+
+def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
+    """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
+    layers (a copy of its row) and its depth advances by what it was fed."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    n_layers = len(lives[0].layers)
+    with mx.stream(generation_stream()):
+        layers = [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(n_layers)]
+        _forward_padded(model, layers, rows)
+        for i, (lv, r) in enumerate(zip(lives, rows)):
+            lv.layers = [layer.extract(i) for layer in layers]
+            lv.advance(len(r))
+        mx.eval([x for lv in lives for c in lv.layers for x in (c.keys, c.values)])
+
+
 def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
     """Feed every sequence's remaining prompt but its last token; return the BatchKVCache layers
     (rows in ``seqs`` order)."""
@@ -63,16 +96,8 @@ def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
     n_layers = len(seqs[0].live.layers)
     layers = [BatchKVCache.merge([s.live.layers[i] for s in seqs]) for i in range(n_layers)]
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
-    width = max(len(h) for h in heads)
     with mx.stream(generation_stream()):
-        if width:
-            pad = [width - len(h) for h in heads]
-            for layer in layers:
-                layer.prepare(right_padding=pad)
-            model(right_padded(heads, width), cache=layers)
-            for layer in layers:
-                layer.finalize()
-            mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
+        _forward_padded(model, layers, heads)
     for s, h in zip(seqs, heads):
         s.live.advance(len(h))
         s.pos = len(s.prep.model_tokens) - 1

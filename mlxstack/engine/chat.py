@@ -413,8 +413,7 @@ class ChatEngine:
         elif job.is_cancelled():
             aborted, seq.finish_reason = True, "cancelled"
             st.counters.bump("disconnects")
-        stop_ids = seq.params.stop_token_ids
-        raw_ids = [t for t in seq.generated if t not in stop_ids]
+        raw_ids = self.content_ids(seq)
         raw_text = seq.forced + self.loaded.tokenizer.decode(raw_ids)
         visible = "".join(seq.visible)
         if not aborted and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
@@ -426,7 +425,7 @@ class ChatEngine:
                 elif job.prefill_only:
                     self._store(seq, [])
                 else:
-                    continuation = self._close_turn(seq, raw_ids)
+                    continuation = seq.closed if seq.closed is not None else self._close_turn(seq, raw_ids)
                     self._store(seq, continuation)
             except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
                 log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
@@ -534,13 +533,21 @@ class ChatEngine:
         guess -- reuse is still accepted only up to the token LCP -- but it is what lets an
         exact-depth cache (recurrent state, a rotated window) continue straight into the next turn.
         """
+        target, to_feed = self.plan_close(seq, content_ids)
+        feed(self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
+        return target
+
+    def plan_close(self, seq: Sequence, content_ids: list[int]) -> tuple[list[int], list[int]]:
+        """What closing the turn leaves after the prompt, and the tokens still to feed for it (the
+        KV is cut back first where it holds a stop token the next turn will not contain). The
+        scheduler feeds the closers of sequences finishing together in one forward."""
         live, prep, generated = seq.live, seq.prep, seq.generated
         fed = live.depth - len(prep.model_tokens)
         if fed < 0 or fed > len(generated):
             raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(generated)} were sampled")
         in_kv = generated[:fed]
         if seq.stopped_by_string:
-            return in_kv  # the client never sees the rest: the next turn will not contain it
+            return in_kv, []  # the client never sees the rest: the next turn will not contain it
         closer = self.renderer.assistant_closer(seq.job.enable_thinking)
         closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
         if self.harmony and generated and generated[-1] == self.call_id:
@@ -549,17 +556,25 @@ class ChatEngine:
             closer_ids = []               # the reply already ended with the closer (harmony <|end|>)
         target = content_ids + closer_ids
         if len(prep.model_tokens) + len(target) > self.context_limit:
-            return in_kv  # no room left in the window to close the turn
+            return in_kv, []  # no room left in the window to close the turn
         if in_kv != target[:fed]:
             # A stop token the re-rendered history will not contain (e.g. <|endoftext|> where the
             # template closes turns with <|im_end|>): drop it if the cache can be cut back.
             keep = lcp(in_kv, target[:fed])
             if live.floor > len(prep.model_tokens) + keep:
-                return in_kv
+                return in_kv, []
             live.cut(len(prep.model_tokens) + keep)
             fed = keep
-        feed(self.decode_model, live, target[fed:], self.settings.prefill_step_size)
-        return target
+        return target, target[fed:]
+
+    def content_ids(self, seq: Sequence) -> list[int]:
+        """The reply's tokens without stop tokens (what the client's next turn renders back)."""
+        stop_ids = seq.params.stop_token_ids
+        return [t for t in seq.generated if t not in stop_ids]
+
+    def completed(self, seq: Sequence) -> bool:
+        """The reply ran to its end (no watchdog, no hang-up): its turn is closed and stored."""
+        return not seq.watchdog and not seq.job.is_cancelled() and not seq.job.prefill_only
 
     def _salvage(self, seq: Sequence) -> None:
         """Nothing prefilled is thrown away: a request aborted by a hang-up or the watchdog keeps
@@ -567,7 +582,7 @@ class ChatEngine:
         decoded -- as an ordinary entry, so the client's retry pays only the rest."""
         prep, live = seq.prep, seq.live
         n_prompt = len(prep.model_tokens)
-        in_kv = seq.generated[: max(0, live.depth - n_prompt)]
+        in_kv = (seq.generated if seq.closed is None else seq.closed)[: max(0, live.depth - n_prompt)]
         depth = live.depth
         if depth <= seq.start or depth < self.state.prompt_cache.config.block_size:
             return

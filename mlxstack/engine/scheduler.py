@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future
 
 from .batch import DecodeGroup
-from .batch_prefill import choose_short, prefill_together, remaining
+from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -51,6 +51,7 @@ class Scheduler:
         self.last_batch = 0
         self._short_last = False      # the previous step prefilled a short batch
         self.short_batches = 0        # steps that prefilled several sequences together
+        self.closed_together = 0      # turns closed in a shared forward with others
 
     @property
     def active(self) -> int:
@@ -106,8 +107,40 @@ class Scheduler:
                 finished = []
             for seq in finished:
                 self.engine.end_decode(seq)
+            self._close_together(finished)
+            for seq in finished:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
+
+    def _close_together(self, finished: list[Sequence]) -> None:
+        """Sequences that finished in the same step close their turns (last sampled token + the
+        template's closer) in one batched forward instead of one forward each; finish() then only
+        stores. Anything unusual (an abort, a failure here) is left to finish()'s own path."""
+        eng = self.engine
+        if not self.group.batching or len(finished) < 2 or not eng.state.prompt_cache.enabled:
+            return
+        plans: list[tuple[Sequence, list[int], list[int]]] = []
+        for seq in finished:
+            if not eng.completed(seq):
+                continue
+            try:
+                target, to_feed = eng.plan_close(seq, eng.content_ids(seq))
+            except Exception:  # noqa: BLE001 - finish() closes (and logs) it on its own
+                continue
+            if to_feed:
+                plans.append((seq, target, to_feed))
+            else:
+                seq.closed = target
+        if len(plans) < 2:
+            return   # finish() feeds a lone closer itself (plan_close only cut what it had to)
+        try:
+            feed_together(eng.decode_model, [s.live for s, _, _ in plans], [f for _, _, f in plans])
+        except Exception:  # noqa: BLE001 - nothing was advanced: finish() closes each alone
+            log.exception("closing %d turns together failed; closing them one by one", len(plans))
+            return
+        for seq, target, _ in plans:
+            seq.closed = target
+        self.closed_together += len(plans)
 
     def _short_batch(self) -> list[Sequence]:
         """Waiting sequences whose whole remainders fit one padded batch within the budget (only

@@ -99,12 +99,13 @@ class InferenceWorker:
             sched = self.scheduler
             busy = sched is not None and not sched.idle()
             try:
-                item = self._queue.get_nowait() if busy or self._backlog else self._queue.get()
+                items = [self._queue.get_nowait() if busy or self._backlog else self._queue.get()]
             except queue.Empty:
-                item = False
-            if item is None:
-                return
-            if item is not False:
+                items = []
+            items += self._drain()      # everything that arrived meanwhile: admitted together, so
+            for item in items:          # their short prefills share one forward (scheduler step 1)
+                if item is None:
+                    return
                 self._take(*item)
             self._admit()
             if sched is not None and not sched.idle():
@@ -113,6 +114,14 @@ class InferenceWorker:
                     sched.step()
                 finally:
                     self._busy.clear()
+
+    def _drain(self) -> list[Any]:
+        out: list[Any] = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
 
     def _take(self, work: Any, fut: Future) -> None:
         if isinstance(work, _Chat) and self.scheduler is not None:

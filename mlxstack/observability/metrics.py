@@ -62,6 +62,9 @@ class EngineCollector(Collector):
                                 value=sched.last_batch if sched is not None else 0)
         yield CounterMetricFamily("mlxstack_batched_prefills", "Scheduler steps that prefilled several short "
                                   "prompts in one forward pass.", value=sched.short_batches if sched is not None else 0)
+        yield CounterMetricFamily("mlxstack_turns_closed_together", "Turns closed (last token + turn closer fed) "
+                                  "in one forward pass with other sequences finishing in the same step.",
+                                  value=sched.closed_together if sched is not None else 0)
         yield GaugeMetricFamily("mlxstack_max_concurrent_sequences", "MAX_CONCURRENT_SEQUENCES in effect.",
                                 value=sched.max_sequences if sched is not None else 1)
         info = GaugeMetricFamily("mlxstack_model_info", "The served model (value is always 1).",
