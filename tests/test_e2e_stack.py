@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -129,6 +130,40 @@ def test_anthropic_tool_use_round_trip(stack):
     status, reply, _ = stack.post("/v1/messages", {"model": MODEL, "max_tokens": 16, "tools": tools, "messages": messages})
     assert status == 200, reply
     assert reply["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_concurrent_sessions_through_litellm_batch_reuse_and_match_alone(stack):
+    """Four agent sessions at once through port 4000: their turns decode together on the MLX
+    server, each warm turn reuses its own previous turn, and every reply equals the reply the
+    same conversation gets when it runs alone afterwards."""
+    system = {"role": "system", "content": "You are a terse coding agent. Answer in one sentence. " * 8}
+    users = ["Name a sorting algorithm.", "Name a prime number.", "Name a colour.", "Name a planet."]
+
+    def converse(i: int, tag: str) -> list[tuple[str, dict]]:
+        msgs, out = [system], []
+        for t in range(2):
+            msgs = msgs + [{"role": "user", "content": users[i] if t == 0 else "And another one?"}]
+            status, body, _ = stack.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 16,
+                                                                  "temperature": 0, "session_id": f"{tag}-{i}"})
+            assert status == 200, body
+            out.append((body["choices"][0]["message"]["content"], body["usage"]))
+            msgs = msgs + [{"role": "assistant", "content": out[-1][0]}]
+        return out
+
+    together: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, converse(i, "conc"))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    recent = [r for r in stack.recent() if str(r.get("session", "")).startswith("conc-")]
+    alone = [converse(i, "alone") for i in range(4)]
+    assert sorted(together) == [0, 1, 2, 3]
+    assert [[text for text, _ in together[i]] for i in range(4)] == [[text for text, _ in alone[i]] for i in range(4)]
+    for i in range(4):
+        (_, first), (_, second) = together[i]
+        assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"]   # its own turn 1
+    assert max(r.get("batch_size_max", 1) for r in recent) >= 2                              # decoded together
 
 
 def test_sigterm_frees_both_ports(stack):
