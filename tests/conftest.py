@@ -95,6 +95,21 @@ def unused_port() -> int:
         return s.getsockname()[1]
 
 
+def unused_ports(n: int) -> list[int]:
+    """``n`` distinct ports nothing listens on right now: all bound at once, then released
+    (separate ``unused_port()`` calls may return the same port twice)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def engine_settings(model_path: Path | str | None = None, **overrides):
     """Settings for tests: deterministic sampling, no request logs unless asked."""
     from mlxstack.config.settings import load_settings

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scripts.probelib.servers import launch_stack
-from tests.conftest import LiveServer, engine_settings, http_json, unused_port
+from tests.conftest import LiveServer, engine_settings, http_json, unused_ports
 from tests.test_model_families import SYSTEM, TURNS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ COMMON = {"DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0", "DEFA
 
 class FamiliesStack:
     def __init__(self, tmp: Path, paths: dict[str, Path], embedded_cache: str) -> None:
-        self.ports = {kind: unused_port() for kind in paths}
-        self.proxy_port = unused_port()
+        *backend_ports, self.proxy_port = unused_ports(len(paths) + 1)
+        self.ports = dict(zip(paths, backend_ports))
         backends = tmp / "backends.yaml"
         backends.write_text("backends:\n" + "".join(
             f"  - model_path: {paths[k]}\n    port: {self.ports[k]}\n" for k in paths))

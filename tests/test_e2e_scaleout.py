@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from scripts.probelib.servers import launch_stack
-from tests.conftest import http_json, unused_port
+from tests.conftest import http_json, unused_port, unused_ports
 
 REPO = Path(__file__).resolve().parents[1]
 KEY, MLX_KEY = "sk-e2e-scaleout", "sk-mlx-scaleout-backends"
@@ -44,7 +44,11 @@ def _port_pair() -> int:
 
 class ScaleoutStack:
     def __init__(self, tmp: Path, tiny: Path, embedded_cache: str) -> None:
-        self.replica_port, self.small_port, self.proxy_port = _port_pair(), unused_port(), unused_port()
+        while True:   # four distinct ports: the replica pair, the small model, the proxy
+            self.replica_port = _port_pair()
+            self.small_port, self.proxy_port = unused_ports(2)
+            if len({self.replica_port, self.replica_port + 1, self.small_port, self.proxy_port}) == 4:
+                break
         backends = tmp / "backends.yaml"
         backends.write_text(
             "backends:\n"

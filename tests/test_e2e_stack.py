@@ -14,7 +14,7 @@ import pytest
 
 from mlxstack.launcher import ports
 from scripts.probelib.servers import launch_stack
-from tests.conftest import http_json, unused_port
+from tests.conftest import http_json, unused_ports
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-e2e-test-key"
@@ -23,7 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 class Stack:
     def __init__(self, tmp: Path, embedded_cache: str, **extra_env: str) -> None:
-        self.mlx_port, self.proxy_port = unused_port(), unused_port()
+        self.mlx_port, self.proxy_port = unused_ports(2)
         env = {"MLX_PORT": str(self.mlx_port), "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY,
                "LOG_ROOT": str(tmp / "logs"), "MODEL_CACHE_DIR": embedded_cache, "DEFAULT_TEMPERATURE": "0",
                "DEFAULT_MAX_TOKENS": "24", "PROXY_STARTUP_TIMEOUT_SECONDS": "180", **extra_env}
