@@ -132,3 +132,31 @@ def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[
     """Copy a sequence's own KVCache layers into ``row``."""
     for slab, own in zip(slab_layers, own_layers):
         slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0)
+
+
+def is_row_layer(layer: Any) -> bool:
+    """A plain ``KVCache`` layer: held as a row of a SlabKVCache (joins and leaves in place).
+    Every other batchable kind (``RotatingKVCache``, ``ArraysCache``) is batched by mlx-lm's own
+    ``merge`` / ``extract`` (BatchRotatingKVCache, a batched ArraysCache)."""
+    return type(layer) is KVCache
+
+
+def merge_layer(caches: list[Any]) -> Any:
+    """mlx-lm's batched form of one non-KV layer, a row per cache (in order)."""
+    return type(caches[0]).merge(caches)
+
+
+def stack_layers(rows: list[list[Any]]) -> list[Any]:
+    """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers)."""
+    out: list[Any] = []
+    for i, first in enumerate(rows[0]):
+        if is_row_layer(first):
+            slab = SlabKVCache.empty(len(rows))
+            for r, layers in enumerate(rows):
+                own = layers[i]
+                slab.place(r, own.keys, own.values, own.offset if own.keys is not None else 0)
+            out.append(slab)
+        else:
+            out.append(merge_layer([layers[i] for layers in rows]))
+    return out
+

@@ -117,7 +117,7 @@ class Scheduler:
         template's closer) in one batched forward instead of one forward each; finish() then only
         stores. Anything unusual (an abort, a failure here) is left to finish()'s own path."""
         eng = self.engine
-        if not self.group.batching or len(finished) < 2 or not eng.state.prompt_cache.enabled:
+        if not self.group.dense or len(finished) < 2 or not eng.state.prompt_cache.enabled:
             return
         plans: list[tuple[Sequence, list[int], list[int]]] = []
         for seq in finished:
@@ -145,7 +145,7 @@ class Scheduler:
     def _short_batch(self) -> list[Sequence]:
         """Waiting sequences whose whole remainders fit one padded batch within the budget (only
         with decode batching; a long prompt still waiting gets the next step)."""
-        if not self.group.batching or len(self.prefilling) < 2:
+        if not self.group.dense or len(self.prefilling) < 2:
             return []
         cands = [s for s in self.prefilling
                  if not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
