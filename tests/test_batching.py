@@ -399,3 +399,20 @@ def test_the_worker_admits_everything_queued_at_once(dense):
         worker.stop()
     assert worker.scheduler.short_batches == 1          # all four prefilled in one forward
     assert all(o.completion_tokens == 4 for o in outs)
+
+
+def test_bench_batch_kinds_rows_match_alone_at_full_size():
+    """scripts/bench_batch_kinds.py at the embedded model's width (576 hidden, 9/3 heads; 6 layers
+    here instead of 30, so gemma3's 5-sliding-1-global pattern and lfm2's conv + attention mix are
+    both present) in four layouts: each row of a batched step equals its sequence stepped alone."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_batch_kinds", Path(__file__).resolve().parents[1] / "scripts" / "bench_batch_kinds.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for kind in ("llama", "gemma3_text", "lfm2", "mamba2"):
+        r = bench.run(kind, context=24, rows=3, steps=1, layers=6)
+        assert r["max_logit_diff"] < 1e-3, (kind, r)
+        assert r["single_tok_s"] > 0 and r["batched_tok_s"] > 0
