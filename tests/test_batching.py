@@ -109,7 +109,7 @@ def test_seeded_sampling_keeps_its_own_stream_in_a_batch(dense):
     assert [o.raw_text for o in together] == alone
 
 
-def test_a_short_request_gets_its_first_token_within_two_prefill_chunks(dense):
+def test_a_short_request_waits_at_most_one_chunk_of_a_long_prefill(dense):
     eng = build_engine(engine_settings(dense))
     long_user = " ".join(f"item {i}: check the parser output for token {i * 3}." for i in range(120))
     sched = Scheduler(eng, 8, 64, batching=True)
@@ -125,7 +125,9 @@ def test_a_short_request_gets_its_first_token_within_two_prefill_chunks(dense):
     while not short_f.done() and not any(s.job is short for s in sched.group.seqs):
         sched.step()
         steps += 1
-    assert steps <= 2                              # a long chunk, then its own (only) chunk
+    assert steps == 1                              # its own (only) chunk goes before the long one's next
+    sched.step()
+    assert long_f.done() is False and sched.prefilling[0].pos > 128   # then the long one moves on
     while not sched.idle():
         sched.step()
     assert long_f.result().prompt_tokens > 1000 and short_f.result().completion_tokens == 4
@@ -262,6 +264,16 @@ def test_slab_rows_place_take_and_rebuild_exactly():
     assert slab._idx == 5 and slab.left_padding.tolist()[:2] == [0, 2]
     assert mx.array_equal(slab.take(0).keys, a.keys[..., :5, :]).item()
     assert mx.array_equal(slab.take(1).values, c.values[..., :3, :]).item()
+
+
+def test_shortest_fitting_remainder_goes_first_only_when_a_longer_one_waits():
+    from mlxstack.engine.scheduler import shortest_fitting
+
+    assert shortest_fitting([900, 40, 12], 256) == 2                  # the smallest that one chunk finishes
+    assert shortest_fitting([900, 300], 256) is None                 # nothing fits: round-robin
+    assert shortest_fitting([40, 12], 256) is None                   # all fit: round-robin serves them
+    assert shortest_fitting([900, 0, 30], 256) == 2                  # nothing left to feed is not a candidate
+    assert shortest_fitting([], 256) is None
 
 
 def test_round_robin_is_fair():

@@ -10,9 +10,10 @@ One step:
 1. prefill, within ``prefill_budget`` tokens: when decode batching is on and two or more waiting
    sequences have short remainders (a warm agent turn's new tokens), all of them in one batched
    forward (engine/batch_prefill.py) -- they join the decode batch together; otherwise one chunk
-   for ONE sequence still prefilling, round-robin over them. A long cold prompt never freezes the
-   others, and a short request that arrives during it gets its first token within two chunks
-   (short batches and long chunks alternate while both wait);
+   for ONE sequence still prefilling: a remainder one chunk finishes goes before a longer prompt's
+   next chunk (never twice in a row while the longer one waits), else round-robin. A long cold
+   prompt never freezes the others, and a short request that arrives during it waits at most one
+   of its chunks (short work and long chunks alternate while both wait);
 2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup).
 
 Admission is FIFO up to ``max_sequences`` in flight; the worker's bounded queue (503 when full)
@@ -38,6 +39,15 @@ def next_round_robin(count: int, last: int) -> int:
     return 0 if count <= 0 else (last + 1) % count
 
 
+def shortest_fitting(remainders: list[int], budget: int) -> int | None:
+    """Index of the smallest remainder that one chunk finishes, when a longer one also waits
+    (pure; None when every remainder fits -- round-robin serves them -- or none does)."""
+    fits = [i for i, n in enumerate(remainders) if 0 < n <= budget]
+    if not fits or len(fits) == len(remainders):
+        return None
+    return min(fits, key=lambda i: remainders[i])
+
+
 class Scheduler:
     def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
         self.engine = engine
@@ -49,7 +59,7 @@ class Scheduler:
         self._rr = -1
         self.steps = 0
         self.last_batch = 0
-        self._short_last = False      # the previous step prefilled a short batch
+        self._short_last = False      # the previous step served short work out of turn (a batch or one)
         self.short_batches = 0        # steps that prefilled several sequences together
         self.closed_together = 0      # turns closed in a shared forward with others
 
@@ -82,19 +92,17 @@ class Scheduler:
         if len(short) >= 2:
             self._prefill_short(short)
         elif self.prefilling:
-            self._short_last = False
-            self._rr = next_round_robin(len(self.prefilling), self._rr)
-            seq = self.prefilling[self._rr]
+            i = self._next_prefill()
+            seq = self.prefilling[i]
             try:
                 done = self.engine.prefill_step(seq, self.prefill_budget,
                                                 defer_last=self.group.batching and not seq.job.prefill_only)
             except BaseException as exc:  # noqa: BLE001
-                self.prefilling.remove(seq)
+                self._drop_prefilling(i)
                 self._fail(seq, exc)
                 done = False
             if done:
-                self.prefilling.remove(seq)
-                self._rr -= 1
+                self._drop_prefilling(i)
                 self._prefilled(seq)
         if len(self.group):
             self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
@@ -111,6 +119,24 @@ class Scheduler:
             for seq in finished:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
+
+    def _next_prefill(self) -> int:
+        """Which waiting sequence gets this step's prefill chunk: one whose whole remainder fits in
+        the chunk goes before a longer one (a side request during a long cold prompt waits at most
+        one chunk), but never twice in a row while a longer one waits; otherwise round-robin."""
+        if not self._short_last:
+            i = shortest_fitting([remaining(s) for s in self.prefilling], self.prefill_budget)
+            if i is not None:
+                self._short_last = True
+                return i
+        self._short_last = False
+        self._rr = next_round_robin(len(self.prefilling), self._rr)
+        return self._rr
+
+    def _drop_prefilling(self, i: int) -> None:
+        del self.prefilling[i]
+        if i <= self._rr:
+            self._rr -= 1
 
     def _close_together(self, finished: list[Sequence]) -> None:
         """Sequences that finished in the same step close their turns (last sampled token + the
