@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
+from probelib.client import free_ports  # noqa: E402
 from probelib.servers import launch_stack  # noqa: E402
 
 KEY, MLX_KEY = "sk-bench-scaleout", "sk-bench-scaleout-mlx"
@@ -75,25 +75,6 @@ def build_sessions() -> list[dict]:
 
 
 # --- the stack -------------------------------------------------------------------------------------
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _port(pair: bool = False) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair or (port < 65000 and _free(port + 1)):
-            return port
-    raise RuntimeError("no free ports")
-
-
 def http(url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 600) -> tuple[int, dict, dict]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -112,7 +93,7 @@ def http(url: str, body: dict | None = None, headers: dict | None = None, timeou
 
 class Stack:
     def __init__(self, tmp: Path, replicas: int, routing: str, model_path: str = "") -> None:
-        self.mlx_port, self.proxy_port = _port(pair=True), _port()
+        self.mlx_port, self.proxy_port = free_ports(2, first_run=2)   # replicas: mlx_port, mlx_port + 1
         self.logs = tmp / "logs"
         env = {"MLX_PORT": str(self.mlx_port), "MLX_REPLICAS": str(replicas), "ROUTING": routing, "MODEL_PATH": model_path,
                "PROXY_PORT": str(self.proxy_port), "LITELLM_MASTER_KEY": KEY, "MLX_API_KEY": MLX_KEY,

@@ -88,26 +88,16 @@ def tiny_kind_paths(tmp_path_factory, embedded_model_path):
 
 def unused_port() -> int:
     """A TCP port nothing listens on right now (bound to port 0, then released)."""
-    import socket
+    from scripts.probelib.client import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
-def unused_ports(n: int) -> list[int]:
-    """``n`` distinct ports nothing listens on right now: all bound at once, then released
-    (separate ``unused_port()`` calls may return the same port twice)."""
-    import socket
+def unused_ports(n: int, first_run: int = 1) -> list[int]:
+    """``n`` distinct free ports, bound all at once (scripts/probelib/client.py ``free_ports``)."""
+    from scripts.probelib.client import free_ports
 
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n, first_run)
 
 
 def engine_settings(model_path: Path | str | None = None, **overrides):

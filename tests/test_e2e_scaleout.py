@@ -11,44 +11,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from scripts.probelib.servers import launch_stack
-from tests.conftest import http_json, unused_port, unused_ports
+from tests.conftest import http_json, unused_ports
 
 REPO = Path(__file__).resolve().parents[1]
 KEY, MLX_KEY = "sk-e2e-scaleout", "sk-mlx-scaleout-backends"
 AUTH, MLX_AUTH = {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {MLX_KEY}"}
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _port_pair() -> int:
-    for _ in range(50):
-        port = unused_port()
-        if port < 65000 and _free(port + 1):
-            return port
-    raise AssertionError("no two consecutive free ports")
-
-
 class ScaleoutStack:
     def __init__(self, tmp: Path, tiny: Path, embedded_cache: str) -> None:
-        while True:   # four distinct ports: the replica pair, the small model, the proxy
-            self.replica_port = _port_pair()
-            self.small_port, self.proxy_port = unused_ports(2)
-            if len({self.replica_port, self.replica_port + 1, self.small_port, self.proxy_port}) == 4:
-                break
+        # four distinct ports: the replica pair (port, port + 1), the small model, the proxy
+        self.replica_port, self.small_port, self.proxy_port = unused_ports(3, first_run=2)
         backends = tmp / "backends.yaml"
         backends.write_text(
             "backends:\n"

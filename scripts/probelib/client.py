@@ -94,6 +94,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, first_run: int = 1) -> list[int]:
+    """``n`` distinct ports nothing listens on right now, all bound at once and then released
+    (separate free_port() calls may return the same port twice). The first one also has the
+    ``first_run - 1`` ports after it free and unused by the others (replicas take port, port+1, ...)."""
+    for _ in range(100):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            ports = [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        run = [ports[0] + k for k in range(1, first_run)]
+        if all(p < 65536 and p not in ports and _bindable(p) for p in run):
+            return ports
+    raise RuntimeError(f"no {n} free ports with a run of {first_run}")
+
+
 def nonce(n: int = 8) -> str:
     return "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(n))
 
