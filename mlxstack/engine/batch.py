@@ -37,8 +37,8 @@ from .chat import ChatEngine, Sequence
 
 log = logging.getLogger("mlxstack.batch")
 
-COMPACT_SLACK = 256
-BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form   # drop unused leading columns once every active row has this much padding
+COMPACT_SLACK = 256   # drop unused leading columns once every active row has this much padding
+BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form
 
 
 class DecodeGroup:
@@ -130,8 +130,6 @@ class DecodeGroup:
     def _other_states(self) -> dict[int, list[Any]]:
         """Each member's non-KV layers: its own caches while the group has no batch, else copies
         extracted from the batched layers."""
-        if not self.other_idx and self.slab is not None:
-            return {id(s): [] for s in self.seqs}
         if self.slab is None:
             return {id(s): [s.live.layers[i] for i in self.other_idx] for s in self.seqs}
         return {id(s): [self.slab[i].extract(self.row[id(s)]) for i in self.other_idx] for s in self.seqs}

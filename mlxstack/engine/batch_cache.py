@@ -148,15 +148,10 @@ def merge_layer(caches: list[Any]) -> Any:
 
 def stack_layers(rows: list[list[Any]]) -> list[Any]:
     """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers)."""
-    out: list[Any] = []
-    for i, first in enumerate(rows[0]):
-        if is_row_layer(first):
-            slab = SlabKVCache.empty(len(rows))
-            for r, layers in enumerate(rows):
-                own = layers[i]
-                slab.place(r, own.keys, own.values, own.offset if own.keys is not None else 0)
-            out.append(slab)
-        else:
-            out.append(merge_layer([layers[i] for layers in rows]))
+    kv = [i for i, layer in enumerate(rows[0]) if is_row_layer(layer)]
+    out = [SlabKVCache.empty(len(rows)) if i in kv else merge_layer([layers[i] for layers in rows])
+           for i in range(len(rows[0]))]
+    for r, layers in enumerate(rows):
+        place_own_layers([out[i] for i in kv], r, [layers[i] for i in kv])
     return out
 

@@ -70,14 +70,18 @@ def _forward_padded(model: Any, layers: list[Any], rows: list[list[int]]) -> Non
     mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
 
 
+def _merged(lives: list[Any]) -> list[Any]:
+    """One mlx-lm BatchKVCache per layer holding every LiveCache's KV (left-padded, in order)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(len(lives[0].layers))]
+
+
 def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
     layers (a copy of its row) and its depth advances by what it was fed."""
-    from mlx_lm.models.cache import BatchKVCache
-
-    n_layers = len(lives[0].layers)
     with mx.stream(generation_stream()):
-        layers = [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(n_layers)]
+        layers = _merged(lives)
         _forward_padded(model, layers, rows)
         for i, (lv, r) in enumerate(zip(lives, rows)):
             lv.layers = [layer.extract(i) for layer in layers]
@@ -88,13 +92,10 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
 def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
     """Feed every sequence's remaining prompt but its last token; return the BatchKVCache layers
     (rows in ``seqs`` order)."""
-    from mlx_lm.models.cache import BatchKVCache
-
     for s in seqs:
         if s.pos < 0:
             s.pos = s.start
-    n_layers = len(seqs[0].live.layers)
-    layers = [BatchKVCache.merge([s.live.layers[i] for s in seqs]) for i in range(n_layers)]
+    layers = _merged([s.live for s in seqs])
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
     with mx.stream(generation_stream()):
         _forward_padded(model, layers, heads)

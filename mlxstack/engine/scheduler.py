@@ -192,6 +192,9 @@ class Scheduler:
             for s in seqs:
                 self._fail(s, exc)
             return
+        def own(i: int) -> None:   # sequence i takes its row back as its own layers
+            seqs[i].live.layers = [layer.extract(i) for layer in layers]
+
         now = time.perf_counter()
         joining: list[int] = []
         for i, s in enumerate(seqs):
@@ -201,19 +204,18 @@ class Scheduler:
                     joining.append(i)
                     continue
             except BaseException as exc:  # noqa: BLE001
-                s.live.layers = [layer.extract(i) for layer in layers]
+                own(i)
                 self._fail(s, exc)
                 continue
-            s.live.layers = [layer.extract(i) for layer in layers]   # nothing to generate
+            own(i)                                        # nothing to generate
             self.engine.feed_last(s)
             s.t_end = time.perf_counter()
             self._finish(s)
         if not joining:
             return
         if len(joining) == 1 and not len(self.group):   # alone: it decodes on its own cache
-            i = joining[0]
-            seqs[i].live.layers = [layer.extract(i) for layer in layers]
-            self.group.add(seqs[i], None)
+            own(joining[0])
+            self.group.add(seqs[joining[0]], None)
             return
         self.group.adopt([seqs[i] for i in joining], layers, joining)
 
