@@ -71,15 +71,23 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
 
 
 def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settings: Any,
-                         quant: KVQuant | None = None) -> dict:
-    """Everything that makes stored KV incompatible: model files and numerics, chat template,
-    cache-kind layout, KV quantisation. A change in any of them opens another disk namespace."""
+                         quant: KVQuant | None = None) -> dict | None:
+    """Everything that makes stored KV incompatible: model content (every weight byte, model
+    code versions, every file that changes the computation: models/fingerprint.py) and numerics,
+    chat template, cache-kind layout, KV quantisation. A change in any of them opens another disk
+    namespace. None when there is no disk tier (the weights are then not hashed)."""
+    from ..cache.disk_config import resolve_disk_cache_dir
     from ..cache.hashing import template_hash
+    from ..config.settings import REPO_ROOT
     from ..models.device import is_cpu_only
-    from ..models.fingerprint import model_fingerprint
+    from ..models.fingerprint import MEMO_NAME, model_fingerprint
 
-    return {"model": model_fingerprint(loaded.path, upcast=bool(settings.cpu_float32 and is_cpu_only())),
-            "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
+    if not settings.cache_enabled or not layout.supported or resolve_disk_cache_dir(
+            settings.disk_cache_dir, auto_base=settings.model_cache_path, repo_root=REPO_ROOT) is None:
+        return None
+    fp = model_fingerprint(loaded.path, upcast=bool(settings.cpu_float32 and is_cpu_only()),
+                           memo_path=settings.model_cache_path / MEMO_NAME)
+    return {"model": fp, "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
             "kv_quant": [quant.bits, quant.group_size, quant.start, settings.kv_quant_scheme] if quant else "off"}
 
 
