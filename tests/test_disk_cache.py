@@ -149,3 +149,65 @@ def test_warm_prompts_make_the_first_request_warm(tiny_dense_path, tmp_path):
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------------------- other weights, same shapes
+def _negate_layer0_tensor_in_place(model_dir) -> str:
+    """Negate one float32 layer-0 tensor inside model.safetensors: same shapes, same file size,
+    same mtime (put back, like ``touch -r``) -- a fused fine-tune written over its base."""
+    import os
+
+    import numpy as np
+
+    f = model_dir / "model.safetensors"
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        names = sorted(k for k in header if k.startswith("model.layers.0.") and header[k].get("dtype") == "F32"
+                       and len(header[k]["shape"]) == 2)
+        name = "model.layers.0.self_attn.v_proj.weight" if "model.layers.0.self_attn.v_proj.weight" in names else names[0]
+        start, end = header[name]["data_offsets"]
+        fh.seek(8 + n + start)
+        data = np.frombuffer(fh.read(end - start), dtype="<f4")
+        fh.seek(8 + n + start)
+        fh.write((-data).astype("<f4").tobytes())
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    return name
+
+
+def test_changed_weights_with_the_same_shapes_never_reuse_stored_kv(tiny_dense_path, tmp_path):
+    """Issue 23 item 1: a restart on the same DISK_CACHE_DIR after the weights changed in place
+    (same names, sizes, shapes and mtime) is a miss that equals a cold run of the new weights;
+    the unchanged restart before it still hits (so the miss is the fingerprint's doing)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dense_path, model)
+    disk, memo_dir = tmp_path / "kv", tmp_path / "model_cache"
+    settings = disk_settings(model, disk, model_cache_dir=str(memo_dir))
+    first = build_engine(settings)
+    _, messages = run_turns(first, TURNS[:2])
+    first.state.close()
+    follow = messages + [{"role": "user", "content": TURNS[2]}]
+    assert (memo_dir / "fingerprints.json").is_file()
+
+    same = build_engine(settings)
+    assert same.state.disk.restored >= 1
+    hit = same.run(job(follow, max_tokens=8, session="disk")[0])
+    assert hit.timings["cache_tier"] == "disk" and hit.cached_tokens > 0
+    same.state.close()
+
+    _negate_layer0_tensor_in_place(model)
+    changed = build_engine(settings)
+    assert changed.state.disk.restored == 0
+    assert changed.state.disk.tier.directory != same.state.disk.tier.directory
+    out = changed.run(job(follow, max_tokens=8, session="disk")[0])
+    assert out.cached_tokens == 0 and out.timings["cache_tier"] != "disk"
+    assert not changed.state.counters.get("hits_disk")
+    cold = build_engine(engine_settings(model, prompt_cache_max_entries_global=0))
+    ref = cold.run(job(follow, max_tokens=8, session="disk")[0])
+    assert out.raw_text == ref.raw_text and out.prompt_tokens == ref.prompt_tokens
+    assert ref.raw_text != hit.raw_text          # the edit does change the model's answer
+    changed.state.close()
