@@ -13,7 +13,9 @@ whole. Tokens are stored as little-endian int64 bytes.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 SCHEMA_VERSION = 1
+PRIVATE_FILE = 0o600
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -50,6 +53,16 @@ class IndexRow:
     meta: dict
 
 
+def _private_files(db: Path) -> None:
+    """chmod 0600 the database and whichever of its companion files exist."""
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        try:
+            if stat.S_IMODE(os.lstat(f"{db}{suffix}").st_mode) != PRIVATE_FILE:
+                os.chmod(f"{db}{suffix}", PRIVATE_FILE)
+        except FileNotFoundError:
+            pass
+
+
 def tokens_to_blob(tokens: np.ndarray) -> bytes:
     return np.asarray(tokens, dtype="<i8").tobytes()
 
@@ -64,9 +77,16 @@ class DiskIndex:
     """Not thread-safe by itself: the disk tier calls it from one thread at a time."""
 
     def __init__(self, path: Path) -> None:
+        # The rows hold every stored prompt's tokens: the database is created 0600 before sqlite
+        # opens it (sqlite gives its -wal / -shm / -journal the database file's mode), and files an
+        # older version left 0644 are tightened.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        os.close(fd)
+        _private_files(Path(path))
         # isolation_level=None: explicit transactions, so each insert/delete commits at once.
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
+        _private_files(Path(path))
         # NORMAL under WAL: a process crash loses nothing; a power cut may lose the last rows,
         # whose files are then removed as orphans at start-up.
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -20,6 +20,9 @@ Invariants (tests/test_disk_tier.py):
 - ``put`` never blocks on I/O: it validates, plans the header, evicts (LRU by bytes) and queues.
   A queued entry is listed and loadable at once (served from the record it holds).
 - One process per namespace directory (an flock); a second gets DiskTierBusy.
+- Private whatever the umask (tests/test_disk_permissions.py): the root, namespace and entries
+  folders 0700; entry, temp, lock and index files (and sqlite's -wal/-shm/-journal) 0600. Opening a
+  tier tightens what an older version left 0755 / 0644 in every namespace under the root.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -52,6 +56,8 @@ _FORMAT = "mlxstack.format"
 _SUFFIX = ".safetensors"
 _TMP_MARK = ".tmp-"
 _NAMESPACE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+PRIVATE_DIR = 0o700    # every stored prompt's tokens are in here: the owner only, whatever the umask
+PRIVATE_FILE = 0o600
 
 
 class DiskTierBusy(RuntimeError):
@@ -172,7 +178,8 @@ class DiskTier:
         self.background = background
         self.max_queue = max_queue
         self.max_queue_bytes = max_queue_bytes
-        self.entries_dir.mkdir(parents=True, exist_ok=True)
+        _private_dirs(Path(root).expanduser(), self.directory, self.entries_dir)
+        tighten_tier(Path(root).expanduser(), self.directory)  # a tier an older version left 0755 / 0644
         self._lock_file = self._acquire_lock()
 
         self._lock = threading.Condition(threading.RLock())
@@ -353,7 +360,7 @@ class DiskTier:
 
     # ------------------------------------------------------------------ start-up
     def _acquire_lock(self):
-        f = open(self.directory / "lock", "a+")  # noqa: SIM115 -- held open (locked) until close()
+        f = _open_private(self.directory / "lock")  # held open (locked) until close()
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -564,6 +571,76 @@ def _file_tensors(record: DiskRecord) -> dict[str, np.ndarray]:
     return {**record.tensors, _KEY_TOKENS: record.key_tokens, _MODEL_TOKENS: record.model_tokens}
 
 
+def _open_private(path: Path):
+    """A lock file handle on ``path``, created (or tightened to) 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE)
+        return os.fdopen(fd, "r+b")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _private_dirs(root: Path, *below: Path) -> None:
+    """Create ``root`` and ``below`` (each inside the previous) 0700, or tighten them to 0700.
+    The root is the disk tier's own folder (DISK_CACHE_DIR); folders above it keep the umask's mode."""
+    root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    _chmod(root, PRIVATE_DIR, follow=True)   # DISK_CACHE_DIR may be a link to another disk
+    for path in below:
+        path.mkdir(exist_ok=True, mode=PRIVATE_DIR)
+        _chmod(path, PRIVATE_DIR)
+
+
+def _chmod(path: Path | str, mode: int, *, follow: bool = False, st: os.stat_result | None = None) -> None:
+    """Set ``path``'s permission bits to ``mode`` if they differ; links are left alone unless
+    ``follow``; a file that vanished or that another user owns is skipped (logged)."""
+    try:
+        st = st or (os.stat(path) if follow else os.lstat(path))
+        if stat.S_ISLNK(st.st_mode) or stat.S_IMODE(st.st_mode) == mode:
+            return
+        os.chmod(path, mode)
+    except FileNotFoundError:
+        pass
+    except PermissionError as exc:
+        log.warning("disk tier: cannot make %s private (%s)", path, exc)
+
+
+def tighten_tier(root: Path, *namespaces: Path) -> None:
+    """Folders 0700 and files 0600 in every namespace under ``root`` (a folder named ``ns-*`` or
+    holding an index.sqlite) and in ``namespaces``, down to their entries/ folder. Other folders
+    under ``root`` and symbolic links are not touched. One lstat per file."""
+    dirs = set(namespaces)
+    try:
+        with os.scandir(root) as it:
+            for d in it:
+                if d.is_dir(follow_symlinks=False) and (d.name.startswith("ns-") or os.path.exists(
+                        os.path.join(d.path, "index.sqlite"))):
+                    dirs.add(Path(d.path))
+    except FileNotFoundError:
+        return
+    for ns in dirs:
+        _tighten_folder(ns, depth=1)
+
+
+def _tighten_folder(path: Path, depth: int) -> None:
+    _chmod(path, PRIVATE_DIR)
+    try:
+        with os.scandir(path) as it:
+            for d in it:
+                try:
+                    st = d.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    if depth > 0:
+                        _tighten_folder(Path(d.path), depth - 1)
+                elif stat.S_ISREG(st.st_mode):
+                    _chmod(d.path, PRIVATE_FILE, st=st)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -592,7 +669,7 @@ def prune_namespaces(root: Path, keep: str, max_total_bytes: int) -> list[str]:
     for _stamp, path in sorted(candidates):
         if total <= max_total_bytes:
             break
-        with open(path / "lock", "a+") as lock:
+        with _open_private(path / "lock") as lock:
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

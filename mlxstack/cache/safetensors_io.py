@@ -180,8 +180,14 @@ def _byte_view(arr: np.ndarray) -> memoryview:
 # ---------------------------------------------------------------------------- file I/O
 def write_file(path: Path, plan: FilePlan, tensors: Mapping[str, np.ndarray]) -> str:
     """Create ``path`` (must not exist), stream the tensors while checksumming, patch the header
-    in place (same length: the checksum is fixed-width), fsync. Returns the checksum."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    in place (same length: the checksum is fixed-width), fsync. Returns the checksum. The file is
+    0600 from its creation, whatever the umask: it holds a prompt's tokens."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)    # exact (a umask can only take bits away; this puts owner rw back)
+    except BaseException:
+        os.close(fd)
+        raise
     with os.fdopen(fd, "wb") as f:
         placeholder = _padded(_header_json(plan, _CHECKSUM_PLACEHOLDER))
         f.write(plan.header_len.to_bytes(8, "little") + placeholder)
