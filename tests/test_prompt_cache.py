@@ -295,3 +295,66 @@ def test_prefix_cull_only_removes_prefixes_the_new_entry_can_serve():
     assert ids == {a.entry_id, d.entry_id, e.entry_id}
     assert [r for r in c.eviction_log if r[1] == "prefix_cull"][-1] == (b.entry_id, "prefix_cull")
     assert c.get(a.entry_id).superseded and c.get(d.entry_id).superseded
+
+
+class Spill:
+    """on_spill stand-in for the disk tier: every entry it is handed gets a disk id."""
+
+    def __init__(self) -> None:
+        self.spilled: list[int] = []
+
+    def __call__(self, entry, reason) -> int:
+        self.spilled.append(entry.entry_id)
+        return 10_000 + entry.entry_id
+
+
+def make_spilling(clock=None, **kw):
+    spill = Spill()
+    cfg = PromptCacheConfig(**{"block_size": 4, "max_entries": 8, **kw})
+    return PromptCache(cfg, namespace_seed("test-model"), CacheCounters(), clock=clock or Clock(), on_spill=spill), spill
+
+
+def test_an_entry_alone_over_the_byte_budget_evicts_nothing_else_and_goes_to_disk():
+    # issue 23 #2: the old order removed every other entry (and its disk copy) first, then
+    # noticed the new entry alone was over budget and spilled it: an empty RAM tier.
+    clock = Clock()
+    c, spill = make_spilling(clock, max_bytes=250)
+    a = put(c, toks(8, 0), nbytes=100)
+    clock.t += 1
+    b = put(c, toks(8, 50), nbytes=100)
+    clock.t += 1
+    big = put(c, toks(8, 90), nbytes=300)
+    assert [e.entry_id for e in c.entries()] == [a.entry_id, b.entry_id]
+    assert spill.spilled == [big.entry_id] and big.on_disk_only
+    assert c.eviction_log == [(big.entry_id, "spill_bytes")]
+    assert c.lookup(toks(12, 90), toks(12, 90)).entry is big       # still findable (on disk)
+
+
+def test_byte_pressure_spills_victims_instead_of_removing_them():
+    clock = Clock()
+    c, spill = make_spilling(clock, max_bytes=250)
+    a = put(c, toks(8, 0), nbytes=100)
+    clock.t += 1
+    b = put(c, toks(8, 50), nbytes=100)
+    clock.t += 1
+    d = put(c, toks(8, 90), nbytes=100)
+    assert spill.spilled == [a.entry_id] and a.on_disk_only and c.get(a.entry_id) is a
+    assert [e.entry_id for e in c.entries()] == [b.entry_id, d.entry_id] and c.nbytes == 200
+    assert c.eviction_log == [(a.entry_id, "spill_bytes")]
+
+
+@pytest.mark.parametrize("pool,limits,nbytes", [("kv", {"max_bytes": 250}, 300),
+                                                ("snapshot", {"snapshot_max_entries": 0}, 50)])
+def test_promoting_an_entry_ram_cannot_hold_keeps_it_disk_only_and_evicts_nothing(pool, limits, nbytes):
+    # issue 23 #2: promote() evicted the entry it promoted and returned it with payload None,
+    # which the engine counted as a hit and then failed on (AttributeError) at every retry.
+    clock = Clock()
+    c, spill = make_spilling(clock, **limits)
+    a = put(c, toks(8, 0), nbytes=100)
+    disk = c.insert_disk_entry(toks(8, 90), toks(8, 90), disk_id=7, nbytes=nbytes, floor=0, pool=pool)
+    assert c.promote(disk.entry_id, object(), nbytes) is False
+    assert disk.on_disk_only and disk.disk_id == 7 and c.get(disk.entry_id) is disk
+    assert [e.entry_id for e in c.entries()] == [a.entry_id] and spill.spilled == [] and c.eviction_log == []
+    fits = c.insert_disk_entry(toks(8, 40), toks(8, 40), disk_id=8, nbytes=100, floor=0)
+    payload = object()
+    assert c.promote(fits.entry_id, payload, 100) is True and fits.payload is payload

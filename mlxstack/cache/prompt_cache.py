@@ -11,7 +11,10 @@ Invariants (each has a test in tests/test_prompt_cache.py):
 - Two tiers share one index: RAM entries (payload held) and disk entries (payload None,
   ``disk_id`` set; loaded on a hit and promoted). Count / byte limits and eviction apply to RAM
   entries only; an evicted RAM entry is spilled (``on_spill`` returns its disk id) and stays
-  findable as a disk entry, else it is removed.
+  findable as a disk entry, else it is removed. Byte pressure spills too (never deletes a disk
+  copy), and an entry RAM can never hold (alone over the byte budget, or of a pool whose limit
+  is 0) leaves RAM first without evicting anything for it; promoting such an entry leaves it
+  disk-only, and the request is served from the state it loaded.
 - Eviction order is deterministic: TTL first, then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
   ties broken by older entry id.
@@ -264,16 +267,21 @@ class PromptCache:
                 self._index.setdefault(h, set()).add(entry.entry_id)
             return entry
 
-    def promote(self, entry_id: int, payload: Any, nbytes: int) -> CacheEntry | None:
-        """A disk entry was loaded: hold its payload in RAM (RAM limits apply again; this entry
-        is protected from the eviction its promotion may cause)."""
+    def promote(self, entry_id: int, payload: Any, nbytes: int) -> bool:
+        """A disk entry was loaded: hold its payload in RAM if RAM can hold it (the limits apply
+        again; this entry is protected from the eviction its promotion may cause). An entry that
+        can never be held -- alone over the byte budget, or of a pool whose limit is 0 -- stays
+        disk-only and nothing else is evicted for it. Either way the caller serves the request
+        from the payload it loaded; True when the entry is now held in RAM."""
         with self._lock:
             e = self._entries.get(entry_id)
             if e is None:
-                return None
+                return False
+            if not self._can_hold(e.pool, int(nbytes)):
+                return False
             e.payload, e.nbytes = payload, int(nbytes)
             self._enforce_limits(protect=entry_id)
-            return self._entries.get(entry_id)
+            return e.payload is not None
 
     def forget_disk(self, disk_ids: Iterable[int]) -> None:
         """The disk tier dropped these (its own LRU, or a corrupt file): RAM copies stay, disk-only
@@ -301,6 +309,18 @@ class PromptCache:
         with self._lock:
             return [e for e in self._entries.values()
                     if (pool is None or e.pool == pool) and (include_disk or e.payload is not None)]
+
+    def held(self) -> list[tuple[CacheEntry, Any]]:
+        """(entry, payload) for every entry held in RAM, read under the lock: another thread may
+        spill or evict an entry (payload -> None) at any moment, so readers use this payload,
+        never ``entry.payload`` read again later."""
+        with self._lock:
+            return [(e, e.payload) for e in self._entries.values() if e.payload is not None]
+
+    def disk_only(self) -> int:
+        """How many entries live on the disk tier only (read under the lock)."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.payload is None)
 
     @property
     def nbytes(self) -> int:
@@ -392,21 +412,31 @@ class PromptCache:
             return None
         return max(pool_entries, key=lambda e: (e.superseded, self.score(e, now), -e.entry_id))
 
+    def _can_hold(self, pool: str, nbytes: int) -> bool:
+        """Whether RAM can ever hold an entry of ``nbytes`` in ``pool`` (the limits, not the load)."""
+        budget = self.config.max_bytes
+        return self._limits[pool].max_entries > 0 and not (budget and nbytes > budget)
+
     def _enforce_limits(self, protect: int) -> None:
+        """Bring RAM back within the count and byte limits. An entry that alone breaks them leaves
+        RAM first (spilled when the disk tier takes it), so nothing else is evicted for room it
+        could never use; the other victims are spilled too, never removed: byte pressure is a
+        reason to leave RAM, not to forget an entry (and its disk copy)."""
+        new = self._entries.get(protect)
+        if new is not None and new.payload is not None and not self._can_hold(new.pool, new.nbytes):
+            self._evict(new, "bytes" if self._limits[new.pool].max_entries > 0 else "count")
         for pool, limits in self._limits.items():
             while sum(1 for e in self._ram() if e.pool == pool) > limits.max_entries:
-                victim = self._victim(pool, protect if limits.max_entries > 0 else -1)
+                victim = self._victim(pool, protect)
                 if victim is None:
                     break
                 self._evict(victim, "count")
         budget = self.config.max_bytes
         while budget and sum(e.nbytes for e in self._ram()) > budget:
             victim = self._victim(None, protect)
-            if victim is None:  # the new entry alone exceeds the budget: drop it too
-                if protect in self._entries and self._entries[protect].payload is not None:
-                    self._evict(self._entries[protect], "bytes")
+            if victim is None:
                 break
-            self._remove(victim.entry_id, "bytes")
+            self._evict(victim, "bytes")
 
     def _supersede_prefixes(self, new: CacheEntry) -> None:
         """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:

@@ -205,8 +205,8 @@ class ChatEngine:
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
-        match, stable_msgs, from_disk = self._find(prep, session.session_id, job)
-        live = checkout(match.entry.payload, match.depth, st.kv_quant) if match.hit else self.new_cache()
+        match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
+        live = checkout(stored, match.depth, st.kv_quant) if match.hit else self.new_cache()
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
@@ -228,25 +228,29 @@ class ChatEngine:
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
                         forced=forced, from_disk=from_disk)
 
-    def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool]:
-        """Lookup over both tiers. A hit on a disk-only entry is loaded (verified) and promoted to
-        RAM; a file that fails verification is dropped and the lookup runs again."""
+    def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool, Any]:
+        """Lookup over both tiers -> (match, stable messages, from disk, the state to check out).
+        A hit on a disk-only entry is loaded (verified) and served from what was loaded, whether
+        or not RAM can keep it (an entry over the byte budget stays disk-only); a file that fails
+        verification is dropped and the lookup runs again."""
         st = self.state
         if not st.prompt_cache.enabled:
-            return MISS, 0, False
+            return MISS, 0, False, None
         if st.disk is not None:
             st.disk.sync(st.prompt_cache)
         for _ in range(4):
             match, stable_msgs = self.lookup(prep, session_id, job)
             match = self.validate_match(prep, match)
-            if not match.hit or match.entry.payload is not None:
-                return match, stable_msgs, False
-            state = st.disk.load(match.entry) if st.disk is not None else None
-            if state is not None and st.prompt_cache.promote(match.entry.entry_id, state, state.nbytes) is not None:
-                return match, stable_msgs, True
+            stored = match.entry.payload if match.hit else None
+            if not match.hit or stored is not None:
+                return match, stable_msgs, False, stored
+            stored = st.disk.load(match.entry) if st.disk is not None else None
+            if stored is not None:
+                st.prompt_cache.promote(match.entry.entry_id, stored, stored.nbytes)
+                return match, stable_msgs, True, stored
             st.prompt_cache.remove(match.entry.entry_id, "disk_corrupt")
             st.counters.bump("disk_load_failures")
-        return MISS, 0, False
+        return MISS, 0, False, None
 
     # ---------------------------------------------------------------- tool_choice / JSON mode
     def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:

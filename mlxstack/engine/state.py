@@ -152,7 +152,8 @@ class EngineState:
 
     def stats(self) -> dict:
         pc = self.prompt_cache
-        entries = pc.entries()
+        held = pc.held()                      # payloads read under the cache lock (never re-read)
+        entries = [e for e, _ in held]
         counters = self.counters.snapshot()
         with self.rows_lock:
             rows = list(self.rows)
@@ -166,8 +167,8 @@ class EngineState:
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
             "tokens": sum(e.depth for e in entries),
             "bytes": sum(e.nbytes for e in entries),
-            "quantized_bytes": sum(e.nbytes for e in entries
-                                   if e.payload is not None and any(s.kind == "quantized" for s in e.payload.layers)),
+            "quantized_bytes": sum(e.nbytes for e, payload in held
+                                   if any(s.kind == "quantized" for s in getattr(payload, "layers", ()))),
             "budget_bytes": self.cache_budget,
             "max_entries": pc.config.max_entries,
             "block_size": pc.config.block_size,
@@ -177,7 +178,7 @@ class EngineState:
                         if self.healing else None),
             "turn_store_bytes": self.turns.nbytes,
             "disk": self.disk.stats() if self.disk is not None else None,
-            "disk_only_entries": sum(1 for e in pc.entries(include_disk=True) if e.payload is None),
+            "disk_only_entries": pc.disk_only(),
             "correctness": {k: counters.get(k, 0) for k in CORRECTNESS_COUNTERS},
             "hits": {k[5:]: v for k, v in counters.items() if k.startswith("hits_")},
             "misses": counters.get("misses", 0),
