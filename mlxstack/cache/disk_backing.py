@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import faults
 from .disk_tier import DiskTier
 from .kv_disk import arrays_to_state, entry_to_record, record_to_state
 from .kv_ops import KVState
@@ -101,6 +102,7 @@ class DiskBacking:
         state = None
         try:
             path = self.tier.verified_path(disk_id)
+            faults.hit("disk_load", str(disk_id))  # tests: a load that fails (a miss, never a failed request)
             meta = self._meta.get(disk_id)
             if path is not None and meta is not None:
                 import mlx.core as mx

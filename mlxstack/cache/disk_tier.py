@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import faults
 from . import safetensors_io
 from .disk_index import DiskIndex, IndexRow
 from .safetensors_io import CorruptFile, FilePlan
@@ -531,6 +532,7 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             checksum = safetensors_io.write_file(tmp, plan, _file_tensors(record))
+            faults.hit("disk_write", str(entry.entry_id))  # tests: a write that fails before its rename
             with self._lock:
                 alive = self._entries.get(entry.entry_id) is entry
                 if alive:  # rename under the lock: an eviction now sees a durable entry
