@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .layer_kinds import KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of
+from .layer_kinds import FP_HEAD, KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of
 
 
 class LiveCache:
@@ -47,7 +47,10 @@ class LiveCache:
             return
         for i, layer in enumerate(self.layers):
             if kind_of(layer) is KINDS["kv"] and hasattr(layer, "to_quantized"):
-                self.layers[i] = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
+                q = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
+                if layer.keys is not None:   # what it held in full precision: stored entries keep it
+                    setattr(q, FP_HEAD, (layer.keys[..., :self.depth, :], layer.values[..., :self.depth, :]))
+                self.layers[i] = q
         self.quantized = True
 
     @property

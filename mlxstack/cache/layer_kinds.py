@@ -39,11 +39,16 @@ import mlx.core as mx
 @dataclass(slots=True, frozen=True)
 class KVQuant:
     """KV quantisation (KV_BITS): the live cache switches to ``QuantizedKVCache`` at exactly
-    ``start`` tokens, and stored entries keep K/V quantised. A stored entry checked out below
-    ``start`` is dequantised (the live cache is full precision there): approximate, not exact."""
+    ``start`` tokens. A stored entry holds what a cold run holds: full precision below ``start``,
+    quantised from it -- so a hit below the start is full precision and one at or past it is the
+    same quantised computation (both exact)."""
     bits: int
     group_size: int
     start: int
+
+
+FP_HEAD = "_mlxstack_fp_head"   # on a live QuantizedKVCache: (keys, values) it held in full
+#                                 precision when it switched (the tokens below the start)
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,15 +163,12 @@ class KVKind(CacheKind):
         return 0
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
+        # A full-precision layer is stored as it is, KV_BITS or not: it is below the start (the
+        # live cache switches there), where a cold run is full precision too.
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None), (), 0, 0)
-        k, v = _cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)
-        if quant is not None:  # stored quantised: the same byte budget holds 2x (8-bit) / 4x (4-bit)
-            qcls = getattr(sys.modules[type(layer).__module__], "QuantizedKVCache")
-            q = lambda a: tuple(mx.quantize(a, group_size=quant.group_size, bits=quant.bits))  # noqa: E731
-            params = (("bits", quant.bits), ("dequant_below", quant.start), ("group_size", quant.group_size))
-            return LayerState(QuantizedKind.name, qcls, (q(k), q(v)), params, depth, 0)
-        return LayerState(self.name, type(layer), (k, v), (), depth, 0)
+        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
+                          (), depth, 0)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls()
@@ -181,34 +183,60 @@ class KVKind(CacheKind):
 
 
 class QuantizedKind(KVKind):
-    """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth. A state
-    captured with KV_BITS from full-precision layers records ``dequant_below``: checked out
-    below it, it becomes a full-precision ``KVCache`` again (dequantised)."""
+    """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth.
+
+    Stored as a cold run holds it: the first ``fp_head`` tokens in full precision (what the live
+    cache held when it switched at KV_BITS' start; 0 for a cache quantised from its first token)
+    and the rest quantised. Checked out at or below ``fp_head`` it is a full-precision
+    ``KVCache``; past it, the head is quantised again -- per token, so exactly the bytes the cold
+    run's ``to_quantized`` made (LESSONS.md §20) -- in front of the stored quantised tail.
+    Slots: (tail keys, tail values, head keys, head values)."""
     name = "quantized"
     class_names = ("QuantizedKVCache",)
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
-        params = (("bits", int(layer.bits)), ("dequant_below", quant.start if quant is not None else 0),
-                  ("group_size", int(layer.group_size)))
+        params = (("bits", int(layer.bits)), ("fp_head", 0), ("group_size", int(layer.group_size)))
         if layer.keys is None:
-            return LayerState(self.name, type(layer), (None, None), params, 0, 0)
-        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
-                          params, depth, 0)
+            return LayerState(self.name, type(layer), (None, None, None, None), params, 0, 0)
+        head = getattr(layer, FP_HEAD, None)
+        n = 0 if head is None else int(head[0].shape[-2])
+        if depth <= n:                      # below the switch: the full-precision head alone
+            kv_cls = getattr(sys.modules[type(layer).__module__], "KVCache")
+            return LayerState(KVKind.name, kv_cls, (_cut_tokens(head[0], depth), _cut_tokens(head[1], depth)),
+                              (), depth, 0)
+        tail = lambda t: tuple(x[..., n:depth, :] for x in t)  # noqa: E731
+        params = (("bits", int(layer.bits)), ("fp_head", n), ("group_size", int(layer.group_size)))
+        return LayerState(self.name, type(layer),
+                          (tail(layer.keys), tail(layer.values), *(head if n else (None, None))), params, depth, 0)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         params = dict(state.params)
-        group, bits = params["group_size"], params["bits"]
-        k, v = state.arrays
-        if k is not None and depth < params.get("dequant_below", 0):
+        group, bits, n = params["group_size"], params["bits"], params["fp_head"]
+        k, v, hk, hv = state.arrays
+        if k is not None and depth <= n:
             c = getattr(sys.modules[state.cls.__module__], "KVCache")()
-            dq = lambda t: mx.dequantize(*_cut_tokens(t, depth), group_size=group, bits=bits)  # noqa: E731
-            c.keys, c.values, c.offset = dq(k), dq(v), depth
+            c.keys, c.values, c.offset = _cut_tokens(hk, depth), _cut_tokens(hv, depth), depth
             return c
         c = state.cls(group_size=group, bits=bits)
-        if k is not None:
+        if k is None:
+            return c
+        if n:
+            whole = lambda h, t: tuple(  # noqa: E731
+                mx.concatenate([hq, tq[..., :depth - n, :]], axis=-2)
+                for hq, tq in zip(mx.quantize(h, group_size=group, bits=bits), t))
+            c.keys, c.values = whole(hk, k), whole(hv, v)
+            setattr(c, FP_HEAD, (_fresh(hk), _fresh(hv)))
+        else:
             c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
-            c.offset = depth
+        c.offset = depth
         return c
+
+    def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
+        if "fp_head" not in meta["params"] or len(meta["slots"]) != 4:
+            # written before entries kept their full-precision head: reused below the start it
+            # would be approximate, so it is refused (the disk tier drops it: a miss, never wrong)
+            raise ValueError("quantized layer state without its full-precision head (older format)")
+        return super().load(arrays, meta, cls)
 
 
 class RotatingKind(CacheKind):
