@@ -23,14 +23,24 @@ cache in turn: streams interleave, the arithmetic is the sequential one.
 
 Each member keeps everything that is per request: its sampler and PRNG key (a seeded request
 keeps its own stream), stop strings, detokenizer, watchdog and hang-up checks.
+
+Failures stay with what they touch. Per-row work (the sampler, reading the token back, the
+detokenizer, stop checks) failing fails that row only: it leaves the batch (its KV is dropped,
+never stored) and ``take_failed()`` hands it to the scheduler with its exception; the others go
+on with their exact tokens. A join or a leave is a transaction over the group's bookkeeping and
+the slab layers' arrays (``_atomic``): a failure puts the group back as it was, only the joining /
+leaving sequences fail. What cannot be put back -- the shared forward failing, or a rollback
+failing -- drops the whole batch (``reset``) and raises ``GroupReset`` naming every member lost;
+the group is empty and consistent again, ready for the next join.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..config import faults
 from ..runtime.mlx_stream import generation_stream
 from .batch_cache import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
 from .chat import ChatEngine, Sequence
@@ -39,6 +49,20 @@ log = logging.getLogger("mlxstack.batch")
 
 COMPACT_SLACK = 256   # drop unused leading columns once every active row has this much padding
 BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form
+
+
+class GroupReset(RuntimeError):
+    """A shared step of the decode batch failed beyond repair: the batch was dropped (the group is
+    empty and consistent again) and every member in ``lost`` failed with ``cause``."""
+
+    def __init__(self, lost: list[Sequence], cause: BaseException) -> None:
+        super().__init__(f"decode batch dropped after {type(cause).__name__}: {cause}")
+        self.lost = lost
+        self.cause = cause
+
+
+def _ids(seqs: list[Sequence]) -> str:
+    return ",".join(s.job.request_id for s in seqs)
 
 
 class DecodeGroup:
@@ -54,9 +78,73 @@ class DecodeGroup:
         self.row: dict[int, int] = {}          # id(seq) -> its row
         self.kv_idx: list[int] = []            # layers held as slab rows
         self.other_idx: list[int] = []         # layers merged / extracted by mlx-lm
+        self._failed: list[tuple[Sequence, BaseException]] = []   # rows that failed in step()
+        self.resets = 0                        # batches dropped after a failure (GroupReset)
+        self.rollbacks = 0                     # joins / leaves undone after a failure
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    # ------------------------------------------------------------------ failure handling
+    def take_failed(self) -> list[tuple[Sequence, BaseException]]:
+        """Rows that failed in the last step() (they already left the batch), with their errors."""
+        out, self._failed = self._failed, []
+        return out
+
+    def reset(self) -> list[Sequence]:
+        """Drop the batch: every member is out (their caches are not handed back) and the group is
+        empty. Pure bookkeeping -- no MLX call -- so it cannot fail after an MLX error."""
+        lost = self.seqs
+        self.seqs, self.slab, self.row, self.rows = [], None, {}, 0
+        self.resets += 1
+        return lost
+
+    def _snapshot(self) -> tuple:
+        """The group's bookkeeping and every slab layer's arrays (references): what a join or a
+        leave changes. Slab writes outside the members' rows (a joiner's free row) need no undo;
+        growing or compacting a slab assigns new arrays, so the old references are the old state."""
+        kv = None
+        if self.slab is not None:
+            kv = [(i, self.slab[i], (self.slab[i].keys, self.slab[i].values, self.slab[i].offset,
+                                     self.slab[i].left_padding, self.slab[i]._idx)) for i in self.kv_idx]
+        return (list(self.seqs), dict(self.row), self.rows, None if self.slab is None else list(self.slab), kv,
+                [list(s.live.layers) for s in self.seqs])
+
+    def _restore(self, snap: tuple) -> None:
+        seqs, row, rows, slab, kv, layers = snap
+        self.seqs, self.row, self.rows, self.slab = seqs, row, rows, slab
+        for i, layer, (keys, values, offset, left_padding, idx) in kv or []:
+            layer.keys, layer.values, layer.offset, layer.left_padding, layer._idx = keys, values, offset, left_padding, idx
+        for s, own in zip(seqs, layers):
+            s.live.layers = own
+        self._check()
+
+    def _check(self) -> None:
+        """The bookkeeping invariants (a row per member, distinct, inside the slab)."""
+        if self.slab is None:
+            if self.row or self.rows:
+                raise RuntimeError("decode group: rows recorded without a batch")
+            return
+        rows = [self.row.get(id(s)) for s in self.seqs]
+        if None in rows or len(set(rows)) != len(rows) or len(self.row) != len(rows) \
+                or any(not 0 <= r < self.rows for r in rows):
+            raise RuntimeError(f"decode group: rows {rows} do not fit a batch of {self.rows}")
+
+    def _atomic(self, touched: list[Sequence], change: Callable[[], None]) -> None:
+        """Run a join or a leave; on failure put the group back as it was and re-raise (only
+        ``touched`` fail). A rollback that fails drops the batch: GroupReset."""
+        snap = self._snapshot()
+        try:
+            change()
+        except Exception as exc:
+            try:
+                self._restore(snap)
+            except Exception:  # noqa: BLE001 - the group cannot be trusted: drop it
+                log.exception("decode group: rollback failed; dropping the batch")
+                lost = self.reset()
+                raise GroupReset(lost + [s for s in touched if all(s is not m for m in lost)], exc) from exc
+            self.rollbacks += 1
+            raise
 
     # ------------------------------------------------------------------ membership
     def add(self, seq: Sequence, logits: mx.array | None) -> None:
@@ -66,20 +154,25 @@ class DecodeGroup:
             seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
         else:
             with mx.stream(generation_stream()):
-                seq.pending = seq.sampler.sample(logits)
+                seq.pending = self._sample(seq, logits)
             mx.async_eval(seq.pending)
         if self.batching and self.seqs:
-            self._split(seq.live.layers)
-            states = self._other_states()
-            self._make_room(1, seq.live.layers)
-            row = self._free_rows()[0]
-            self._place_own(row, seq.live.layers)
-            self.row[id(seq)] = row
-            states[id(seq)] = [seq.live.layers[i] for i in self.other_idx]
-            self.seqs.append(seq)
-            self._merge_other(states)
+            self._atomic([seq], lambda: self._join_one(seq))
             return
+        faults.hit("slab_join", seq.job.request_id)
         self.seqs.append(seq)
+
+    def _join_one(self, seq: Sequence) -> None:
+        self._split(seq.live.layers)
+        states = self._other_states()
+        self._make_room(1, seq.live.layers)
+        faults.hit("slab_join", seq.job.request_id)
+        row = self._free_rows()[0]
+        self._place_own(row, seq.live.layers)
+        self.row[id(seq)] = row
+        states[id(seq)] = [seq.live.layers[i] for i in self.other_idx]
+        self.seqs = self.seqs + [seq]
+        self._merge_other(states)
 
     def adopt(self, seqs: list[Sequence], layers: list[Any], members: list[int]) -> None:
         """Add sequences prefilled together (engine/batch_prefill.py, plain-KV models): row
@@ -87,13 +180,18 @@ class DecodeGroup:
         its last prompt token, which rides in the next decode step."""
         for seq in seqs:
             seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
-        self._split(seqs[0].live.layers)
-        self._make_room(len(seqs), seqs[0].live.layers)
-        rows = self._free_rows()[:len(seqs)]
-        place_batch_rows(self.slab, rows, layers, members)
-        for seq, row in zip(seqs, rows):
-            self.row[id(seq)] = row
-        self.seqs.extend(seqs)
+
+        def join() -> None:
+            self._split(seqs[0].live.layers)
+            self._make_room(len(seqs), seqs[0].live.layers)
+            faults.hit("slab_join", _ids(seqs))
+            rows = self._free_rows()[:len(seqs)]
+            place_batch_rows(self.slab, rows, layers, members)
+            for seq, row in zip(seqs, rows):
+                self.row[id(seq)] = row
+            self.seqs = self.seqs + list(seqs)
+
+        self._atomic(list(seqs), join)
 
     def _free_rows(self) -> list[int]:
         taken = set(self.row.values())
@@ -153,22 +251,27 @@ class DecodeGroup:
                 self.slab[i] = merge_layer([by_row.get(r, filler)[j] for r in range(self.rows)])
             mx.eval([a for i in self.other_idx for a in _arrays(self.slab[i])])
 
-    def _leave(self, gone: list[Sequence]) -> None:
-        """Give leaving members their own caches back (a copy of their row); free the rows."""
-        if self.slab is None:
-            return
-        states = self._other_states()
+    def _leave(self, gone: list[Sequence], keep_cache: bool = True) -> None:
+        """Members leave: with ``keep_cache`` each gets its own cache back (a copy of its row),
+        else (a failed row) its KV is dropped. Their rows are free; ``seqs`` is the rest."""
         gone_ids = {id(s) for s in gone}
         rest = [s for s in self.seqs if id(s) not in gone_ids]
-        back = gone + (rest if len(rest) <= 1 else [])
+        if self.slab is None:
+            self.seqs = rest
+            return
+        states = self._other_states()
+        freed = {id(s): self.row.pop(id(s)) for s in gone}
+        back = (gone if keep_cache else []) + (rest if len(rest) <= 1 else [])
         for seq in back:
-            row = self.row.pop(id(seq))
+            row = freed[id(seq)] if id(seq) in freed else self.row.pop(id(seq))
             layers: list[Any] = [None] * len(self.slab)
             for i in self.kv_idx:
                 layers[i] = self.slab[i].take(row)
             for j, i in enumerate(self.other_idx):
                 layers[i] = states[id(seq)][j]
             seq.live.layers = layers
+        faults.hit("slab_leave", _ids(gone))
+        self.seqs = rest
         if len(rest) <= 1:                                 # back to a group of one: its own cache
             self.slab, self.row, self.rows = None, {}, 0
             return
@@ -182,58 +285,108 @@ class DecodeGroup:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Sequence]:
-        """Advance every member by one token; return the members that finished (removed)."""
+        """Advance every member by one token; return the members that finished (removed). Rows
+        that failed left too: ``take_failed()``. GroupReset when the batch had to be dropped."""
         if not self.seqs:
             return []
         stream = generation_stream()
         model = self.engine.decode_model
-        current = [s.pending for s in self.seqs]
+        seqs = list(self.seqs)
+        current = [s.pending for s in seqs]
+        failed: dict[int, BaseException] = {}
+
+        def row_work(s: Sequence, work: Callable[[], Any]) -> Any:
+            """Per-row work: a failure fails this row only."""
+            try:
+                return work()
+            except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
+                failed[id(s)] = exc
+                return None
+
+        nxt: list[Any] = [None] * len(seqs)
         with mx.stream(stream):
-            for s in self.seqs:
+            for s in seqs:
                 if not s.tail:                       # a prompt token is already in the history
-                    s.sampler.accept(s.pending)
+                    row_work(s, lambda s=s: s.sampler.accept(s.pending))
             if self.slab is not None:
-                by_row = {self.row[id(s)]: t.reshape(()) for s, t in zip(self.seqs, current)}
-                dummy = mx.array(0, dtype=mx.int32)
-                tokens = mx.stack([by_row.get(r, dummy) for r in range(self.rows)])[:, None]
-                logits = model(tokens, cache=self.slab)[:, -1, :]
-                nxt = [s.sampler.sample(logits[self.row[id(s)]]) for s in self.seqs]
-                for s in self.seqs:
+                try:
+                    faults.hit("decode_forward", _ids(seqs))
+                    by_row = {self.row[id(s)]: t.reshape(()) for s, t in zip(seqs, current)}
+                    dummy = mx.array(0, dtype=mx.int32)
+                    tokens = mx.stack([by_row.get(r, dummy) for r in range(self.rows)])[:, None]
+                    logits = model(tokens, cache=self.slab)[:, -1, :]
+                except Exception as exc:  # noqa: BLE001 - the shared forward: every member is lost
+                    raise GroupReset(self.reset(), exc) from exc
+                for s in seqs:
                     s.live.advance(1)
-            else:
-                nxt = []
-                for s, t in zip(self.seqs, current):
-                    s.live.maybe_quantize()
-                    logits = model(t.reshape(1, 1), cache=s.live.layers)[:, -1, :]
-                    s.live.advance(1)
-                    nxt.append(s.sampler.sample(logits))
-        mx.async_eval(nxt)
-        size = len(self.seqs) if self.slab is not None else 1
+                for j, s in enumerate(seqs):
+                    if id(s) not in failed:
+                        nxt[j] = row_work(s, lambda s=s: self._sample(s, logits[self.row[id(s)]]))
+            else:                                    # each member on its own cache: its own forward
+                for j, (s, t) in enumerate(zip(seqs, current)):
+                    if id(s) not in failed:
+                        nxt[j] = row_work(s, lambda s=s, t=t: self._forward_one(model, s, t))
+        try:
+            mx.async_eval([n for n in nxt if n is not None])
+        except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost
+            raise GroupReset(self.reset(), exc) from exc
+        size = len(seqs) if self.slab is not None else 1
         done: list[Sequence] = []
-        for s, t, n in zip(self.seqs, current, nxt):
+        for s, t, n in zip(seqs, current, nxt):
+            if id(s) in failed:
+                continue
             s.batch_sizes.append(size)
-            if s.tail:                               # fed the last prompt token: nothing to read yet
-                s.tail = False
-                if self.engine._should_stop(s)():
-                    done.append(s)
-                else:
-                    s.pending = n
-            elif self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)():
+            if row_work(s, lambda s=s, t=t: self._read_back(s, t)):
                 done.append(s)
-            else:
+            elif id(s) not in failed:
                 s.pending = n
-        if not done:
-            return []
-        self._leave(done)
-        done_ids = {id(s) for s in done}
-        self.seqs = [s for s in self.seqs if id(s) not in done_ids]
+        gone = [s for s in seqs if id(s) in failed]
+        done = [s for s in done if id(s) not in failed]
+        self._failed.extend((s, failed[id(s)]) for s in gone)
+        if gone:
+            self._discard(gone)
+        if done:
+            try:
+                self._atomic(done, lambda: self._leave(done))
+            except GroupReset:
+                raise
+            except Exception as exc:  # noqa: BLE001 - they could not take their caches: they fail
+                self._failed.extend((s, exc) for s in done)
+                self._discard(done)
+                return []
         return done
 
+    def _sample(self, s: Sequence, logits: mx.array) -> mx.array:
+        faults.hit("sampler", s.job.request_id)
+        return s.sampler.sample(logits)
+
+    def _forward_one(self, model: Any, s: Sequence, t: mx.array) -> mx.array:
+        faults.hit("decode_forward", s.job.request_id)
+        s.live.maybe_quantize()
+        logits = model(t.reshape(1, 1), cache=s.live.layers)[:, -1, :]
+        s.live.advance(1)
+        return self._sample(s, logits)
+
+    def _read_back(self, s: Sequence, t: mx.array) -> bool:
+        """Read the row's previous token (stream it, apply the stop rules); True when it is done."""
+        if s.tail:                                   # fed the last prompt token: nothing to read yet
+            s.tail = False
+            return self.engine._should_stop(s)()
+        return self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)()
+
+    def _discard(self, gone: list[Sequence]) -> None:
+        """Failed members leave without their KV (never stored); GroupReset if even that fails."""
+        try:
+            self._atomic(gone, lambda: self._leave(gone, keep_cache=False))
+        except GroupReset:
+            raise
+        except Exception as exc:  # noqa: BLE001 - rolled back but they cannot leave: drop the batch
+            raise GroupReset(self.reset(), exc) from exc
+
     def drop(self, seq: Sequence) -> None:
-        """Remove a member after a failure (its cache is given back like any leaver's)."""
+        """Remove a member after a failure (its KV is dropped, never stored)."""
         if any(s is seq for s in self.seqs):
-            self._leave([seq])
-            self.seqs = [s for s in self.seqs if s is not seq]
+            self._discard([seq])
 
 
 def _arrays(layer: Any) -> list[mx.array]:

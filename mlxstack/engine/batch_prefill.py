@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..config import faults
 from ..runtime.mlx_stream import generation_stream
 from .request import Sequence
 
@@ -83,10 +84,11 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
     with mx.stream(generation_stream()):
         layers = _merged(lives)
         _forward_padded(model, layers, rows)
-        for i, (lv, r) in enumerate(zip(lives, rows)):
-            lv.layers = [layer.extract(i) for layer in layers]
-            lv.advance(len(r))
-        mx.eval([x for lv in lives for c in lv.layers for x in (c.keys, c.values)])
+        own = [[layer.extract(i) for layer in layers] for i in range(len(lives))]
+        mx.eval([x for row in own for c in row for x in (c.keys, c.values)])
+    for lv, r, row in zip(lives, rows, own):   # all or nothing: a failure above advanced none of them
+        lv.layers = row
+        lv.advance(len(r))
 
 
 def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
@@ -95,6 +97,7 @@ def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
     for s in seqs:
         if s.pos < 0:
             s.pos = s.start
+    faults.hit("prefill_batch", ",".join(s.job.request_id for s in seqs))
     layers = _merged([s.live for s in seqs])
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
     with mx.stream(generation_stream()):

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..cache.kv_ops import LiveCache, capture, checkout
 from ..cache.lcp import lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
+from ..config import faults
 from ..parsing.harmony import HarmonyStopper, healing_patch
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.canonicalize import canonicalize_messages
@@ -57,6 +58,10 @@ class ChatEngine:
         vocab = loaded.tokenizer.get_vocab() if hasattr(loaded.tokenizer, "get_vocab") else {}
         self.call_id = vocab.get("<|call|>") if self.harmony else None
         self._width: int | None = None
+        # ids the tokenizer can decode: a padded logits width (Gemma 3: 262,208 vs 262,145 tokens)
+        # is never sampled past it -- mlx-lm's detokenizers index their token map unchecked
+        self.token_count = tokenizer_size(loaded.tokenizer)
+        self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
 
     # ---------------------------------------------------------------- pipeline
     def prepare(self, job: ChatJob) -> PreparedPrompt:
@@ -185,6 +190,7 @@ class ChatEngine:
         """Render, tokenise, check the window, look the prompt up and check its KV out."""
         if job.is_cancelled():
             raise ClientGone("client left before the request started")
+        faults.hit("admission", job.request_id)
         t0 = time.perf_counter()
         s = self.settings
         st = self.state
@@ -280,10 +286,15 @@ class ChatEngine:
                 self.loaded.tokenizer, "get_vocab") else None
             if tool_open is not None:
                 bias[int(tool_open)] = -1e9
+        outside = [t for t in bias if not 0 <= t < (self.token_count or t + 1)]
+        if outside:   # the HTTP layer answers 400 first (api/validation.py); this guards every caller
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the tokenizer's vocabulary "
+                             f"(0..{self.token_count - 1})")
         return bias or None
 
     def _should_stop(self, seq: Sequence) -> Callable[[], bool]:
-        def should_stop() -> bool:
+        def should_stop() -> bool:   # asked between prefill chunks and decode tokens: progress
+            self.progress()
             if seq.deadline is not None and time.perf_counter() > seq.deadline:
                 seq.watchdog = True
                 return True
@@ -322,7 +333,7 @@ class ChatEngine:
         seq.harmony_stop = HarmonyStopper() if self.harmony else None
         seq.detok = self.loaded.tokenizer.detokenizer
         seq.detok.reset()
-        seq.sampler = Sampler(seq.params, seq.prep.model_tokens, self._logit_width(logits))
+        seq.sampler = Sampler(seq.params, seq.prep.model_tokens, self.sampled_width(logits))
         if seq.forced:
             seq.visible.append(seq.forced)
             seq.job.emit(seq.forced)
@@ -336,6 +347,7 @@ class ChatEngine:
         if tok in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
             return True
+        faults.hit("detokenizer", seq.job.request_id)
         seq.detok.add_token(tok)
         segment = seq.detok.last_segment
         out, hit = seq.stopper.push(segment)
@@ -374,6 +386,7 @@ class ChatEngine:
             return True
         end = min(n - 1, seq.pos + max(1, budget))
         stop_at = min([k for k in seq.checkpoints if seq.pos < k <= end], default=end)
+        faults.hit("prefill_chunk", seq.job.request_id)
         if stop_at > seq.pos:
             feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size)
             seq.pos = stop_at
@@ -397,6 +410,12 @@ class ChatEngine:
         if logits is None:
             return self.logit_width()
         return int(logits.shape[-1])
+
+    def sampled_width(self, logits: Any = None) -> int:
+        """Logits a sampler considers: the model's width, cut at the tokenizer's size (ids past it
+        are padding no tokenizer can decode; the sampler never picks them)."""
+        width = self._logit_width(logits)
+        return min(width, self.token_count) if self.token_count else width
 
     def logit_width(self) -> int:
         """Width of the model's logits (once, from a one-token forward on a fresh cache)."""
@@ -594,6 +613,21 @@ class ChatEngine:
         self.state.counters.bump("salvaged_prefill_tokens", min(depth, n_prompt) - seq.start)
 
     def _store(self, seq: Sequence, continuation: list[int], prompt_depth: int | None = None) -> None:
+        """Store the turn's KV (and its snapshots) with their session records -- all or nothing:
+        a failure part-way removes the entries this call inserted before it re-raises."""
+        inserted: list[int] = []
+        try:
+            self._store_entries(seq, continuation, prompt_depth, inserted)
+        except BaseException:
+            for entry_id in inserted:
+                try:   # its session record and disk copy go with it (EngineState._on_evict)
+                    self.state.prompt_cache.remove(entry_id, "store_failed")
+                except Exception:  # noqa: BLE001 - best effort: the original error is what matters
+                    log.exception("removing entry %s after a failed store failed", entry_id)
+            raise
+
+    def _store_entries(self, seq: Sequence, continuation: list[int], prompt_depth: int | None,
+                       inserted: list[int]) -> None:
         st = self.state
         prep, match, session_id = seq.prep, seq.match, seq.session.session_id
         parent = match.entry.session_id if match.hit else None
@@ -607,6 +641,8 @@ class ChatEngine:
         entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes, floor=state.floor,
                                        pool=POOL_KV, session_id=session_id)
         if entry is not None:
+            inserted.append(entry.entry_id)
+            faults.hit("store", seq.job.request_id)
             st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
             if st.disk is not None:
                 st.disk.write_through(entry)
@@ -617,9 +653,23 @@ class ChatEngine:
                                                 snap, nbytes=snap.nbytes, floor=snap.floor, pool=POOL_SNAPSHOT,
                                                 session_id=session_id)
             if snap_entry is not None:
+                inserted.append(snap_entry.entry_id)
                 st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)
                 if st.disk is not None:
                     st.disk.write_through(snap_entry)
+
+
+def tokenizer_size(tokenizer: Any) -> int | None:
+    """How many ids ``tokenizer`` can decode (``len`` of the tokenizer, added tokens included; what
+    mlx-lm's streaming detokenizers build their token maps from); None when it cannot say."""
+    for obj in (tokenizer, getattr(tokenizer, "tokenizer", None), getattr(tokenizer, "_tokenizer", None)):
+        try:
+            n = len(obj) if obj is not None else 0
+        except TypeError:
+            continue
+        if n > 0:
+            return n
+    return None
 
 
 def lcp_text(a: str, b: str) -> int:

@@ -20,6 +20,14 @@ Admission is FIFO up to ``max_sequences`` in flight; the worker's bounded queue 
 holds the rest. A sequence that finished prefill joins the decode batch; one that finished or
 was abandoned (hang-up, watchdog) leaves it, and only it. Everything runs on the caller's thread:
 no MLX call ever leaves the inference thread.
+
+A failure fails the requests it touched, and every future is resolved: a request whose prefill,
+start, sampler or detokenizer failed gets its exception (the others go on, token for token); a
+decode batch that had to be dropped (engine/batch.py GroupReset) fails its members. Only an
+Exception is handled here: anything else (SystemExit, an injected fatal) is a dying thread, and
+the worker resolves what is left (engine/worker.py). Should an exception still escape ``step()``,
+the worker calls ``recover()``: every request in flight fails, the state is emptied, serving goes on.
+A failed request stores nothing: no cache entry, no session record, no healing entry.
 """
 from __future__ import annotations
 
@@ -27,11 +35,29 @@ import logging
 import time
 from concurrent.futures import Future
 
-from .batch import DecodeGroup
+from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
 
 log = logging.getLogger("mlxstack.scheduler")
+
+
+class SchedulerReset(RuntimeError):
+    """A request that was in flight when the scheduler's state had to be thrown away."""
+
+
+def resolve(future: Future, result: object = None, exc: BaseException | None = None) -> bool:
+    """Set a future's outcome unless it already has one (False then)."""
+    if future.done():
+        return False
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except Exception:  # noqa: BLE001 - InvalidStateError: resolved meanwhile
+        return False
+    return True
 
 
 def next_round_robin(count: int, last: int) -> int:
@@ -62,6 +88,8 @@ class Scheduler:
         self._short_last = False      # the previous step served short work out of turn (a batch or one)
         self.short_batches = 0        # steps that prefilled several sequences together
         self.closed_together = 0      # turns closed in a shared forward with others
+        self.failed = 0               # requests failed by the scheduler (not by their own finish)
+        self.recoveries = 0           # times the whole state was thrown away (recover)
 
     @property
     def active(self) -> int:
@@ -78,8 +106,8 @@ class Scheduler:
         """Start ``job`` now (render, lookup, checkout); a failure resolves its future at once."""
         try:
             seq = self.engine.start(job)
-        except BaseException as exc:  # noqa: BLE001 - travels back to the handler (4xx / 5xx)
-            future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - travels back to the handler (4xx / 5xx)
+            resolve(future, exc=exc)
             return
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
@@ -97,7 +125,7 @@ class Scheduler:
             try:
                 done = self.engine.prefill_step(seq, self.prefill_budget,
                                                 defer_last=self.group.batching and not seq.job.prefill_only)
-            except BaseException as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - this request only
                 self._drop_prefilling(i)
                 self._fail(seq, exc)
                 done = False
@@ -108,17 +136,46 @@ class Scheduler:
             self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
             try:
                 finished = self.group.step()
-            except BaseException as exc:  # noqa: BLE001 - the whole forward failed: fail its members
-                for seq in list(self.group.seqs):
-                    self.group.drop(seq)
-                    self._fail(seq, exc)
+            except GroupReset as exc:   # the shared forward failed: the batch was dropped
+                self._lost(exc)
                 finished = []
+            for seq, exc in self.group.take_failed():    # rows whose own work failed
+                self._fail(seq, exc)
+            ended = []
             for seq in finished:
-                self.engine.end_decode(seq)
-            self._close_together(finished)
-            for seq in finished:
+                try:
+                    self.engine.end_decode(seq)
+                except Exception as exc:  # noqa: BLE001 - the held-back text could not be flushed
+                    self._fail(seq, exc)
+                    continue
+                ended.append(seq)
+            self._close_together(ended)
+            for seq in ended:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
+
+    def recover(self, exc: BaseException) -> int:
+        """After an exception escaped ``step()``: the state cannot be trusted. Every request in
+        flight fails (its stream ends with an error), the state is emptied (no MLX call: nothing
+        here can fail after an MLX error) and the next request starts from scratch. Returns how
+        many requests were failed."""
+        err = SchedulerReset(f"the inference step failed ({type(exc).__name__}: {exc}); "
+                             "this request was in flight and was abandoned")
+        err.__cause__ = exc
+        futures, self.futures = self.futures, {}
+        self.prefilling = []
+        self.group.reset()
+        self.group.take_failed()
+        self._rr, self._short_last = -1, False
+        self.recoveries += 1
+        n = sum(resolve(f, exc=err) for f in futures.values())
+        self.failed += n
+        return n
+
+    def abandon(self, exc: BaseException) -> int:
+        """The inference thread is dying: resolve every future still held (no MLX call)."""
+        futures, self.futures = self.futures, {}
+        return sum(resolve(f, exc=exc) for f in futures.values())
 
     def _next_prefill(self) -> int:
         """Which waiting sequence gets this step's prefill chunk: one whose whole remainder fits in
@@ -188,7 +245,7 @@ class Scheduler:
         self._rr = -1
         try:
             layers = prefill_together(self.engine.loaded.model, seqs)
-        except BaseException as exc:  # noqa: BLE001 - the forward failed: fail its members
+        except Exception as exc:  # noqa: BLE001 - the forward failed: fail its members
             for s in seqs:
                 self._fail(s, exc)
             return
@@ -203,21 +260,26 @@ class Scheduler:
                 if self.engine.begin_decode(s, None):
                     joining.append(i)
                     continue
-            except BaseException as exc:  # noqa: BLE001
-                own(i)
+                own(i)                                    # nothing to generate
+                self.engine.feed_last(s)
+            except Exception as exc:  # noqa: BLE001 - this request only
                 self._fail(s, exc)
                 continue
-            own(i)                                        # nothing to generate
-            self.engine.feed_last(s)
             s.t_end = time.perf_counter()
             self._finish(s)
         if not joining:
             return
-        if len(joining) == 1 and not len(self.group):   # alone: it decodes on its own cache
-            own(joining[0])
-            self.group.add(seqs[joining[0]], None)
-            return
-        self.group.adopt([seqs[i] for i in joining], layers, joining)
+        try:
+            if len(joining) == 1 and not len(self.group):   # alone: it decodes on its own cache
+                own(joining[0])
+                self.group.add(seqs[joining[0]], None)
+            else:
+                self.group.adopt([seqs[i] for i in joining], layers, joining)
+        except GroupReset as exc:
+            self._lost(exc)
+        except Exception as exc:  # noqa: BLE001 - the join was rolled back: only the joiners fail
+            for i in joining:
+                self._fail(seqs[i], exc)
 
     def _prefilled(self, seq: Sequence) -> None:
         seq.t_first = time.perf_counter()
@@ -233,20 +295,31 @@ class Scheduler:
                 self._finish(seq)
                 return
             self.group.add(seq, seq.logits)
-        except BaseException as exc:  # noqa: BLE001
+        except GroupReset as exc:
+            self._lost(exc)
+        except Exception as exc:  # noqa: BLE001 - the join was rolled back: only this one fails
             self._fail(seq, exc)
 
     def _finish(self, seq: Sequence) -> None:
-        future = self.futures.pop(id(seq))
+        future = self.futures.pop(id(seq), None)
+        if future is None:   # failed already: its KV must not be stored as if it had finished
+            log.error("request %s finished after it had failed; nothing stored", seq.job.request_id)
+            return
         try:
             outcome = self.engine.finish(seq)
-        except BaseException as exc:  # noqa: BLE001
-            future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001
+            resolve(future, exc=exc)
             return
-        future.set_result(outcome)
+        resolve(future, outcome)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        log.error("request %s failed in the scheduler", seq.job.request_id, exc_info=exc)
         future = self.futures.pop(id(seq), None)
-        if future is not None and not future.done():
-            future.set_exception(exc)
+        if future is not None and resolve(future, exc=exc):
+            self.failed += 1
+            log.error("request %s failed in the scheduler", seq.job.request_id, exc_info=exc)
+
+    def _lost(self, reset: GroupReset) -> None:
+        """The decode batch was dropped: every member fails (with the reason)."""
+        log.error("decode batch of %d dropped", len(reset.lost), exc_info=reset.cause)
+        for seq in reset.lost:
+            self._fail(seq, reset)

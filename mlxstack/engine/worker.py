@@ -13,6 +13,14 @@ generation runs, and makes the model lock implicit (work holds the model by runn
 Both raise QueueFull when MAX_QUEUED_REQUESTS items already wait. With a scheduler attached
 (engine/scheduler.py), chat jobs are admitted while it has room and the worker alternates between
 taking queued work and scheduler steps; callables run between steps.
+
+The thread never dies of an Exception: one that escapes a scheduler step fails every request in
+flight (``Scheduler.recover``) and serving goes on. Anything else (SystemExit, a fatal injected by
+tests) ends the thread, but not silently: every future it held, every queued item and every later
+submission is resolved with "inference thread died: ...", and ``health_problem()`` says so -- as it
+says when the thread stops making progress (no step, no prefill chunk, no token) for longer than
+INFERENCE_STALL_SECONDS while work waits. /health answers 503 with that reason (api/app.py) and
+the launcher restarts such a server (launcher/stack.py).
 """
 from __future__ import annotations
 
@@ -28,6 +36,10 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """The worker queue is at MAX_QUEUED_REQUESTS; the client should retry later."""
+
+
+class WorkerDied(RuntimeError):
+    """The inference thread is gone: the request was in flight, queued, or submitted after."""
 
 
 class _Chat:
@@ -49,12 +61,24 @@ class InferenceWorker:
         self.scheduler: Any = None                # set once the model is loaded (App)
         self.run_chat: Callable[[Any], Any] | None = None   # engine.run, when no scheduler
         self._backlog: list[tuple[_Chat, Future]] = []
+        self.death: str | None = None             # why the thread died ("ExcType: message")
+        self.recoveries = 0                       # exceptions that escaped a step (state reset)
+        self._beat = time.monotonic()             # last progress: a step, a job, a chunk, a token
+        self._idle = False                        # blocked waiting for work
+        self._stopping = False
+        self._taking: list[Any] = []               # drained from the queue, not yet taken
 
     def start(self) -> None:
         self._thread.start()
 
+    def beat(self) -> None:
+        """Progress: called after every step and job, and by the engine between prefill chunks and
+        decode tokens (ChatEngine.progress), so a long request alone still shows it is alive."""
+        self._beat = time.monotonic()
+
     def stop(self, timeout: float = 2.0) -> None:
         """Ask the worker to finish after the current job, and wait for it a little."""
+        self._stopping = True
         self._queue.put(None)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -71,39 +95,79 @@ class InferenceWorker:
     def active_sequences(self) -> int:
         return self.scheduler.active if self.scheduler is not None else int(self.busy)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def health_problem(self, stall_seconds: float) -> str | None:
+        """Why this worker cannot serve, or None: the thread died (or exited unasked), or it made
+        no progress for more than ``stall_seconds`` (0 = never checked) while work waits."""
+        if self.death is not None:
+            return f"inference thread died: {self.death}"
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return "inference thread exited"
+        if stall_seconds <= 0 or self._idle:
+            return None
+        sched = self.scheduler
+        pending = self._waiting + (sched.active if sched is not None else 0) + int(self.busy)   # backlog: in _waiting
+        quiet = time.monotonic() - self._beat
+        if pending and quiet > stall_seconds:
+            return (f"inference thread stalled: no progress for {quiet:.0f}s with {pending} request(s) waiting "
+                    f"or in flight (INFERENCE_STALL_SECONDS={stall_seconds:g})")
+        return None
+
     def _reserve(self) -> None:
-        with self._waiting_lock:
-            if self._waiting >= self.max_queued:
-                raise QueueFull("inference queue is full")
-            self._waiting += 1
+        if self._waiting >= self.max_queued:
+            raise QueueFull("inference queue is full")
+        self._waiting += 1
 
     def _release(self) -> None:
         with self._waiting_lock:
             self._waiting -= 1
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        self._reserve()
+    def _put(self, work: Any) -> Future:
         fut: Future = Future()
-        self._queue.put((fn, fut))
+        with self._waiting_lock:     # one lock with _die: nothing is queued after it drained the queue
+            if self.death is not None:
+                fut.set_exception(WorkerDied(f"inference thread died: {self.death}"))
+                return fut
+            self._reserve()
+            self._queue.put((work, fut))
         return fut
 
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        return self._put(fn)
+
     def submit_chat(self, job: Any) -> Future:
-        self._reserve()
-        fut: Future = Future()
-        self._queue.put((_Chat(job), fut))
-        return fut
+        return self._put(_Chat(job))
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the thread ends: say why, leave nothing hanging
+            self._die(exc)
+
+    def _loop(self) -> None:
         while True:
             sched = self.scheduler
             busy = sched is not None and not sched.idle()
-            try:
-                items = [self._queue.get_nowait() if busy or self._backlog else self._queue.get()]
-            except queue.Empty:
-                items = []
+            if busy or self._backlog:
+                try:
+                    items = [self._queue.get_nowait()]
+                except queue.Empty:
+                    items = []
+            else:
+                self._idle = True
+                try:
+                    items = [self._queue.get()]
+                finally:
+                    self._idle = False
+            self.beat()
             items += self._drain()      # everything that arrived meanwhile: admitted together, so
-            for item in items:          # their short prefills share one forward (scheduler step 1)
+            self._taking = items        # their short prefills share one forward (scheduler step 1)
+            while items:
+                item = items.pop(0)
                 if item is None:
                     return
                 self._take(*item)
@@ -112,8 +176,37 @@ class InferenceWorker:
                 self._busy.set()
                 try:
                     sched.step()
+                except Exception as exc:  # noqa: BLE001 - never the end of the thread
+                    self.recoveries += 1
+                    log.error("a scheduler step failed; every request in flight fails, serving goes on",
+                              exc_info=exc)
+                    n = sched.recover(exc)
+                    log.error("%d request(s) failed; scheduler state reset", n)
                 finally:
                     self._busy.clear()
+                self.beat()
+
+    def _die(self, exc: BaseException) -> None:
+        """Resolve everything still waiting on this thread (no MLX call) and record why."""
+        with self._waiting_lock:
+            self.death = f"{type(exc).__name__}: {exc}"
+            queued = self._drain()
+        log.critical("the inference thread died (%s); /health reports it and the launcher restarts the "
+                     "server", self.death, exc_info=exc)
+        err = WorkerDied(f"inference thread died: {self.death}")
+        pending = [fut for _, fut in self._backlog] + [item[1] for item in self._taking + queued if item is not None]
+        self._backlog = []
+        if self.scheduler is not None:
+            try:
+                self.scheduler.abandon(err)
+            except Exception:  # noqa: BLE001
+                log.exception("resolving the scheduler's requests failed")
+        for fut in pending:
+            if not fut.done():
+                try:
+                    fut.set_exception(err)
+                except Exception:  # noqa: BLE001 - resolved meanwhile
+                    pass
 
     def _drain(self) -> list[Any]:
         out: list[Any] = []
@@ -131,12 +224,17 @@ class InferenceWorker:
         if not fut.set_running_or_notify_cancel():
             return
         self._busy.set()
+        self.beat()
         try:
             fut.set_result(self.run_chat(work.job) if isinstance(work, _Chat) else work())
-        except BaseException as exc:  # noqa: BLE001 - travels back to the handler
+        except Exception as exc:  # noqa: BLE001 - travels back to the handler
             fut.set_exception(exc)
+        except BaseException as exc:
+            fut.set_exception(WorkerDied(f"inference thread died: {type(exc).__name__}: {exc}"))
+            raise
         finally:
             self._busy.clear()
+            self.beat()
 
     def _admit(self) -> None:
         sched = self.scheduler
@@ -144,4 +242,8 @@ class InferenceWorker:
             work, fut = self._backlog.pop(0)
             self._release()
             if fut.set_running_or_notify_cancel():
-                sched.admit(work.job, fut, queued_at=work.submitted)
+                try:
+                    sched.admit(work.job, fut, queued_at=work.submitted)
+                except Exception as exc:  # noqa: BLE001 - admit resolves its own failures; a bug here too
+                    if not fut.done():
+                        fut.set_exception(exc)
