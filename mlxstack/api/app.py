@@ -52,6 +52,7 @@ class App:
         from ..engine.scheduler import Scheduler
 
         self.worker.run_chat = engine.run
+        engine.progress = self.worker.beat   # between prefill chunks and tokens: the stall watchdog
         n = self.settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
         if n <= 1 or engine.loaded.is_vlm:
             log.info("scheduling: one request at a time (%s)", "VLM" if engine.loaded.is_vlm else
@@ -150,7 +151,7 @@ class App:
     # ------------------------------------------------------------------ routes
     def get_routes(self, h: Any) -> dict[str, Callable[[], None]]:
         routes = {
-            "/health": lambda: h._json(200 if self.ready else 503, self.health()),
+            "/health": lambda: self._health_route(h),
             "/v1/models": lambda: h._json(200, self.models()),
             "/models": lambda: h._json(200, self.models()),
             "/v1/cache/stats": lambda: h._json(200, self.cache_stats()),
@@ -169,11 +170,21 @@ class App:
                 "/v1/messages": lambda: handle_messages(h),
                 "/v1/messages/count_tokens": lambda: handle_count_tokens(h)}
 
+    def _health_route(self, h: Any) -> None:
+        body = self.health()
+        h._json(200 if body["ready"] else 503, body)
+
     def health(self) -> dict:
-        body = {"status": "ok" if self.load_error is None else "error", "model": self.model_id, "ready": self.ready,
-                "queue_depth": self.worker.queue_depth, "busy": self.worker.busy}
-        if self.load_error:
-            body["error"] = self.load_error
+        """ok + ready once the model is loaded; ``status: error`` (503) with the reason when the
+        load failed, or the inference thread died or stalled (INFERENCE_STALL_SECONDS): the
+        launcher restarts a server that keeps saying so (launcher/stack.py)."""
+        problem = self.load_error or (self.worker.health_problem(self.settings.inference_stall_seconds)
+                                      if self.ready else None)
+        body = {"status": "ok" if problem is None else "error", "model": self.model_id,
+                "ready": self.ready and problem is None, "queue_depth": self.worker.queue_depth,
+                "busy": self.worker.busy}
+        if problem:
+            body["error"] = problem
         return body
 
     def models(self) -> dict:
@@ -201,16 +212,20 @@ class App:
 
 
 def model_vocab_size(loaded: Any) -> int | None:
-    """The logits width: config ``vocab_size`` (VLMs: ``text_config``), else the tokenizer's length."""
+    """The token ids a request may name (logit_bias): the logits width -- config ``vocab_size``
+    (VLMs: ``text_config``) -- capped at the tokenizer's size. A padded width (Gemma 3: 262,208
+    for a 262,145-token tokenizer) holds ids nothing can decode; the sampler never picks them."""
+    from ..engine.chat import tokenizer_size
+
     config = getattr(loaded, "config", None) or {}
+    width = None
     for source in (config, config.get("text_config") or {}):
         value = source.get("vocab_size")
         if isinstance(value, int) and value > 0:
-            return value
-    try:
-        return len(loaded.tokenizer) or None
-    except (AttributeError, TypeError):
-        return None
+            width = value
+            break
+    tokens = tokenizer_size(getattr(loaded, "tokenizer", None))
+    return min(width, tokens) if width and tokens else (width or tokens)
 
 
 def make_server(app: App, host: str, port: int, listen_fd: int | None = None) -> "PooledHTTPServer":

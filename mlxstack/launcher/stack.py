@@ -6,6 +6,8 @@ its backend exists only produces confusing 500s.
 
 Faults: a crashed MLX server (killed, OOM) is restarted with backoff while LiteLLM keeps
 running; more than MLX_MAX_RESTARTS crashes within MLX_RESTART_WINDOW_SECONDS stop the stack.
+A server that is up but cannot serve -- its /health answers 503 ``status: error`` (inference thread
+dead or stalled) for MLX_UNHEALTHY_RESTART_SECONDS -- is stopped and counts as a crash.
 A configuration error or a failed model load exits at once with the server's own error line,
 never restarted (mlxstack/system/exit_codes.py).
 
@@ -173,6 +175,19 @@ def _mlx_probe(base: str) -> Callable[[], dict | None]:
     return probe
 
 
+def mlx_health_problem(base: str, timeout: float = 2.0) -> tuple[bool, str | None]:
+    """(answered, the error a ready-then-broken server reports): a 503 ``status: error`` body is
+    a problem; a 200 is none; no answer (timeout, refused) tells nothing -- a long step may hold
+    a busy server's HTTP threads, and a dead process is seen by its exit instead."""
+    try:
+        status, body = get_json(f"{base}/health", timeout=timeout)
+    except OSError:
+        return False, None
+    if status == 503 and isinstance(body, dict) and body.get("status") == "error":
+        return True, str(body.get("error") or "unhealthy")
+    return status == 200, None
+
+
 def _proxy_probe(base: str) -> Callable[[], dict | None]:
     def probe() -> dict | None:
         try:  # never /health: on LiteLLM it makes a real model call
@@ -252,6 +267,9 @@ class LocalServer:
     restart_at: float | None = None     # when a crashed server is started again
     starting: bool = False              # restarted, not ready yet
     given_up: bool = False
+    unhealthy_since: float | None = None   # first /health error answer of the current run
+    next_health: float = 0.0            # when /health is asked next
+    stopped_for: str | None = None      # the launcher stopped it: why (its exit is then a crash)
     _probe: Callable[[], dict | None] | None = field(default=None, repr=False)
 
     @property
@@ -270,13 +288,15 @@ def supervise(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, p
 
 
 def supervise_all(sup: Supervisor, servers: dict[str, LocalServer], cmd: list[str], repo: Path, say,
-                  others_serve: bool = False, interval: float = 0.2) -> None:
+                  others_serve: bool = False, interval: float = 0.2, health_interval: float = 2.0) -> None:
     """Return when the stack must stop: LiteLLM died, or no backend is left.
 
     Each crashed server is restarted on its own (backoff, crash-loop limit); the others keep
     serving meanwhile. One that cannot be restarted (a configuration error, a failed load, a crash
     loop) stops the stack when it was the only one; with other backends (``others_serve``: remote
-    ones, or other local ones still up) it is left down and the stack goes on.
+    ones, or other local ones still up) it is left down and the stack goes on. A ready server whose
+    /health reports an error (every ``health_interval`` s) for MLX_UNHEALTHY_RESTART_SECONDS is
+    stopped, and its exit handled as a crash.
     """
     while True:
         now = time.monotonic()
@@ -314,7 +334,9 @@ def supervise_all(sup: Supervisor, servers: dict[str, LocalServer], cmd: list[st
             else:
                 after = ("LiteLLM stays up and moves its sessions to the other backends (one cold turn each); "
                          "requests in flight there are lost.")
-            say(f"!! MLX SERVER{server.label} DIED (pid {dead.pid}, {describe_exit(code)}). Restart "
+            why = f"; stopped by the launcher: {server.stopped_for}" if server.stopped_for else ""
+            server.stopped_for, server.unhealthy_since = None, None
+            say(f"!! MLX SERVER{server.label} DIED (pid {dead.pid}, {describe_exit(code)}{why}). Restart "
                 f"{len(server.policy.history)} of at most {server.policy.max_restarts} per {server.policy.window:g}s, "
                 f"in {delay:g}s. {after}")
             say("!" * 78)
@@ -334,7 +356,36 @@ def supervise_all(sup: Supervisor, servers: dict[str, LocalServer], cmd: list[st
                 elif time.monotonic() - server.child.started > server.settings.mlx_startup_timeout_seconds:
                     raise LaunchError(f"MLX server{server.label} not ready after "
                                       f"{server.settings.mlx_startup_timeout_seconds:g}s (raise MLX_STARTUP_TIMEOUT_SECONDS?).")
+            elif server.child is not None and server.restart_at is None and now >= server.next_health:
+                server.next_health = now + health_interval
+                _check_health(sup, server, say)
         time.sleep(interval)
+
+
+def _check_health(sup: Supervisor, server: LocalServer, say) -> None:
+    """Ask a running, ready server's /health; stop it once it has reported an error for
+    MLX_UNHEALTHY_RESTART_SECONDS (the next loop sees it exit and restarts it as a crash)."""
+    limit = server.settings.mlx_unhealthy_restart_seconds
+    if limit <= 0 or server.child is None or server.child.poll() is not None or server.stopped_for:
+        return
+    answered, problem = mlx_health_problem(lc.mlx_base_url(server.settings))
+    if not answered:
+        return
+    now = time.monotonic()
+    if problem is None:
+        if server.unhealthy_since is not None:
+            say(f"MLX server{server.label} (pid {server.child.pid}) is healthy again")
+        server.unhealthy_since = None
+        return
+    if server.unhealthy_since is None:
+        server.unhealthy_since = now
+        say(f"MLX server{server.label} (pid {server.child.pid}) reports: {problem}. It is restarted if this "
+            f"lasts {limit:g}s (MLX_UNHEALTHY_RESTART_SECONDS).")
+    if now - server.unhealthy_since >= limit:
+        server.stopped_for = f"/health reported \"{problem}\" for {now - server.unhealthy_since:.0f}s"
+        say(f"MLX server{server.label} (pid {server.child.pid}) unhealthy for {now - server.unhealthy_since:.0f}s: "
+            "stopping it to restart it")
+        sup.terminate(server.child, grace=5.0)
 
 
 def discover_model(backend: Backend, timeout: float = 5.0) -> tuple[str, int | None] | None:

@@ -137,6 +137,21 @@ class Supervisor:
             time.sleep(interval)
         return self.first_exited()
 
+    def terminate(self, child: Child, grace: float = 5.0) -> None:
+        """Stop one child's process group: SIGTERM, SIGKILL if it is still there after ``grace`` s
+        (it stays listed: the caller sees it exit like any other child)."""
+        _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if child.poll() is None:
+            self.say(f"{child.name} (pid {child.pid}) ignored SIGTERM for {grace:g}s; sending SIGKILL")
+            _signal_group(child, signal.SIGKILL)
+            try:
+                child.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
     def stop_all(self, grace: float = 3.0) -> None:
         """SIGTERM every child's group at once, SIGKILL what is left after ``grace`` s."""
         running = [c for c in self.children if c.poll() is None]
