@@ -378,3 +378,20 @@ def test_responses_through_litellm(stack):
                                                                                        "response.incomplete")
     done = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")][-1]["response"]
     assert done["usage"]["input_tokens_details"]["cached_tokens"] == r["usage"]["input_tokens"] - 1
+
+
+def test_response_store_is_bounded_in_bytes_too():
+    # issue 23 #6: the count alone let 256 chained turns each keep a 64 MB body with its images
+    from mlxstack.api.openai_responses import conversation_bytes
+
+    turn = lambda i: [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:" + "A" * 900}}]},  # noqa: E731
+                      {"role": "assistant", "content": f"reply {i}"}]
+    size = conversation_bytes(turn(0))
+    store = ResponseStore(max_entries=100, max_bytes=3 * size)
+    for i in range(10):
+        assert store.put(f"r{i}", turn(i)) is True
+        assert store.nbytes <= 3 * size
+    assert len(store) == 3 and [store.get(f"r{i}") is not None for i in range(10)] == [False] * 7 + [True] * 3
+    assert store.put("huge", turn(0) * 4) is False and store.get("huge") is None and len(store) == 3
+    store.put("r9", turn(9))                                   # replacing an id counts it once
+    assert store.nbytes == sum(conversation_bytes(turn(i)) for i in (7, 8, 9))

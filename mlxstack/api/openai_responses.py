@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import threading
 import time
 import uuid
@@ -44,7 +45,10 @@ from .errors import APIError, bad_request
 from .job_adapter import (JobRun, Usage, chat_request, outcome_truncated, outcome_usage, require_ready)
 from .validation import parse_json
 
-RESPONSE_STORE_MAX = 256          # conversations kept for previous_response_id (LRU)
+log = logging.getLogger("mlxstack.responses")
+
+RESPONSE_STORE_MAX = 256          # conversations kept for previous_response_id (LRU; RESPONSE_STORE_MAX_ENTRIES)
+RESPONSE_STORE_MAX_BYTES = 256 << 20   # and their bytes (RESPONSE_STORE_MAX_BYTES)
 REASONING_BLOB_PREFIX = "mlxstack.reasoning.v1:"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -564,30 +568,50 @@ class ResponsesStream:
 
 # ============================================================================ previous_response_id
 class ResponseStore:
-    """Bounded, thread-safe LRU: response id -> the conversation up to and including its reply."""
+    """Bounded, thread-safe LRU: response id -> the conversation up to and including its reply.
+    Bounded by count and by bytes (each conversation's JSON size, measured once when stored):
+    a chained turn stores the whole conversation again, images included, so a count alone could
+    hold 256 copies of a 64 MB body. A conversation alone over the byte cap is not kept."""
 
-    def __init__(self, max_entries: int = RESPONSE_STORE_MAX) -> None:
+    def __init__(self, max_entries: int = RESPONSE_STORE_MAX, max_bytes: int = RESPONSE_STORE_MAX_BYTES) -> None:
         self.max_entries = max_entries
-        self._data: "OrderedDict[str, list[dict]]" = OrderedDict()
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._data: "OrderedDict[str, tuple[list[dict], int]]" = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, response_id: str) -> list[dict] | None:
         with self._lock:
-            conv = self._data.get(response_id)
-            if conv is not None:
+            item = self._data.get(response_id)
+            if item is not None:
                 self._data.move_to_end(response_id)
-            return None if conv is None else [dict(m) for m in conv]
+            return None if item is None else [dict(m) for m in item[0]]
 
-    def put(self, response_id: str, conversation: list[dict]) -> None:
+    def put(self, response_id: str, conversation: list[dict]) -> bool:
+        """Store ``conversation``; False when it alone is over the byte cap (not kept)."""
+        size = conversation_bytes(conversation)
         with self._lock:
-            self._data[response_id] = conversation
-            self._data.move_to_end(response_id)
-            while len(self._data) > self.max_entries:
-                self._data.popitem(last=False)
+            old = self._data.pop(response_id, None)
+            self.nbytes -= old[1] if old is not None else 0
+            if size > self.max_bytes:
+                log.warning("response %s not kept for previous_response_id: %d bytes > RESPONSE_STORE_MAX_BYTES",
+                            response_id, size)
+                return False
+            self._data[response_id] = (conversation, size)
+            self.nbytes += size
+            while len(self._data) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, n) = self._data.popitem(last=False)
+                self.nbytes -= n
+            return True
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._data)
+
+
+def conversation_bytes(conversation: list[dict]) -> int:
+    """Bytes a stored conversation holds, as its JSON (pure)."""
+    return len(json.dumps(conversation, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
 
 
 def assistant_message(text: str, *, thinking_started: bool, tools: list | None, family: str,
@@ -605,7 +629,9 @@ def assistant_message(text: str, *, thinking_started: bool, tools: list | None, 
 
 def response_store(app: Any) -> ResponseStore:
     """The app's store, created on first use (dict.setdefault is atomic under the GIL)."""
-    return app.__dict__.setdefault("responses_store", ResponseStore())
+    s = app.settings
+    return app.__dict__.setdefault("responses_store", ResponseStore(s.response_store_max_entries,
+                                                                    s.response_store_max_bytes))
 
 
 # ============================================================================ HTTP handler
