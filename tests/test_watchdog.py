@@ -106,13 +106,13 @@ def test_health_reports_a_dead_inference_thread_and_requests_never_hang(tiny_den
         assert health(server.base)[0] == 200
         with faults.injected("decode_forward:2:fatal"):
             status, body = chat(server.base, "This one kills the thread.")
-        assert status == 500 and body["error"]["type"] == "server_error"
+        assert status == 503 and body["error"]["code"] == "inference_thread_died"
         status, body = health(server.base)
         assert status == 503 and body["status"] == "error" and body["ready"] is False
         assert body["error"].startswith("inference thread died: InjectedFatal: injected fault at decode_forward")
         start = time.monotonic()
         status, body = chat(server.base, SHORT[0])            # answered at once, never queued forever
-        assert status == 500 and time.monotonic() - start < 5
+        assert status == 503 and body["error"]["code"] == "inference_thread_died" and time.monotonic() - start < 5
     finally:
         server.close()
 
@@ -236,7 +236,7 @@ def test_launcher_restarts_a_server_whose_health_reports_it_dead(tmp_path):
 
 def test_launcher_restarts_a_real_server_after_its_inference_thread_died(tmp_path, tiny_dense_path, monkeypatch):
     """The real MLX server with a fatal fault armed through MLXSTACK_FAULTS: the request that hits
-    it gets a 500, /health says why, and the launcher replaces the process."""
+    it gets a 503, /health says why, and the launcher replaces the process."""
     from mlxstack.launcher import litellm_config as lc
     from mlxstack.launcher.supervisor import Supervisor
 
@@ -252,7 +252,7 @@ def test_launcher_restarts_a_real_server_after_its_inference_thread_died(tmp_pat
         first = server.child
         other = sup.start("litellm", [sys.executable, "-c", "import time; time.sleep(600)"], os.environ)
         status, body = chat(base, "Hello there.", timeout=120)
-        assert status == 500, body
+        assert status == 503 and body["error"]["code"] == "inference_thread_died", body
         status, body = health(base)
         assert status == 503 and body["error"].startswith("inference thread died: InjectedFatal")
         runner.start()

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
 from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
+from ..engine.worker import WorkerDied
 from .job_adapter import chat_job, submit_chat
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader, peer_closed
@@ -228,6 +229,8 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded")
         if isinstance(exc, ImageError):
             raise APIError(400, str(exc), param="messages", code="invalid_image")
+        if isinstance(exc, WorkerDied):   # the launcher restarts this server (/health says why)
+            raise unavailable(f"{exc}; the server is being restarted", retry_after=5, code="inference_thread_died")
         rid = uuid.uuid4().hex[:12]
         log.error("generation failed (request id %s)", rid, exc_info=exc)
         raise internal(rid)
