@@ -345,7 +345,7 @@ def _content(status: int, answer: object, stream: bool) -> str | None:
     (16, "prefill_chunk:5", 1),
     (512, "prefill_batch", 4),          # all four share the batched prefill: all are touched
     (16, "slab_join:3", 1),             # the third to join, into a slab of two
-    (16, "slab_leave", 1),
+    (16, "slab_leave", None),           # the first leave step: every member leaving in it
     (512, "decode_forward:3", 4),       # the shared forward: its members fail
     (512, "sampler:6", 1),
     (512, "detokenizer:6", 1),
@@ -374,6 +374,9 @@ def test_http_fault_fails_only_the_touched_requests(servers, reference, chunk, s
         for t in threads:
             t.join(120)
         assert faults.fired() >= 1
+        if n_failed is None:                  # as many as the hit that fired named (request ids)
+            n_failed = sum(len(k.split(",")) for k in faults.touched())
+            assert n_failed >= 1
     got = [_content(*results[i], i % 2 == 0) for i in range(4)]
     assert sum(g is None for g in got) == n_failed, results
     assert all(g == e for g, e in zip(got, expected) if g is not None)

@@ -67,6 +67,7 @@ class Rule:
     seconds: float = 0.0
     seen: int = 0
     fired: int = 0
+    keys: list[str] = field(default_factory=list)   # the key of each hit that fired (who it touched)
 
 
 @dataclass
@@ -142,6 +143,16 @@ def fired(point: str | None = None) -> int:
         return sum(r.fired for r in armed.rules if point is None or r.point == point)
 
 
+def touched(point: str | None = None) -> list[str]:
+    """The key of every hit that fired (for ``point``, or all): per-request points pass the
+    request ids they touch, comma-separated when a hit touches several (a batch step)."""
+    armed = _armed
+    if armed is None:
+        return []
+    with armed.lock:
+        return [k for r in armed.rules if point is None or r.point == point for k in r.keys]
+
+
 @contextmanager
 def injected(spec: str) -> Iterator[None]:
     arm(spec)
@@ -164,6 +175,7 @@ def hit(point: str, key: str = "") -> None:
             r.seen += 1
             if r.nth is None or r.seen == r.nth:
                 r.fired += 1
+                r.keys.append(key)
                 rule = r
                 break
     if rule is None:
