@@ -248,6 +248,8 @@ def test_parallel_tool_calls_false_allows_one_call_only(smol):
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     one = smol.row(spec_for_request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
     write(smol, one, call)
+    assert {smol.bytes[i] for i in one.allowed().tolist() if i not in smol.stop} == {b"\n"}
+    write(smol, one, "\n")
     assert one.finished and one.allowed().tolist() == smol.stop
     many = smol.row(spec_for_request(tools=TOOLS, tool_choice="required"))
     write(smol, many, call + "\n" + call)

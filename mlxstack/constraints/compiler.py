@@ -108,11 +108,18 @@ class GrammarCompiler:
     def for_tokenizer(cls, tokenizer: Any, stop_ids: Iterable[int] = (), **kwargs: Any) -> "GrammarCompiler":
         """From a Hugging Face fast tokenizer (or mlx-lm's TokenizerWrapper around one). ``stop_ids``
         become llguidance's end-of-sequence tokens: a finished grammar allows exactly those."""
-        import llguidance.hf
+        from copy import copy
 
         hf = tokenizer if hasattr(tokenizer, "backend_tokenizer") else getattr(tokenizer, "_tokenizer", tokenizer)
-        eos = sorted(set(int(i) for i in stop_ids)) or None
-        llt = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"constrained decoding needs a fast (tokenizers) tokenizer, not {type(hf).__name__}")
+        # as llguidance.hf.from_tokenizer, without its isinstance check (mlx-lm's classes differ)
+        backend = copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        eos = sorted(set(int(i) for i in stop_ids)) or getattr(hf, "eos_token_id", None)
+        llt = llg.LLTokenizer(backend.to_str(), eos_token=eos)
         return cls(llt, special_tokens(hf, llt), **kwargs)
 
     # ------------------------------------------------------------------ compile

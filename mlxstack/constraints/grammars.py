@@ -329,7 +329,8 @@ def tools_spec(tools: list, choice: Any, *, tool_format: str = HERMES, parallel:
         call = f"{lk.seq(('<|channel|>',), 'commentary ' + HARMONY_OPENER)} {rest}"
     else:
         call = f"{lk.m(TOOL_CALL_OPEN)} {rest}"
-    more = f" ({_q(chr(10))} call)*" if many else ""
+    # more calls, each after a newline; a newline may also just end the turn
+    more = f" ({_q(chr(10))} call)* {_q(chr(10))}?" if many else ("" if harmony else f" {_q(chr(10))}?")
     lazy_single = (choice == "auto" or choice is None) and json_schema is None and not many
     if not lazy_single:
         rules += f"call: {call}\n"

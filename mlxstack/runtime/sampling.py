@@ -10,17 +10,29 @@ once per sampled token.
     s.accept(tok)                 # penalty window / counts see the token (still lazy)
 
 Order of operations on the logits (float32, shape [V]): logit_bias -> repetition penalty ->
-presence/frequency penalties -> (logprobs are read here) -> greedy argmax when temperature is
-0, else top-k -> min-p -> top-p -> temperature -> categorical draw.
+presence/frequency penalties -> grammar mask -> (logprobs are read here) -> greedy argmax when
+temperature is 0, else top-k -> min-p -> top-p -> temperature -> categorical draw.
+
+A request with ``params.grammar`` (a constraints.CompiledGrammar: JSON schema, tool calls) gets
+its own ``RowConstraint`` (``self.constraint``). The mask for token n+1 depends on token n, which
+decode loops still hold as a lazy array when they build step n+1 (the forward of token n, then
+``sample``). So ``accept`` only queues the token, and ``sample`` first starts the forward
+(``mx.async_eval(logits)``), then reads the queued token (already computed by the previous step),
+advances the grammar and computes the mask while that forward runs: the mask stays off the critical
+path as long as it is cheaper than a forward. Rows without a grammar never read a token early.
+When the grammar is complete, or can no longer continue (``constraint.dead_end``), only the stop
+tokens are allowed: the reply ends cleanly, never with an exception in the batch.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
+
+from ..constraints.masking import apply_mask
 
 NEG_INF = -math.inf
 
@@ -41,6 +53,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: Any = None        # constraints.CompiledGrammar: the reply must match it (None: free)
 
 
 def request_key(seed: int | None) -> mx.array:
@@ -59,7 +72,9 @@ class TokenLogprobs:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, history: Sequence[int], vocab_size: int) -> None:
+    def __init__(self, params: SamplingParams, history: Sequence[int], vocab_size: int,
+                 constraint: Any = None) -> None:
+        """``constraint``: a RowConstraint to use; by default one from ``params.grammar``."""
         self.p = params
         self.vocab = int(vocab_size)
         self.key = request_key(params.seed)
@@ -78,6 +93,10 @@ class Sampler:
         self.top_k = int(params.top_k) if 0 < int(params.top_k) < self.vocab else 0
         # One entry per sampled token, in order (decode runs a step ahead of its reader).
         self.logprobs: list[TokenLogprobs] = []
+        if constraint is None and params.grammar is not None:
+            constraint = params.grammar.new_row(params.stop_token_ids, self.vocab)
+        self.constraint = constraint
+        self._unread: list[mx.array] = []      # accepted tokens the constraint has not seen yet
 
     # ------------------------------------------------------------------ logits processing
     def _process(self, logits: mx.array) -> mx.array:
@@ -95,6 +114,8 @@ class Sampler:
     def sample(self, logits: mx.array) -> mx.array:
         """The next token for ``logits`` (lazy int32 scalar)."""
         logits = self._process(logits)
+        if self.constraint is not None:
+            logits = self._constrain(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self.greedy:
             tok = mx.argmax(logprobs).astype(mx.int32)
@@ -136,3 +157,16 @@ class Sampler:
             self.window = mx.concatenate([self.window, t])[-self.ctx:]
         if self.counts is not None:
             self.counts = self.counts.at[t].add(1.0)
+        if self.constraint is not None:
+            self._unread.append(t)
+
+    # ------------------------------------------------------------------ grammar
+    def _constrain(self, logits: mx.array) -> mx.array:
+        """Advance the constraint past the accepted tokens, then mask ``logits``."""
+        if self._unread:
+            mx.async_eval(logits)            # the forward runs while we read the token and mask
+            for t in self._unread:
+                for tid in t.tolist():
+                    self.constraint.consume(tid)
+            self._unread.clear()
+        return apply_mask(logits, self.constraint.mask_words())
