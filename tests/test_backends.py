@@ -183,14 +183,14 @@ def test_stack_config_lists_every_backend_under_every_name(routing):
     assert settings["num_retries"] == 0
     assert "pass_through_endpoints" not in cfg["general_settings"]
     if routing == "cache_aware":
-        assert settings["callbacks"] == [lc.ROUTING_HOOK] and router["disable_cooldowns"] is True
+        assert settings["callbacks"] == [lc.FRONT_DOOR_HOOK, lc.ROUTING_HOOK] and router["disable_cooldowns"] is True
         assert router["routing_strategy"] == "simple-shuffle" and "optional_pre_call_checks" not in router
     elif routing == "affinity":
-        assert settings["callbacks"] == [lc.ROUTING_HOOK] and router["routing_strategy"] == "least-busy"
+        assert settings["callbacks"] == [lc.FRONT_DOOR_HOOK, lc.ROUTING_HOOK] and router["routing_strategy"] == "least-busy"
         assert router["optional_pre_call_checks"] == ["session_affinity"]
         assert router["deployment_affinity_ttl_seconds"] == 3600 and "disable_cooldowns" not in router
     else:
-        assert "callbacks" not in settings and router["routing_strategy"] == "simple-shuffle"
+        assert settings["callbacks"] == [lc.FRONT_DOOR_HOOK] and router["routing_strategy"] == "simple-shuffle"
 
 
 def test_litellm_env_for_several_backends_carries_the_hook_settings():

@@ -1,0 +1,302 @@
+"""The front door of port 4000: SDK-exact 401 and 400 answers before LiteLLM sees a bad request.
+
+Measured on LiteLLM 1.106.2 without a database (issue 18):
+
+| request | LiteLLM alone | here |
+|---|---|---|
+| a key that is not the master key | 400 "No connected db." (virtual-key lookup) | 401 ``authentication_error`` |
+| a JSON list body (chat, /v1/messages, /v1/responses) | 500: the auth dependency calls ``.get`` on it, then so does its error handler | 400 |
+| ``messages[i].content: 7`` | 500 from the hosted_vllm transform | 400 naming ``messages[0].content`` |
+| ``messages: "hello"`` | 400 "Invalid request format: ... 'str' object has no attribute 'get'" | 400 naming ``messages`` |
+
+The list body fails inside LiteLLM's auth dependency, before ``custom_auth`` and every hook, so
+the checks run as an ASGI layer around LiteLLM's app. LiteLLM installs it by importing this module
+as a callback (``litellm_settings.callbacks``, see launcher/litellm_config.py): on import the
+layer wraps ``litellm.proxy.proxy_server.app`` (its built middleware stack, or the build itself
+when not built yet). Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``)
+and Anthropic-shaped on ``/v1/messages`` (``{"type": "error", "error": {"type", "message"}}``), so
+the SDKs raise AuthenticationError / BadRequestError.
+
+The key check only refuses what LiteLLM refuses anyway: with a master key and no database
+(``DATABASE_URL`` unset) no other key can pass. The body checks cover the shapes that break
+LiteLLM's transforms (types of ``messages`` / ``input`` and their parts); the MLX server validates
+everything else itself.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import sys
+from typing import Any, Awaitable, Callable, NamedTuple
+
+from litellm.integrations.custom_logger import CustomLogger
+
+log = logging.getLogger("mlxstack.front_door")
+
+MAX_BODY = 256 * 1024 * 1024       # bytes buffered for a check; larger bodies go to LiteLLM unchecked
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions")
+RESPONSES_PATHS = ("/v1/responses", "/responses")
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+KEYED_PATHS = CHAT_PATHS + RESPONSES_PATHS + MESSAGES_PATHS + (
+    "/v1/completions", "/completions", "/v1/embeddings", "/embeddings", "/v1/models", "/models",
+    "/model/info", "/v1/model/info")
+KEY_HEADERS = (b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key", b"x-litellm-api-key",
+               b"ocp-apim-subscription-key")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class Rejection(NamedTuple):
+    status: int
+    body: dict
+
+
+# ------------------------------------------------------------------ error shapes
+def openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> Rejection:
+    return Rejection(status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> Rejection:
+    return Rejection(status, {"type": "error", "error": {"type": kind, "message": message}})
+
+
+def _error(path: str, status: int, message: str, param: str | None = None, auth: bool = False) -> Rejection:
+    if path.startswith("/v1/messages"):
+        return anthropic_error(status, message, "authentication_error" if auth else "invalid_request_error")
+    if auth:
+        return openai_error(status, message, None, "authentication_error", "invalid_api_key")
+    return openai_error(status, message, param)
+
+
+# ------------------------------------------------------------------ checks (pure)
+def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """Every key the request carries, where LiteLLM looks for one."""
+    out = []
+    for name, value in headers:
+        if name.lower() in KEY_HEADERS:
+            text = value.decode("latin-1").strip()
+            if name.lower() == b"authorization" and text.lower().startswith("bearer "):
+                text = text[7:].strip()
+            if text:
+                out.append(text)
+    return out
+
+
+def check_key(path: str, headers: list[tuple[bytes, bytes]], master_key: str) -> Rejection | None:
+    keys = presented_keys(headers)
+    if not keys:
+        return _error(path, 401, "No API key provided. Send 'Authorization: Bearer <LITELLM_MASTER_KEY>' "
+                                 "(or 'x-api-key' for /v1/messages).", auth=True)
+    if not any(hmac.compare_digest(k.encode(), master_key.encode()) for k in keys):
+        return _error(path, 401, "Incorrect API key provided. Use the LITELLM_MASTER_KEY from the server's .env.",
+                      auth=True)
+    return None
+
+
+def _content_problem(content: Any, where: str, allow_none: bool = True) -> tuple[str, str] | None:
+    if content is None and allow_none or isinstance(content, str):
+        return None
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                return f"{where}[{j}]", f"'{where}[{j}]' must be an object with a 'type', got {type(part).__name__}"
+            if not isinstance(part.get("type"), str):
+                return f"{where}[{j}].type", f"'{where}[{j}].type' must be a string"
+        return None
+    return where, f"'{where}' must be a string or a list of content parts, got {type(content).__name__}"
+
+
+def check_chat(body: dict) -> tuple[str, str] | None:
+    """(param, message) for a chat-completions body LiteLLM cannot take, else None."""
+    if "model" in body and not isinstance(body["model"], str):
+        return "model", "'model' must be a string"
+    messages = body.get("messages")
+    if messages is None:
+        return "messages", "'messages' is required"
+    if not isinstance(messages, list):
+        return "messages", f"'messages' must be a list of message objects, got {type(messages).__name__}"
+    if not messages:
+        return "messages", "'messages' must contain at least one message"
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            return where, f"'{where}' must be an object, got {type(msg).__name__}"
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            return f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}"
+        problem = _content_problem(msg.get("content"), f"{where}.content")
+        if problem:
+            return problem
+        calls = msg.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            return f"{where}.tool_calls", f"'{where}.tool_calls' must be a list of objects"
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        return "tools", "'tools' must be a list of objects"
+    return None
+
+
+def check_responses(body: dict) -> tuple[str, str] | None:
+    if "model" in body and not isinstance(body["model"], str):
+        return "model", "'model' must be a string"
+    items = body.get("input")
+    if items is None and not body.get("previous_response_id"):
+        return "input", "'input' is required"
+    if items is not None and not isinstance(items, (str, list)):
+        return "input", f"'input' must be a string or a list of items, got {type(items).__name__}"
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if not isinstance(item, dict):
+            return f"input[{i}]", f"'input[{i}]' must be an object, got {type(item).__name__}"
+        problem = _content_problem(item.get("content"), f"input[{i}].content")
+        if problem:
+            return problem
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        return "instructions", "'instructions' must be a string"
+    return None
+
+
+def check_messages(body: dict) -> tuple[str, str] | None:
+    if "model" in body and not isinstance(body["model"], str):
+        return "model", "model: must be a string"
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return "messages", "messages: Field required" if messages is None else "messages: Input should be a valid list"
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            return f"messages.{i}", f"messages.{i}: Input should be a valid dictionary"
+        if not isinstance(msg.get("role"), str):
+            return f"messages.{i}.role", f"messages.{i}.role: Input should be 'user' or 'assistant'"
+        problem = _content_problem(msg.get("content"), f"messages.{i}.content", allow_none=False)
+        if problem:
+            return problem[0], f"{problem[0]}: Input should be a valid string or a list of content blocks"
+    system = body.get("system")
+    if system is not None and _content_problem(system, "system"):
+        return "system", "system: Input should be a valid string or a list of text blocks"
+    return None
+
+
+def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None,
+                  master_key: str) -> Rejection | None:
+    """The answer for a request the front door refuses, else None (LiteLLM takes it)."""
+    if method == "OPTIONS" or path not in KEYED_PATHS:
+        return None
+    if master_key:
+        refused = check_key(path, headers, master_key)
+        if refused is not None:
+            return refused
+    if method != "POST" or body is None or path.endswith("/count_tokens") and not body:
+        return None
+    checker = check_chat if path in CHAT_PATHS else check_responses if path in RESPONSES_PATHS else \
+        check_messages if path in MESSAGES_PATHS else None
+    if checker is None:
+        return None
+    try:
+        data = json.loads(body) if body.strip() else None
+    except ValueError as exc:
+        return _error(path, 400, f"The request body is not valid JSON: {exc}", "body")
+    if not isinstance(data, dict):
+        return _error(path, 400, f"The request body must be a JSON object, got {type(data).__name__ if data is not None else 'nothing'}",
+                      "body")
+    problem = checker(data)
+    if problem is not None:
+        return _error(path, 400, problem[1], problem[0])
+    return None
+
+
+# ------------------------------------------------------------------ ASGI layer
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class FrontDoor:
+    """ASGI middleware: buffer a watched request's body, check it, answer or replay it downstream."""
+
+    def __init__(self, app: Callable, master_key: str | None = None) -> None:
+        self.app = app
+        self.master_key = master_key
+
+    def key(self) -> str:
+        if self.master_key is not None:
+            return self.master_key
+        if os.environ.get("DATABASE_URL"):       # virtual keys exist: LiteLLM decides
+            return ""
+        return os.environ.get("LITELLM_MASTER_KEY", "")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("path") not in KEYED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        method, path = scope.get("method", "GET"), scope["path"]
+        body: bytes | None = None
+        replay: list[dict] = []
+        if method == "POST":
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                replay.append(message)
+                if message["type"] != "http.request":
+                    break
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+                if size > MAX_BODY:
+                    break
+            body = b"".join(chunks) if not more and size <= MAX_BODY else None
+        try:
+            refused = check_request(method, path, list(scope.get("headers") or []), body, self.key())
+        except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
+            log.exception("front door check failed; passing the request on")
+            refused = None
+        if refused is not None:
+            await _respond(send, refused)
+            return
+        await self.app(scope, _replaying(replay, receive), send)
+
+
+def _replaying(messages: list[dict], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def again() -> dict:
+        return pending.pop(0) if pending else await receive()
+    return again
+
+
+async def _respond(send: Send, refused: Rejection) -> None:
+    payload = json.dumps(refused.body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if refused.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": refused.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def install(app: Any) -> bool:
+    """Wrap a Starlette/FastAPI ``app`` (once): its built middleware stack, or its build."""
+    if getattr(app, "_mlxstack_front_door", False):
+        return False
+    if getattr(app, "middleware_stack", None) is not None:
+        app.middleware_stack = FrontDoor(app.middleware_stack)
+    else:
+        build = app.build_middleware_stack
+        app.build_middleware_stack = lambda: FrontDoor(build())
+    app._mlxstack_front_door = True
+    return True
+
+
+class FrontDoorHook(CustomLogger):
+    """What LiteLLM's config names; constructing it installs the ASGI layer in the running proxy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.installed = False
+        proxy = sys.modules.get("litellm.proxy.proxy_server")
+        if proxy is not None and getattr(proxy, "app", None) is not None:
+            self.installed = install(proxy.app) or getattr(proxy.app, "_mlxstack_front_door", False)
+            print("mlxstack front door: checking keys and request shapes on port 4000", file=sys.stderr)
+
+
+front_door = FrontDoorHook()

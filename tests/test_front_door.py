@@ -1,0 +1,223 @@
+"""The front door of port 4000 (mlxstack/routing/front_door.py): a wrong key is 401, malformed
+bodies are 400, OpenAI-shaped (Anthropic-shaped on /v1/messages), where LiteLLM 1.106.2 alone
+answers 400 "No connected db." and 500. Pure checks, the ASGI layer with a fake app, the config
+shim, and the real stack driven by the official openai and anthropic SDKs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from mlxstack.launcher import litellm_config as lc
+from mlxstack.routing.front_door import FrontDoor, check_request, install
+
+KEY = "sk-front-door"
+AUTH = [(b"authorization", f"Bearer {KEY}".encode())]
+CHAT = "/v1/chat/completions"
+
+
+def refused(path, body, headers=AUTH, method="POST"):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return check_request(method, path, headers, raw, KEY)
+
+
+# ------------------------------------------------------------------ pure checks
+def test_keys_wrong_missing_and_right():
+    wrong = refused(CHAT, {"messages": []}, [(b"authorization", b"Bearer sk-nope")])
+    assert wrong.status == 401 and wrong.body["error"]["type"] == "authentication_error"
+    assert refused(CHAT, {"messages": []}, []).status == 401
+    assert refused("/v1/messages", {}, [(b"x-api-key", b"sk-nope")]).body == {
+        "type": "error", "error": {"type": "authentication_error", "message": refused(
+            "/v1/messages", {}, [(b"x-api-key", b"sk-nope")]).body["error"]["message"]}}
+    assert refused("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+                   [(b"x-api-key", KEY.encode())]) is None
+    assert check_request("GET", "/v1/models", [(b"authorization", b"Bearer x")], None, KEY).status == 401
+    assert check_request("GET", "/v1/models", AUTH, None, KEY) is None
+    assert check_request("GET", "/health/liveliness", [], None, KEY) is None      # not ours
+    assert check_request("POST", CHAT, [], b"[]", "") is not None                  # no master key: shapes only
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"[1, 2]", "body"),
+    (b'{"model": ', "body"),
+    (b"", "body"),
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": "hello"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [7]}, "messages[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages[0].tool_calls"),
+    ({"model": 5, "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}, "tools"),
+])
+def test_chat_bodies_litellm_cannot_take_are_400(body, param):
+    r = refused(CHAT, body)
+    assert r.status == 400 and r.body["error"]["type"] == "invalid_request_error" and r.body["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    {"model": "m", "messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]},
+                                {"role": "user", "content": [{"type": "text", "text": "q"},
+                                                             {"type": "image_url", "image_url": {"url": "data:x"}}]},
+                                {"role": "assistant", "content": None, "tool_calls": [
+                                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                                {"role": "tool", "tool_call_id": "c", "content": "ok"}],
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+])
+def test_valid_chat_bodies_pass(body):
+    assert refused(CHAT, body) is None
+
+
+def test_responses_and_messages_shapes():
+    assert refused("/v1/responses", {"model": "m", "input": "hi"}) is None
+    assert refused("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"}]}, {"type": "function_call_output", "call_id": "c", "output": "x"}]}) is None
+    assert refused("/v1/responses", {"model": "m", "input": 7}).body["error"]["param"] == "input"
+    assert refused("/v1/responses", b"[1]").status == 400
+    ok = {"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "s"}],
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert refused("/v1/messages", ok) is None
+    bad = refused("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 7}]})
+    assert bad.status == 400 and bad.body["type"] == "error" and bad.body["error"]["type"] == "invalid_request_error"
+    assert refused("/v1/messages", b"[1]").body["error"]["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------ the ASGI layer
+def test_asgi_layer_answers_refusals_and_replays_accepted_bodies():
+    seen = []
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen.append(body)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    door = FrontDoor(app, master_key=KEY)
+
+    def call(body: bytes, headers=AUTH, path=CHAT):
+        parts = [body[:5], body[5:]]
+        inbox = [{"type": "http.request", "body": p, "more_body": i == 0} for i, p in enumerate(parts)]
+        out = []
+
+        async def receive():
+            return inbox.pop(0)
+
+        async def send(m):
+            out.append(m)
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        asyncio.run(door(scope, receive, send))
+        return out[0]["status"], b"".join(m.get("body", b"") for m in out[1:])
+
+    good = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert call(good) == (200, b"ok") and seen == [good]                     # body replayed intact
+    status, body = call(b"[1]")
+    assert status == 400 and json.loads(body)["error"]["param"] == "body" and len(seen) == 1
+    assert call(good, headers=[(b"authorization", b"Bearer wrong")])[0] == 401
+    assert call(b"[1]", path="/health")[0] == 200                             # unwatched path: untouched
+
+
+def test_install_wraps_a_built_stack_or_the_build_once():
+    class App:
+        middleware_stack = None
+
+        def build_middleware_stack(self):
+            return "inner"
+    app = App()
+    assert install(app) and not install(app)
+    assert isinstance(app.build_middleware_stack(), FrontDoor)
+    built = App()
+    built.middleware_stack = "running"
+    install(built)
+    assert isinstance(built.middleware_stack, FrontDoor) and built.middleware_stack.app == "running"
+
+
+def test_config_names_the_front_door_and_its_shim_imports_without_the_repo_on_the_path(tmp_path):
+    from mlxstack.config.settings import load_settings
+
+    s = load_settings(env={})
+    assert lc.build_config(s, "m")["litellm_settings"]["callbacks"] == [f"{lc.FRONT_DOOR_SHIM}.front_door"]
+    path = lc.write_config(s, "m", tmp_path / "cfg.yaml")
+    shim = path.parent / f"{lc.FRONT_DOOR_SHIM}.py"
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('x', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); print(type(m.front_door).__name__)")
+    out = subprocess.run([sys.executable, "-c", code, str(shim)], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.stdout.strip() == "FrontDoorHook", out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the real stack
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, embedded_model_path):
+    from tests.test_e2e_stack import Stack
+
+    s = Stack(tmp_path_factory.mktemp("front_door"), str(embedded_model_path.parent))
+    yield s
+    s.stop()
+
+
+def raw_post(stack, path, data: bytes, key):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}", "x-api-key": key}
+    req = urllib.request.Request(stack.base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_openai_sdk_gets_typed_errors_through_4000(stack):
+    import openai
+
+    from tests.test_e2e_stack import KEY as STACK_KEY, MODEL
+
+    good = openai.OpenAI(base_url=stack.base + "/v1", api_key=STACK_KEY, max_retries=0)
+    reply = good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+    assert reply.choices[0].message.content
+    chunks = list(good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                               max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with pytest.raises(openai.AuthenticationError) as err:
+        openai.OpenAI(base_url=stack.base + "/v1", api_key="sk-wrong", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 401
+    for messages, param in (([{"role": "user", "content": 7}], "messages[0].content"), ("hello", "messages")):
+        with pytest.raises(openai.BadRequestError) as err:
+            good.chat.completions.create(model=MODEL, messages=messages)
+        assert err.value.body["param"] == param
+    status, body = raw_post(stack, "/v1/chat/completions", b'[{"model": "x"}]', STACK_KEY)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = raw_post(stack, "/v1/responses", b"[1]", STACK_KEY)
+    assert status == 400 and "error" in body
+
+
+def test_anthropic_sdk_gets_typed_errors_through_4000(stack):
+    anthropic = pytest.importorskip("anthropic")
+    from tests.test_e2e_stack import KEY as STACK_KEY, MODEL
+
+    good = anthropic.Anthropic(base_url=stack.base, api_key=STACK_KEY, max_retries=0)
+    reply = good.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Say hi."}])
+    assert reply.content[0].text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=stack.base, api_key="sk-wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError) as err:
+        good.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": 7}])
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    status, body = raw_post(stack, "/v1/messages", b"[1]", STACK_KEY)
+    assert status == 400 and body["type"] == "error"
