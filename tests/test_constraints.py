@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from mlxstack.constraints import (GLM, HARMONY, HERMES, QWEN_XML, TOOL_FORMATS, BatchMasks, GrammarCompiler,
-                                  GrammarTooComplex, SchemaError, SpecError, json_spec, spec_for_request,
-                                  tool_format_for)
+                                  GrammarTooComplex, SchemaError, SpecError, compiler_options, json_spec,
+                                  spec_for_request, tool_format_for)
 from mlxstack.constraints import grammars
 from mlxstack.parsing import tool_calls
 from mlxstack.parsing.harmony import split_harmony
@@ -397,6 +397,13 @@ def test_tool_format_for_templates():
     assert tool_format_for("qwen3", "{% if x %}<function={{ name }}>") == QWEN_XML
     assert tool_format_for("glm4", "<arg_key>{{ k }}</arg_key>") == GLM
     assert tool_format_for("generic", "") == HERMES and set(TOOL_FORMATS) == {HERMES, QWEN_XML, GLM, HARMONY}
+
+
+def test_compiler_options_come_from_settings():
+    from mlxstack.config.settings import load_settings
+
+    opts = compiler_options(load_settings(env={"GRAMMAR_CACHE_ENTRIES": "3", "GRAMMAR_MAX_SIZE": "5000"}))
+    assert opts == {"cache_entries": 3, "timeout_s": 5.0, "limits": {"max_grammar_size": 5000}}
 
 
 def test_spec_keys_are_stable_and_distinct():

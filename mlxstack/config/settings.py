@@ -127,6 +127,10 @@ SPECS: tuple[Spec, ...] = (
     Spec("LOG_MAX_BYTES", "int", 256 * 1024 * 1024, "Cap on the total size of LOG_ROOT's session logs (oldest removed first).", minimum=1024, group="observability"),
     Spec("LOG_LEVEL", "choice", "INFO", "Console log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"), group="observability"),
     Spec("VLM_CACHE_DEBUG", "bool", False, "Log the first prompt token ids and VLM cache diagnostics.", group="observability"),
+    # --- structured output (constrained decoding, mlxstack/constraints/) ---------
+    Spec("GRAMMAR_CACHE_ENTRIES", "int", 64, "Compiled grammars (JSON schemas, tool-call grammars) kept, keyed by a hash of the grammar; least recently used go first (0 = compile every request).", minimum=0, group="structured output"),
+    Spec("GRAMMAR_COMPILE_TIMEOUT_SECONDS", "float", 5.0, "A schema or tool set whose grammar does not compile within this long is refused with 400 (compiling runs beside the request's handler, never on the inference thread).", minimum=0.01, group="structured output"),
+    Spec("GRAMMAR_MAX_SIZE", "int", 200000, "Largest grammar (llguidance symbols) a request may ask for; a bigger schema or tool set is refused with 400.", minimum=1000, group="structured output"),
 )
 
 SPEC_BY_NAME: dict[str, Spec] = {s.name: s for s in SPECS}

@@ -31,11 +31,19 @@ import numpy as np
 
 from .grammars import GrammarSpec, Stage
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarTooComplex", "SchemaError", "locate_schema_error"]
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarTooComplex", "SchemaError", "compiler_options",
+           "locate_schema_error"]
 
 DEFAULT_LIMITS = dict(max_grammar_size=200_000)   # symbols; llguidance's default is 500k
 LOCATE_MAX_CHECKS = 256                           # sub-schemas tried when naming the failing path
 LOCATE_BUDGET_S = 1.0
+
+
+def compiler_options(settings: Any) -> dict[str, Any]:
+    """GrammarCompiler keyword arguments from Settings (GRAMMAR_CACHE_ENTRIES, GRAMMAR_COMPILE_TIMEOUT_SECONDS,
+    GRAMMAR_MAX_SIZE)."""
+    return {"cache_entries": settings.grammar_cache_entries, "timeout_s": settings.grammar_compile_timeout_seconds,
+            "limits": {"max_grammar_size": settings.grammar_max_size}}
 
 
 class SchemaError(ValueError):
