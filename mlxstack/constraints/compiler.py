@@ -88,11 +88,12 @@ class CompiledGrammar:
     def new_matcher(self) -> llg.LLMatcher:
         return self.template.deep_copy()
 
-    def new_row(self, stop_ids: Iterable[int], width: int):
-        """A fresh per-request constraint (constraints/row.py)."""
+    def new_row(self, stop_ids: Iterable[int], width: int, reasoning_close: str | None = None):
+        """A fresh per-request constraint (constraints/row.py). ``reasoning_close``: the prompt left a
+        reasoning block open (the engine knows after rendering); the grammar starts once it closes."""
         from .row import RowConstraint
 
-        return RowConstraint(self, stop_ids, width)
+        return RowConstraint(self, stop_ids, width, self.spec.stages_for(reasoning_close))
 
 
 class GrammarCompiler:

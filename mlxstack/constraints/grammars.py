@@ -22,16 +22,24 @@ Which case gives what (``call`` is one tool call in the model's own format, see 
 
 | request | stages | grammar |
 |---|---|---|
-| response_format json_object / json_schema | reasoning close (require) | ``%json`` (no reasoning: from token 1) |
+| response_format json_object / json_schema | reasoning close (require) | ``%json`` |
 | tool_choice required / named | reasoning close (require) | ``call`` (+ more calls when parallel) |
 | tool_choice auto | reasoning close, then the call opener | the rest of ``call`` (+ more calls) |
-| tool_choice none | -- | any text that never contains the opener |
+| tool_choice none | -- | any text that never contains the opener (reasoning included) |
 | auto + json response_format | reasoning close (require) | ``%json`` or calls |
+
+The reasoning stage comes from ``reasoning_close`` here or, when only the engine knows whether the
+prompt opened a reasoning block, per row (``GrammarSpec.stages_for``). Answers may start with up to
+four whitespace characters ("</think>\n\n{"). Harmony reasons in its analysis channel, which its
+required / JSON grammars allow before the answer.
 
 JSON is compact with ", " and ": " separators (llguidance ``whitespace_flexible`` off): the Hermes
 shape the models were trained on, and no room for a small model to loop on whitespace. A strict
 schema (``strict: true``) must compile exactly (an unsupported keyword is an error); a non-strict one
-is compiled leniently (unsupported keywords ignored, the rest enforced).
+is compiled leniently (unsupported keywords ignored, the rest enforced). In the Qwen XML and GLM
+formats arguments are text: keys come in the schema's order (required ones present, no others),
+string enums are exact, numbers / booleans / objects / arrays are their JSON text (bounds and nested
+schemas enforced), other strings are free text up to the closing tag (pattern / length not enforced).
 """
 from __future__ import annotations
 
@@ -59,7 +67,7 @@ REASONING_CLOSE = "</think>"
 HARMONY_OPENER = "to=functions."
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-WS_AFTER_REASONING = r"/[ \t\r\n]{0,4}/"   # "</think>\n\n" then the answer
+LEAD_WS = r"/[ \t\r\n]{0,4}/"      # before the answer: "</think>\n\n{...}" (and harmless without reasoning)
 
 
 class SpecError(ValueError):
@@ -83,11 +91,22 @@ class GrammarSpec:
     lark: str                                   # llguidance Lark text for the part after the last stage
     stages: tuple[Stage, ...] = ()
     schemas: tuple[tuple[str, str], ...] = ()   # (where, schema JSON as embedded), for error reports
+    reasoning: bool = True                      # a row may start inside a reasoning block (not harmony)
+
+    def stages_for(self, reasoning_close: str | None) -> tuple[Stage, ...]:
+        """The stages of a row whose prompt left a reasoning block open (``reasoning_close`` its
+        marker): free until it closes -- stop tokens banned unless the grammar is lazy anyway. A
+        ``tool_none`` grammar covers the reasoning too; harmony reasons in its own channel."""
+        if not reasoning_close or not self.reasoning or self.kind == "tool_none" \
+                or any(s.trigger == reasoning_close for s in self.stages):
+            return self.stages
+        return (Stage(reasoning_close, require=not self.stages),) + self.stages
 
     @property
     def key(self) -> str:
         """Cache key: sha256 of everything that decides the compiled grammar."""
-        material = json.dumps([self.lark, [[s.trigger, s.require] for s in self.stages]], ensure_ascii=False)
+        material = json.dumps([self.lark, [[s.trigger, s.require] for s in self.stages], self.reasoning],
+                              ensure_ascii=False)
         return hashlib.sha256(material.encode("utf-8")).hexdigest()
 
 
@@ -167,11 +186,10 @@ def json_spec(schema: Any = None, *, strict: bool = False, reasoning_close: str 
     if harmony:
         lk = _Lark(specials or {})
         return GrammarSpec(kind, f"start: {_harmony_analysis(lk)}? {lk.seq(('<|channel|>',), 'final', ('<|message|>',))} json\n"
-                                 f"json: {body}\n{_HARMONY_TEXT}", (), ((where, _schema_json(schema, strict)),))
-    stages, lark = _reasoning(reasoning_close, require=True), f"start: json\njson: {body}\n"
-    if stages:
-        lark = f"start: {WS_AFTER_REASONING} json\njson: {body}\n"
-    return GrammarSpec(kind, lark, stages, ((where, _schema_json(schema, strict)),))
+                                 f"json: {body}\n{_HARMONY_TEXT}", (), ((where, _schema_json(schema, strict)),),
+                           reasoning=False)
+    lark = f"start: {LEAD_WS} json\njson: {body}\n"
+    return GrammarSpec(kind, lark, _reasoning(reasoning_close, True), ((where, _schema_json(schema, strict)),))
 
 
 def _reasoning(close: str | None, require: bool) -> tuple[Stage, ...]:
@@ -337,21 +355,21 @@ def tools_spec(tools: list, choice: Any, *, tool_format: str = HERMES, parallel:
     if choice == "auto" or choice is None:
         if json_schema is not None:
             body = "%json " + _schema_json(json_schema, json_strict)
-            lark = f"start: {WS_AFTER_REASONING if reasoning_close else ''} (json | call{more})\njson: {body}\n" + rules
+            lark = f"start: {LEAD_WS} (json | call{more})\njson: {body}\n" + rules
             schemas += ((json_where, _schema_json(json_schema, json_strict)),)
             return GrammarSpec("tool_auto", lark, _reasoning(reasoning_close, True), schemas)
         # lazy: free text until the opener, then the rest of that call (and maybe more calls)
         stages = _reasoning(reasoning_close, False) + (Stage(opener),)
         lark = f"start: {rest}{more}\n" + rules
-        return GrammarSpec("tool_auto", lark, stages, schemas)
+        return GrammarSpec("tool_auto", lark, stages, schemas, reasoning=not harmony)
     if choice != "required" and named is None:
         raise SpecError("tool_choice", "must be none, auto, required or a named function")
     kind = "tool_named" if named is not None else "tool_required"
     if harmony:
         lark = f"start: {_harmony_analysis(lk)}? call\n" + rules + _HARMONY_TEXT
-        return GrammarSpec(kind, lark, (), schemas)
+        return GrammarSpec(kind, lark, (), schemas, reasoning=False)
     stages = _reasoning(reasoning_close, True)
-    lark = f"start: {WS_AFTER_REASONING + ' ' if stages else ''}call{more}\n" + rules
+    lark = f"start: {LEAD_WS} call{more}\n" + rules
     return GrammarSpec(kind, lark, stages, schemas)
 
 

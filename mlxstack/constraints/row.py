@@ -24,6 +24,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .compiler import CompiledGrammar
+    from .grammars import Stage
 
 __all__ = ["RowConstraint", "words_for"]
 
@@ -45,7 +46,8 @@ def _clear_bits(words: np.ndarray, ids: Iterable[int]) -> None:
 
 
 class RowConstraint:
-    def __init__(self, grammar: "CompiledGrammar", stop_ids: Iterable[int], width: int) -> None:
+    def __init__(self, grammar: "CompiledGrammar", stop_ids: Iterable[int], width: int,
+                 stages: Iterable["Stage"] | None = None) -> None:
         self.grammar = grammar
         self.tok = grammar.tokenizer
         self.width = int(width)
@@ -53,7 +55,7 @@ class RowConstraint:
         self.nwords = words_for(self.width)
         self.stop_ids = sorted({int(i) for i in stop_ids if 0 <= int(i) < self.vocab})
         self.eos_ids = [i for i in self.tok.eos_tokens if 0 <= i < self.vocab]
-        self.stages = list(grammar.stages)
+        self.stages = list(grammar.stages if stages is None else stages)
         self.matcher = None if self.stages else grammar.new_matcher()
         self.state = DORMANT if self.stages else ENGAGED
         self.error = ""
