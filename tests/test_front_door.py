@@ -47,6 +47,7 @@ def test_keys_wrong_missing_and_right():
     (b"[1, 2]", "body"),
     (b'{"model": ', "body"),
     (b"", "body"),
+    (b'{"x": ' + b"[" * 20000 + b"]" * 20000 + b"}", "body"),
     ({"model": "m"}, "messages"),
     ({"model": "m", "messages": "hello"}, "messages"),
     ({"model": "m", "messages": []}, "messages"),

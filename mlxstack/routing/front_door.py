@@ -196,6 +196,8 @@ def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], bo
         data = json.loads(body) if body.strip() else None
     except ValueError as exc:
         return _error(path, 400, f"The request body is not valid JSON: {exc}", "body")
+    except RecursionError:
+        return _error(path, 400, "The request body is nested too deeply", "body")
     if not isinstance(data, dict):
         return _error(path, 400, f"The request body must be a JSON object, got {type(data).__name__ if data is not None else 'nothing'}",
                       "body")
