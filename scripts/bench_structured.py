@@ -15,7 +15,6 @@ fresh row, timing ``mask_words()`` (what the sampler waits for) and ``consume()`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from mlxstack.constraints import BatchMasks, GrammarCompiler, apply_mask, json_spec, spec_for_request  # noqa: E402
 
