@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxstack.cache.disk_tier import DiskRecord, DiskTier, disk_namespace
+from mlxstack.cache.disk.tier import DiskRecord, DiskTier, disk_namespace
 
 EMBEDDED_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 

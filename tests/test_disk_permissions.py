@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxstack.cache import safetensors_io
-from mlxstack.cache.disk_index import DiskIndex
-from mlxstack.cache.disk_tier import DiskRecord, DiskTier, disk_namespace, prune_namespaces
+from mlxstack.cache.disk import safetensors_io
+from mlxstack.cache.disk.index import DiskIndex
+from mlxstack.cache.disk.tier import DiskRecord, DiskTier, disk_namespace, prune_namespaces
 
 NS = disk_namespace(model="m", template="t", layout="kv", kv_bits=0)
 OTHER_NS = disk_namespace(model="other", template="t", layout="kv", kv_bits=0)
@@ -145,7 +145,7 @@ def test_the_index_alone_is_private(tmp_path, loose_umask):
 
 
 def test_prune_never_creates_a_readable_lock_file(tmp_path, loose_umask, monkeypatch):
-    import mlxstack.cache.disk_tier as disk_tier
+    import mlxstack.cache.disk.tier as disk_tier
 
     root = tmp_path / "kv"
     for ns in (NS, OTHER_NS):

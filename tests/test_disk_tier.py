@@ -17,21 +17,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxstack.cache import safetensors_io
-from mlxstack.cache.disk_config import (
+from mlxstack.cache.disk import safetensors_io
+from mlxstack.cache.disk.config import (
     AUTO_CAP_BYTES,
     auto_disk_budget,
     plan_disk_cache,
     resolve_disk_cache_dir,
 )
-from mlxstack.cache.disk_tier import (
+from mlxstack.cache.disk.tier import (
     DiskRecord,
     DiskTier,
     DiskTierBusy,
     disk_namespace,
     prune_namespaces,
 )
-from mlxstack.cache.safetensors_io import CorruptFile
+from mlxstack.cache.disk.safetensors_io import CorruptFile
 from mlxstack.config.settings import REPO_ROOT, load_settings
 
 NS = disk_namespace(model="m", template="t", layout="kv", kv_bits=0)
@@ -512,7 +512,7 @@ _KILL_CHILD = r"""
 import sys
 import numpy as np
 from pathlib import Path
-from mlxstack.cache.disk_tier import DiskRecord, DiskTier
+from mlxstack.cache.disk.tier import DiskRecord, DiskTier
 
 def rec(seed, n):
     return DiskRecord(np.arange(seed, seed + 8), np.arange(seed, seed + 10),

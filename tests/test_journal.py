@@ -1,4 +1,4 @@
-"""The healing journal (cache/journal.py) is bounded in bytes while running (issue 23 #6): it used
+"""The healing journal (cache/disk/journal.py) is bounded in bytes while running (issue 23 #6): it used
 to apply its cap only when loading at start-up, so the file grew with every reply and was read
 whole into memory at the next start."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 
-from mlxstack.cache.journal import Journal, newest_within
+from mlxstack.cache.disk.journal import Journal, newest_within
 
 
 def test_the_file_never_grows_past_its_cap_while_running(tmp_path):

@@ -3,6 +3,7 @@ mlxstack/README.md (which this test keeps honest)."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,20 +29,35 @@ ALLOWED = {
 
 
 def imported_layers(path: Path) -> set[str]:
-    """mlxstack sub-packages a module imports (absolute ``mlxstack.x`` or relative ``..x``)."""
+    """Other mlxstack layers (top-level sub-packages) a module imports, absolute (``mlxstack.x``)
+    or relative at any depth (``..x`` from ``cache/``, ``...x`` from ``cache/disk/``)."""
     tree = ast.parse(path.read_text())
+    package = path.relative_to(PKG).parent.parts          # e.g. ("cache", "disk")
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 2 and node.module:
-                out.add(node.module.split(".")[0])
-            elif node.level == 0 and node.module and node.module.startswith("mlxstack."):
+            if node.level == 0 and node.module and node.module.startswith("mlxstack."):
                 out.add(node.module.split(".")[1])
+            elif node.level > 0:
+                base = package[:len(package) - (node.level - 1)] if node.level - 1 <= len(package) else ()
+                target = (*base, *(node.module.split(".") if node.module else ()))
+                if target:
+                    out.add(target[0])
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("mlxstack."):
                     out.add(alias.name.split(".")[1])
+    out.discard(package[0] if package else "")
     return out
+
+
+def test_imported_layers_resolves_relative_imports_at_any_depth(tmp_path, monkeypatch):
+    mod = tmp_path / "cache" / "disk" / "m.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("from . import x\nfrom .y import z\nfrom ..kv_ops import a\nfrom ...config import faults\n"
+                   "from ...system.secrets import b\nimport mlxstack.models.loader\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path)
+    assert imported_layers(mod) == {"config", "system", "models"}
 
 
 MODULES = sorted(p for p in PKG.glob("*/**/*.py") if p.parent != PKG)

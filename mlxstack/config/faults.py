@@ -44,8 +44,8 @@ POINTS = (
     "sampler",          # one row's sampling (engine/batch.py step)
     "detokenizer",      # one generated token read back into text (engine/chat.py consume)
     "store",            # a finished turn stored in the prompt cache (engine/chat.py _store)
-    "disk_write",       # a disk-tier entry file written, before its rename (cache/disk_tier.py)
-    "disk_load",        # a disk-only entry loaded on a hit (cache/disk_backing.py)
+    "disk_write",       # a disk-tier entry file written, before its rename (cache/disk/tier.py)
+    "disk_load",        # a disk-only entry loaded on a hit (cache/disk/backing.py)
 )
 
 

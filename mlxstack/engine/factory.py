@@ -76,7 +76,7 @@ def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settin
     code versions, every file that changes the computation: models/fingerprint.py) and numerics,
     chat template, cache-kind layout, KV quantisation. A change in any of them opens another disk
     namespace. None when there is no disk tier (the weights are then not hashed)."""
-    from ..cache.disk_config import resolve_disk_cache_dir
+    from ..cache.disk.config import resolve_disk_cache_dir
     from ..cache.hashing import template_hash
     from ..config.settings import REPO_ROOT
     from ..models.device import is_cpu_only

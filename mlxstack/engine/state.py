@@ -15,10 +15,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
-from ..cache.disk_backing import DiskBacking
-from ..cache.disk_config import plan_disk_cache
-from ..cache.disk_tier import DiskTier, DiskTierBusy, disk_namespace
-from ..cache.journal import Journal
+from ..cache.disk.backing import DiskBacking
+from ..cache.disk.config import plan_disk_cache
+from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
+from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
 from ..cache.layer_kinds import CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash

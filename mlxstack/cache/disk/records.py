@@ -1,5 +1,5 @@
 """Cache entries to disk records and back: the bridge between the RAM tier's KVState
-(mx arrays, cache/kv_ops.py) and the disk tier's numpy records (cache/disk_tier.py).
+(mx arrays, cache/kv_ops.py) and the disk tier's numpy records (cache/disk/tier.py).
 
     record = entry_to_record(entry)            # on the inference thread; no copy of the tensors
     tier.put(record)                           # the writer thread reads the arrays' buffers
@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .disk_tier import DiskRecord
-from .kv_ops import KVState, dump_state, load_state
-from .prompt_cache import CacheEntry
+from .tier import DiskRecord
+from ..kv_ops import KVState, dump_state, load_state
+from ..prompt_cache import CacheEntry
 
 BFLOAT16 = "bfloat16"
 

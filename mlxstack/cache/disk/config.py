@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.settings import REPO_ROOT
+from ...config.settings import REPO_ROOT
 
 OFF_VALUES = frozenset({"", "off", "none", "false", "no", "0"})
 AUTO = "auto"

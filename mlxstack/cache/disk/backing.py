@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import faults
-from .disk_tier import DiskTier
-from .kv_disk import arrays_to_state, entry_to_record, record_to_state
-from .kv_ops import KVState
-from .prompt_cache import CacheEntry, PromptCache
+from ...config import faults
+from .tier import DiskTier
+from .records import arrays_to_state, entry_to_record, record_to_state
+from ..kv_ops import KVState
+from ..prompt_cache import CacheEntry, PromptCache
 
 log = logging.getLogger("mlxstack.cache.disk")
 

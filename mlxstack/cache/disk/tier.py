@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import faults
+from ...config import faults
 from . import safetensors_io
-from .disk_index import DiskIndex, IndexRow
+from .index import DiskIndex, IndexRow
 from .safetensors_io import CorruptFile, FilePlan
 
 log = logging.getLogger(__name__)
@@ -656,7 +656,7 @@ def prune_namespaces(root: Path, keep: str, max_total_bytes: int) -> list[str]:
     written first -- until ``root`` fits ``max_total_bytes``. Old models and templates leave
     their namespaces behind; nothing else ever reads them. A namespace held by a live tier
     (its flock) is skipped. Returns the removed names."""
-    from .disk_config import directory_bytes
+    from .config import directory_bytes
 
     root = Path(root).expanduser()
     if not root.is_dir():
