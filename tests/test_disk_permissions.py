@@ -145,12 +145,12 @@ def test_the_index_alone_is_private(tmp_path, loose_umask):
 
 
 def test_prune_never_creates_a_readable_lock_file(tmp_path, loose_umask, monkeypatch):
-    import mlxstack.cache.disk.tier as disk_tier
+    import mlxstack.cache.disk.folders as folders
 
     root = tmp_path / "kv"
     for ns in (NS, OTHER_NS):
         DiskTier(root, ns, 1 << 30, background=False).close()
     (root / OTHER_NS / "lock").unlink()
-    monkeypatch.setattr(disk_tier.shutil, "rmtree", lambda *a, **k: None)   # keep it to look at
+    monkeypatch.setattr(folders.shutil, "rmtree", lambda *a, **k: None)   # keep it to look at
     assert prune_namespaces(root, keep=NS, max_total_bytes=0) == [OTHER_NS]
     assert _mode(root / OTHER_NS / "lock") == 0o600

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .folders import PRIVATE_FILE
+
 SCHEMA_VERSION = 1
-PRIVATE_FILE = 0o600
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
