@@ -80,6 +80,7 @@ class CompiledGrammar:
     template: llg.LLMatcher
     tokenizer: llg.LLTokenizer
     compile_ms: float
+    ws_words: np.ndarray | None = None     # bitmask of whitespace-only tokens (rows trim a leading one)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -111,6 +112,7 @@ class GrammarCompiler:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="grammar-compile")
+        self._ws_words: np.ndarray | None = None
         self.stats = CompileStats()
 
     @classmethod
@@ -184,7 +186,20 @@ class GrammarCompiler:
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_ms.append(ms)
-        return CompiledGrammar(spec, matcher, self.tokenizer, ms)
+        return CompiledGrammar(spec, matcher, self.tokenizer, ms, self.whitespace_words() if spec.lead_ws else None)
+
+    def whitespace_words(self) -> np.ndarray:
+        """Bitmask (llguidance's words) of the tokens that are whitespace only (once per tokenizer)."""
+        with self._lock:
+            if self._ws_words is None:
+                llt = self.tokenizer
+                words = np.zeros(((llt.vocab_size + 31) // 32,), dtype=np.uint32)
+                for i in range(llt.vocab_size):
+                    b = llt.decode_bytes([i])
+                    if b and not b.strip(b" \t\r\n"):
+                        words[i >> 5] |= np.uint32(1 << (i & 31))
+                self._ws_words = words.view(np.int32)
+            return self._ws_words
 
     def _explain(self, spec: GrammarSpec, message: str) -> SchemaError:
         """Which embedded schema failed, and where inside it."""

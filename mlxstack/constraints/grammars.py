@@ -67,7 +67,7 @@ REASONING_CLOSE = "</think>"
 HARMONY_OPENER = "to=functions."
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-LEAD_WS = r"/[ \t\r\n]{0,4}/"      # before the answer: "</think>\n\n{...}" (and harmless without reasoning)
+LEAD_WS = r"/[ \t\r\n]{0,4}/"      # before the answer: "</think>\n\n{...}" (rows without reasoning: see lead_ws)
 
 
 class SpecError(ValueError):
@@ -101,6 +101,13 @@ class GrammarSpec:
                 or any(s.trigger == reasoning_close for s in self.stages):
             return self.stages
         return (Stage(reasoning_close, require=not self.stages),) + self.stages
+
+    @property
+    def lead_ws(self) -> bool:
+        """The answer may start with whitespace (room for "</think>\n\n"). A row with no reasoning
+        stage gets no whitespace-only first token (constraints/row.py): a small model would happily
+        start "\n{" -- valid, but not what the same model writes unconstrained."""
+        return self.lark.startswith(f"start: {LEAD_WS}")
 
     @property
     def key(self) -> str:
@@ -302,10 +309,12 @@ def _call_rules(tools: list[_Tool], fmt: str, lk: _Lark) -> tuple[str, str]:
         else:
             raise SpecError("tool_format", f"unknown tool-call format {fmt!r} (one of {', '.join(TOOL_FORMATS)})")
     rules.append(f"call_body: {' | '.join(alts)}\n")
+    # the newlines around a call's body are optional: models write "<tool_call>{...}</tool_call>"
+    # too (the parsers take both), and a lazy grammar engaged by such a call must not dead-end
     if fmt == HERMES:
-        rest = f"{_q(chr(10))} call_body {_q(chr(10))} {lk.m(TOOL_CALL_CLOSE)}"
+        rest = f"{_q(chr(10))}? call_body {_q(chr(10))}? {lk.m(TOOL_CALL_CLOSE)}"
     elif fmt == QWEN_XML:
-        rest = f"{_q(chr(10))} call_body {lk.m(TOOL_CALL_CLOSE)}"
+        rest = f"{_q(chr(10))}? call_body {lk.m(TOOL_CALL_CLOSE)}"
     elif fmt == GLM:
         rest = f"call_body {lk.m(TOOL_CALL_CLOSE)}"
     else:

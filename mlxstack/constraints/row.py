@@ -65,6 +65,9 @@ class RowConstraint:
         self._valid = self._valid_words()      # ids < vocab
         self._stop_only: np.ndarray | None = None
         self._no_stop: np.ndarray | None = None
+        # no reasoning stage before an answer that may start with whitespace: its first token is not
+        # whitespace only (the room is for "</think>\n\n"; see GrammarSpec.lead_ws)
+        self._trim_lead = grammar.ws_words is not None and not self.stages
 
     # ------------------------------------------------------------------ state
     @property
@@ -99,6 +102,7 @@ class RowConstraint:
             return
         if token in self.stop_ids and token not in self.eos_ids:
             token = self.eos_ids[0] if self.eos_ids else token   # our stop set may be wider than llguidance's
+        self._trim_lead = False
         if not self.matcher.consume_token(token):
             self._die(self.matcher.get_error().split("\n<state>")[0] or f"token {token} does not fit the grammar")
         elif self.matcher.is_stopped():
@@ -168,6 +172,12 @@ class RowConstraint:
         out &= self._valid
         if self.matcher.is_accepting():         # the reply may end here: with any stop token
             _set_bits(out, self.stop_ids)
+        if self._trim_lead:
+            ws = self.grammar.ws_words[:self.nwords]
+            trimmed = out.copy()
+            trimmed[:len(ws)] &= ~ws
+            if trimmed.any():
+                out[:] = trimmed
         if not out.any():
             self._die("no token can continue the grammar")
             return self._stops()

@@ -44,6 +44,9 @@ from .request import (  # noqa: F401 - re-exported: the request types live in en
 
 log = logging.getLogger("mlxstack.request")
 
+GRAMMAR_DEAD_END = "grammar_dead_end"   # finish reason: the grammar could not continue the reply
+REASONING_CLOSE = "</think>"            # closes the reasoning block a generation prompt opened
+
 
 class ChatEngine:
     def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
@@ -260,9 +263,14 @@ class ChatEngine:
 
     # ---------------------------------------------------------------- tool_choice / JSON mode
     def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:
-        """Text the reply must start with, written for the model after the generation prompt:
-        the opening of a tool call (tool_choice "required" or a named function) or of a JSON
-        object (response_format json_object / json_schema). Nothing for everything else."""
+        """Text the reply must start with, written for the model after the generation prompt --
+        only for a request WITHOUT a grammar (no compiler for this tokenizer: best effort): the
+        opening of a tool call (tool_choice "required" or a named function) or of a JSON object
+        (response_format json_object / json_schema). With a grammar (``params.grammar``) nothing is
+        written: the mask forces the opening token by token, so the prompt -- and everything the
+        cache keys and reuses -- is exactly the prompt of the same request without constraints."""
+        if job.params.grammar is not None:
+            return ""
         choice, fmt = job.tool_choice, job.response_format or {}
         named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         close_think = "</think>\n\n" if thinking_started else ""
@@ -279,9 +287,10 @@ class ChatEngine:
         return ""
 
     def _logit_bias(self, job: ChatJob) -> dict[int, float] | None:
-        """The request's logit_bias, plus a ban on the tool-call token for tool_choice "none"."""
+        """The request's logit_bias; without a grammar (best effort), plus a ban on the tool-call
+        token for tool_choice "none" (a grammar bans the opener in every spelling itself)."""
         bias = dict(job.params.logit_bias or {})
-        if job.tool_choice == "none" and job.tools:
+        if job.tool_choice == "none" and job.tools and job.params.grammar is None:
             tool_open = self.loaded.tokenizer.get_vocab().get("<tool_call>") if hasattr(
                 self.loaded.tokenizer, "get_vocab") else None
             if tool_open is not None:
@@ -333,11 +342,28 @@ class ChatEngine:
         seq.harmony_stop = HarmonyStopper() if self.harmony else None
         seq.detok = self.loaded.tokenizer.detokenizer
         seq.detok.reset()
-        seq.sampler = Sampler(seq.params, seq.prep.model_tokens, self.sampled_width(logits))
+        width = self.sampled_width(logits)
+        seq.sampler = Sampler(seq.params, seq.prep.model_tokens, width, constraint=self.new_constraint(seq, width))
         if seq.forced:
             seq.visible.append(seq.forced)
             seq.job.emit(seq.forced)
         return seq.params.max_tokens > 0
+
+    def new_constraint(self, seq: Sequence, width: int) -> Any:
+        """The request's grammar as a fresh per-row constraint (None without one). A prompt that
+        left a reasoning block open keeps the reasoning free: the grammar starts once it closes."""
+        grammar = seq.params.grammar
+        if grammar is None:
+            return None
+        return grammar.new_row(seq.params.stop_token_ids, width, REASONING_CLOSE if seq.thinking_started else None)
+
+    def _dead_end(self, seq: Sequence, row: Any) -> None:
+        """The grammar could not continue the reply: only stop tokens were left, and one ended it.
+        Never an exception (the rest of the batch goes on); the reply says so in its finish reason."""
+        seq.finish_reason = GRAMMAR_DEAD_END
+        self.state.counters.bump("grammar_dead_ends")
+        log.error("%s the reply's grammar (%s) reached a dead end after %d tokens: %s", seq.job.request_id,
+                  row.grammar.spec.kind, len(seq.generated), row.error)
 
     def consume(self, seq: Sequence, tok: int) -> bool:
         """One generated token read back: stream its text, apply every stop rule. True when the
@@ -346,6 +372,9 @@ class ChatEngine:
         seq.produced += 1
         if tok in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
+            row = seq.sampler.constraint if seq.sampler is not None else None
+            if row is not None and row.dead_end:
+                self._dead_end(seq, row)
             return True
         faults.hit("detokenizer", seq.job.request_id)
         seq.detok.add_token(tok)
@@ -439,7 +468,8 @@ class ChatEngine:
         raw_ids = self.content_ids(seq)
         raw_text = seq.forced + self.loaded.tokenizer.decode(raw_ids)
         visible = "".join(seq.visible)
-        if not aborted and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
+        if not aborted and seq.finish_reason == "stop" \
+                and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
             self._check_json(seq, visible)
         if st.prompt_cache.enabled:
             try:
@@ -489,22 +519,30 @@ class ChatEngine:
         return outcome
 
     def _check_json(self, seq: Sequence, visible: str) -> None:
-        """JSON mode is enforced by prompting (the reply starts with "{") and checked here: a
-        reply that is not one JSON object is counted and logged, and goes out as generated."""
+        """A JSON-mode reply that ended on its own must hold one JSON object (a tool call instead
+        is fine when tools were offered). Without a grammar (best effort) a miss is counted
+        (``json_mode_invalid``) and logged; with one it cannot happen -- a miss is a bug
+        (``grammar_invalid_output``, logged as an error). The reply goes out as generated."""
         import json
 
         from ..parsing.output import split_reply
 
-        content = split_reply(visible, thinking_started=seq.thinking_started, family=self.loaded.family,
-                              parse_tools=False).content
+        parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=seq.job.tools,
+                             family=self.loaded.family, parse_tools=bool(seq.job.tools))
         try:
-            ok = isinstance(json.loads(content), dict)
+            ok = isinstance(json.loads(parsed.content), dict)
         except ValueError:
-            ok = False
-        if not ok:
-            self.state.counters.bump("json_mode_invalid")
-            log.warning("%s response_format %s: the reply is not a JSON object (finish=%s)", seq.job.request_id,
-                        seq.job.response_format.get("type"), seq.finish_reason)
+            ok = bool(parsed.tool_calls) and not parsed.content.strip()
+        if ok:
+            return
+        if seq.params.grammar is not None:
+            self.state.counters.bump("grammar_invalid_output")
+            log.error("%s response_format %s under a grammar: the reply is not a JSON object (a bug): %r",
+                      seq.job.request_id, seq.job.response_format.get("type"), visible[:200])
+            return
+        self.state.counters.bump("json_mode_invalid")
+        log.warning("%s response_format %s: the reply is not a JSON object (finish=%s)", seq.job.request_id,
+                    seq.job.response_format.get("type"), seq.finish_reason)
 
     def _logprobs(self, seq: Sequence) -> list[dict] | None:
         """OpenAI ``logprobs.content`` entries for the tokens the client sees (stop tokens excluded)."""
