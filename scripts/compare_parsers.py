@@ -30,6 +30,9 @@ malformed extras), not taken from either implementation. A case passes when the 
 arguments byte for byte), the content (compared after .strip(): lenient to mlx-lm, which does not
 strip) and the reasoning (.strip() too) match, whole and streamed char by char.
 
+Over 500 lines on purpose: about half is the cases and their written expectations, kept next to
+the harness that runs them so each verdict can be read with its input.
+
 Needs the dev venv (openai-harmony, quicktok-v1 for the o200k vocab, mlx-lm, tokenizers, and
 ~/.cache/mlxstack's SmolLM2 tokenizer for (c)). Results are written down in .context/notes/parsers.md.
 """
