@@ -61,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def loaded(future) -> None:  # noqa: ANN001
         nonlocal exit_code
-        if future.exception() is not None:
+        exc = future.exception()
+        if exc is not None:
             # No endless 503 "still loading": say why and exit, so the launcher can too.
-            print(f"{LOAD_FAILED_MARKER} {app.load_error}", file=sys.stderr, flush=True)
+            why = app.load_error or f"{type(exc).__name__}: {exc}"   # a BaseException records nothing
+            print(f"{LOAD_FAILED_MARKER} {why}", file=sys.stderr, flush=True)
             exit_code = EXIT_MODEL_LOAD_FAILED
             stop()
 
