@@ -314,16 +314,21 @@ def make_spilling(clock=None, **kw):
     return PromptCache(cfg, namespace_seed("test-model"), CacheCounters(), clock=clock or Clock(), on_spill=spill), spill
 
 
+def filled_in_order(max_bytes, sizes):
+    """A spilling cache and one entry per size, inserted a second apart (the oldest first)."""
+    clock = Clock()
+    c, spill = make_spilling(clock, max_bytes=max_bytes)
+    entries = []
+    for start, n in zip((0, 50, 90), sizes):
+        entries.append(put(c, toks(8, start), nbytes=n))
+        clock.t += 1
+    return c, spill, entries
+
+
 def test_an_entry_alone_over_the_byte_budget_evicts_nothing_else_and_goes_to_disk():
     # issue 23 #2: the old order removed every other entry (and its disk copy) first, then
     # noticed the new entry alone was over budget and spilled it: an empty RAM tier.
-    clock = Clock()
-    c, spill = make_spilling(clock, max_bytes=250)
-    a = put(c, toks(8, 0), nbytes=100)
-    clock.t += 1
-    b = put(c, toks(8, 50), nbytes=100)
-    clock.t += 1
-    big = put(c, toks(8, 90), nbytes=300)
+    c, spill, (a, b, big) = filled_in_order(max_bytes=250, sizes=(100, 100, 300))
     assert [e.entry_id for e in c.entries()] == [a.entry_id, b.entry_id]
     assert spill.spilled == [big.entry_id] and big.on_disk_only
     assert c.eviction_log == [(big.entry_id, "spill_bytes")]
@@ -331,13 +336,7 @@ def test_an_entry_alone_over_the_byte_budget_evicts_nothing_else_and_goes_to_dis
 
 
 def test_byte_pressure_spills_victims_instead_of_removing_them():
-    clock = Clock()
-    c, spill = make_spilling(clock, max_bytes=250)
-    a = put(c, toks(8, 0), nbytes=100)
-    clock.t += 1
-    b = put(c, toks(8, 50), nbytes=100)
-    clock.t += 1
-    d = put(c, toks(8, 90), nbytes=100)
+    c, spill, (a, b, d) = filled_in_order(max_bytes=250, sizes=(100, 100, 100))
     assert spill.spilled == [a.entry_id] and a.on_disk_only and c.get(a.entry_id) is a
     assert [e.entry_id for e in c.entries()] == [b.entry_id, d.entry_id] and c.nbytes == 200
     assert c.eviction_log == [(a.entry_id, "spill_bytes")]
