@@ -41,8 +41,10 @@ from typing import Any
 from ..parsing.output import reply_splitter
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from .errors import APIError, bad_request, internal
+from ..engine.chat import GRAMMAR_DEAD_END
 from .job_adapter import (JobRun, Usage, chat_job, chat_request, outcome_usage, request_headers,
                           require_ready, submit_on_worker)
+from .structured import MESSAGES_FIELDS
 from .validation import parse_json
 
 SIGNATURE_PREFIX = "mlxstack.thinking.v1:"
@@ -249,6 +251,8 @@ def anthropic_tools(tools: Any) -> list[dict] | None:
                               "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            fn["strict"] = tool["strict"]
         out.append({"type": "function", "function": fn})
     return out or None
 
@@ -266,6 +270,22 @@ def chat_tool_choice(choice: Any) -> Any:
     return mapped
 
 
+def output_format(body: dict) -> dict | None:
+    """Anthropic JSON outputs -> chat ``response_format``: ``output_config.format`` (what the SDK's
+    ``messages.create`` / ``messages.parse(output_format=Model)`` send) or the beta top-level
+    ``output_format``, each ``{"type": "json_schema", "schema": {...}}``; enforced strictly."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("'output_config' must be an object", param="output_config")
+    for where, fmt in (("output_config.format", (config or {}).get("format")), ("output_format", body.get("output_format"))):
+        if fmt is None:
+            continue
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise bad_request(f"'{where}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=where)
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+    return None
+
+
 def to_chat_body(body: dict) -> dict:
     """Translate an Anthropic Messages request into the chat-completions body it means."""
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages_to_chat(body.get("system"),
@@ -277,6 +297,11 @@ def to_chat_body(body: dict) -> dict:
         choice = chat_tool_choice(body.get("tool_choice"))
         if choice is not None:
             chat["tool_choice"] = choice
+        if isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("disable_parallel_tool_use") is True:
+            chat["parallel_tool_calls"] = False
+    fmt = output_format(body)
+    if fmt is not None:
+        chat["response_format"] = fmt
     for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("stop_sequences", "stop"), ("metadata", "metadata")):
         if body.get(src) is not None:
@@ -296,6 +321,8 @@ def thinking_omitted(body: dict) -> bool:
 def stop_reason(outcome_finish: str, has_tool_use: bool, stop_sequence: str | None) -> str:
     if outcome_finish in ("length", "cancelled"):
         return "max_tokens"
+    if outcome_finish == GRAMMAR_DEAD_END:     # the tool / output grammar could not continue the reply:
+        return "refusal"                        # the API's word for a reply the server cut
     if has_tool_use:
         return "tool_use"
     return "stop_sequence" if stop_sequence is not None else "end_turn"
@@ -482,7 +509,7 @@ def _messages(h: Any) -> None:
     app = h.app
     body = parse_json(h.read_body())
     require_ready(app)
-    req = chat_request(app, to_chat_body(body))
+    req = chat_request(app, to_chat_body(body), MESSAGES_FIELDS)
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)
     run = JobRun.submit(h, req, message_id[-12:], stream=req.stream)
@@ -510,7 +537,7 @@ def _count_tokens(h: Any) -> None:
     require_ready(app)
     chat = to_chat_body(body)
     chat["stream"] = False
-    req = chat_request(app, chat)
+    req = chat_request(app, chat, None)    # counting needs no grammar
     job = chat_job(req, "count-" + uuid.uuid4().hex[:6], request_headers(h), emit=lambda _t: None,
                    on_prompt=lambda _p: None, is_cancelled=lambda: False)
     future = submit_on_worker(app, lambda: len(app.engine.prepare(job).model_tokens))
@@ -521,4 +548,4 @@ def _count_tokens(h: Any) -> None:
 
 __all__ = ["ContentBlocks", "MessagesStream", "anthropic_tools", "chat_tool_choice", "decode_signature",
            "encode_signature", "error_body", "handle_count_tokens", "handle_messages", "matched_stop_sequence",
-           "messages_to_chat", "reply_blocks", "stop_reason", "to_chat_body", "usage_object"]
+           "messages_to_chat", "output_format", "reply_blocks", "stop_reason", "to_chat_body", "usage_object"]

@@ -40,6 +40,7 @@ class App:
         self.guard = Guard.from_settings(settings)
         self.image_limits = ImageLimits.from_settings(settings)
         self.vocab_size: int | None = None  # logits width, known once the model is loaded
+        self.structured: Any = None         # api/structured.py: grammars for this model's tokenizer
         from .image_fetch import is_public_address
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
@@ -87,6 +88,8 @@ class App:
     def close(self) -> None:
         """Stop the worker after its current job, then flush the engine's disk writes."""
         self.worker.stop()
+        if self.structured is not None:
+            self.structured.close()
         if self.state is not None:
             try:
                 self.state.close()
@@ -111,6 +114,7 @@ class App:
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
             self.family = loaded.family
             self.vocab_size = model_vocab_size(loaded)
+            self.structured = self._structured(loaded, engine)
             self._install_features()
             self.ready = True
             log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",
@@ -123,6 +127,12 @@ class App:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
             raise
+
+    def _structured(self, loaded: Any, engine: Any) -> Any:
+        """The grammar compiler for this model (structured output, tool_choice): built once here."""
+        from .structured import Structured
+
+        return Structured.for_model(loaded, engine, self.settings)
 
     def _install_features(self) -> None:
         """Optional layers (healing store, request logs, metrics) hook in here."""

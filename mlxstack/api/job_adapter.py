@@ -18,11 +18,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from ..engine.chat import ChatJob, PromptReady
+from ..engine.chat import GRAMMAR_DEAD_END, ChatJob, PromptReady
 from ..engine.worker import QueueFull
 from ..pipeline.images import ImageError
 from ..runtime.generate import SamplingParams
 from .errors import APIError, not_found, unavailable
+from .structured import CHAT_FIELDS, Fields
 from .validation import ChatRequest, model_matches, parse_chat_request, reject_images
 
 _DONE = object()
@@ -45,14 +46,23 @@ def outcome_truncated(outcome: Any) -> bool:
     return outcome.finish_reason in ("length", "cancelled")
 
 
+def outcome_incomplete(outcome: Any) -> str | None:
+    """Why a reply did not finish on its own, in a front's words: "length" (token budget, window,
+    watchdog), GRAMMAR_DEAD_END (its grammar could not continue it), else None."""
+    if outcome_truncated(outcome):
+        return "length"
+    return GRAMMAR_DEAD_END if outcome.finish_reason == GRAMMAR_DEAD_END else None
+
+
 def require_ready(app: Any) -> None:
     if not app.ready:
         raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
 
 
-def chat_request(app: Any, chat_body: dict) -> ChatRequest:
+def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS) -> ChatRequest:
     """Validate a translated chat body exactly as /v1/chat/completions would, check the model name
-    and the images; raises APIError (4xx) with a message saying what to fix."""
+    and the images, compile the reply's grammar (``fields`` name the front's schema fields in
+    errors; None: no grammar, e.g. for counting tokens); raises APIError (4xx) saying what to fix."""
     req = parse_chat_request(chat_body, app.settings, vocab_size=getattr(app, "vocab_size", None))
     if not model_matches(req.model, app.model_id, app.aliases):
         raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}",
@@ -66,7 +76,17 @@ def chat_request(app: Any, chat_body: dict) -> ChatRequest:
             req.messages = prepare_request_images(req.messages, app.image_limits, app.image_fetcher())
         except ImageError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_image") from None
+    if fields is not None:
+        attach_grammar(app, req, fields)
     return req
+
+
+def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> None:
+    """``req.grammar`` from its response_format / tools / tool_choice, compiled here on the handler
+    thread (api/structured.py); APIError(400) for a schema that cannot be enforced."""
+    structured = getattr(app, "structured", None)
+    if structured is not None:
+        req.grammar = structured.grammar_for(req, fields)
 
 
 def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit: Callable[[str], None],
@@ -79,7 +99,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
             repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias or None, max_tokens=req.max_tokens, seed=req.seed,
-            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=req.grammar,
         ),
         stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
         tool_choice=req.tool_choice, response_format=req.response_format,
@@ -227,5 +247,5 @@ def _internal(exc: BaseException) -> APIError:
     return internal(rid)
 
 
-__all__ = ["FrameEncoder", "JobRun", "Usage", "chat_job", "chat_request", "outcome_truncated", "outcome_usage",
-           "request_headers", "require_ready", "submit_on_worker"]
+__all__ = ["FrameEncoder", "JobRun", "Usage", "attach_grammar", "chat_job", "chat_request", "outcome_incomplete",
+           "outcome_truncated", "outcome_usage", "request_headers", "require_ready", "submit_on_worker"]

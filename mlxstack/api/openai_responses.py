@@ -42,7 +42,9 @@ from typing import Any, Callable
 from ..parsing.output import reply_splitter, split_reply
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from .errors import APIError, bad_request
-from .job_adapter import (JobRun, Usage, chat_request, outcome_truncated, outcome_usage, require_ready)
+from ..engine.chat import GRAMMAR_DEAD_END
+from .job_adapter import JobRun, Usage, chat_request, outcome_incomplete, outcome_usage, require_ready
+from .structured import RESPONSES_FIELDS
 from .validation import parse_json
 
 log = logging.getLogger("mlxstack.responses")
@@ -282,6 +284,8 @@ def responses_tools(tools: Any) -> tuple[list[dict] | None, ToolNames]:
         fn: dict[str, Any] = {"name": flat, "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if isinstance(t.get("strict"), bool):
+            fn["strict"] = t["strict"]
         chat_tools.append({"type": "function", "function": fn})
     return chat_tools or None, names
 
@@ -334,6 +338,8 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
     choice = chat_tool_choice(body.get("tool_choice"), names)
     if choice is not None and chat_tools:
         chat["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("seed", "seed"), ("metadata", "metadata"),
                      ("enable_thinking", "enable_thinking"), ("chat_template_kwargs", "chat_template_kwargs")):
@@ -476,13 +482,25 @@ def usage_object(usage: Usage, reasoning_tokens: int) -> dict:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
+INCOMPLETE_REASONS = {"length": "max_output_tokens", GRAMMAR_DEAD_END: "content_filter"}
+
+
+def reply_status(outcome: Any) -> tuple[str, str | None]:
+    """(status, incomplete_details.reason): "completed", or "incomplete" with "max_output_tokens"
+    (the token budget cut the reply) or "content_filter" (its grammar could not continue it: the
+    API's own word for a reply the server cut, as finish_reason on chat completions)."""
+    why = outcome_incomplete(outcome)
+    return ("incomplete", INCOMPLETE_REASONS[why]) if why else ("completed", None)
+
+
 def response_object(response_id: str, model: str, created_at: int, echo: dict, *, status: str,
-                    output: list[dict], usage: dict | None, error: dict | None = None) -> dict:
+                    output: list[dict], usage: dict | None, error: dict | None = None,
+                    reason: str | None = "max_output_tokens") -> dict:
     """The Responses ``response`` object (what create returns and the stream events carry)."""
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": False, "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "incomplete_details": {"reason": reason} if status == "incomplete" else None,
         "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
         "model": model, "output": output, "parallel_tool_calls": echo["parallel_tool_calls"],
         "previous_response_id": echo["previous_response_id"], "prompt_cache_key": echo["prompt_cache_key"],
@@ -530,9 +548,10 @@ class ResponsesStream:
             self.seq += 1
         return out
 
-    def _response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
+    def _response(self, status: str, usage: dict | None = None, error: dict | None = None,
+                  reason: str | None = None) -> dict:
         return response_object(self.response_id, self.model, self.created_at, self.call.echo, status=status,
-                               output=list(self.items.items), usage=usage, error=error)
+                               output=list(self.items.items), usage=usage, error=error, reason=reason)
 
     def _split(self, events: list) -> list[dict]:
         out: list[dict] = []
@@ -556,10 +575,11 @@ class ResponsesStream:
             self.splitter = reply_splitter(thinking_started=outcome.thinking_started, tools=self.tools,
                                            family=self.family, id_salt=self.response_id)
         payloads = self._split(self.splitter.finish()) + self.items.finish()
-        status = "incomplete" if outcome_truncated(outcome) else "completed"
+        status, reason = reply_status(outcome)
         usage = usage_object(outcome_usage(outcome), self.count_tokens(reasoning_text(self.items.items)))
         self.on_finish(outcome)  # before the last event: a client may chain on it at once
-        return self._frames(payloads + [{"type": f"response.{status}", "response": self._response(status, usage)}])
+        return self._frames(payloads + [{"type": f"response.{status}",
+                                         "response": self._response(status, usage, reason=reason)}])
 
     def error(self, err: APIError) -> list[bytes]:
         failed = self._response("failed", error={"code": err.code or "server_error", "message": err.message})
@@ -652,7 +672,7 @@ def handle_responses(h: Any) -> None:
                            f"{store.max_entries} stored responses in memory; send the full conversation in "
                            "'input' instead)", param="previous_response_id", code="previous_response_not_found")
     call = to_chat_body(body, history)
-    req = chat_request(app, call.chat_body)
+    req = chat_request(app, call.chat_body, RESPONSES_FIELDS)
     response_id = "resp_" + uuid.uuid4().hex
     run = JobRun.submit(h, req, response_id[-12:], stream=call.stream)
 
@@ -678,11 +698,11 @@ def handle_responses(h: Any) -> None:
                             family=app.family, response_id=response_id, tool_names=call.tool_names,
                             reasoning_blob=call.reasoning_blob)
         usage = usage_object(outcome_usage(outcome), count_tokens(reasoning_text(items)))
-        status = "incomplete" if outcome_truncated(outcome) else "completed"
+        status, reason = reply_status(outcome)
         remember(outcome)
         app.count_status(200)
         h._json(200, response_object(response_id, app.model_id, int(time.time()), call.echo, status=status,
-                                     output=items, usage=usage))
+                                     output=items, usage=usage, reason=reason))
     if outcome is not None:
         app.after_response(run.job, outcome)
 

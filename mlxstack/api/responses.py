@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..engine.chat import GRAMMAR_DEAD_END
 from ..parsing.output import reply_splitter, split_reply
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from .sse import ChunkEncoder, encode_frame
@@ -23,9 +24,17 @@ def usage_body(outcome: Any) -> dict:
     }
 
 
+# A reply whose grammar could not continue it (engine GRAMMAR_DEAD_END) ends in OpenAI's own word for
+# "cut by the server, not finished": LiteLLM 1.106.2 refuses any finish_reason outside its list (a 500)
+# and maps the rest to "stop"; the SDKs' .parse() raises ContentFilterFinishReasonError on it.
+DEAD_END_FINISH = "content_filter"
+
+
 def finish_reason(outcome: Any, has_tool_calls: bool) -> str:
     if has_tool_calls and outcome.finish_reason == "stop":
         return "tool_calls"
+    if outcome.finish_reason == GRAMMAR_DEAD_END:
+        return DEAD_END_FINISH
     return "length" if outcome.finish_reason in ("length", "cancelled") else outcome.finish_reason
 
 

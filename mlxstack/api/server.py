@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
 from ..engine.worker import WorkerDied
-from .job_adapter import chat_job, submit_chat
+from .job_adapter import attach_grammar, chat_job, submit_chat
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader, peer_closed
 from .image_fetch import prepare_request_images
@@ -182,6 +182,7 @@ class Handler(BaseHTTPRequestHandler):
                 req.messages = prepare_request_images(req.messages, app.image_limits, app.image_fetcher())
             except ImageError as exc:
                 raise APIError(400, str(exc), param="messages", code="invalid_image") from None
+        attach_grammar(app, req)   # 400 for a schema that cannot be enforced, before anything is queued
         completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
         cancelled = threading.Event()
         sock = self.connection

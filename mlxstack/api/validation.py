@@ -60,6 +60,8 @@ class ChatRequest:
     logit_bias: dict[int, float] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+    parallel_tool_calls: bool = True
+    grammar: Any = None        # constraints.CompiledGrammar (api/structured.py), set on the handler thread
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -229,8 +231,26 @@ def _validate_message(i: int, m: Any) -> dict:
     return m
 
 
+ORIGINAL_TOOLS_FIELD = "mlxstack_tools"   # the client's tools as sent, added by the front door on port 4000
+
+
+def _original_tools(body: dict, tools: Any) -> Any:
+    """The client's own ``tools`` when the front door of port 4000 carried them past LiteLLM
+    (routing/front_door.py): LiteLLM 1.106.2 strips ``strict`` and ``additionalProperties: false``
+    from every tool schema -- a property named "strict" too -- before they reach this server.
+    Used only when it names the same functions, in the same order."""
+    original = body.get(ORIGINAL_TOOLS_FIELD)
+    if not isinstance(original, list) or not isinstance(tools, list) or len(original) != len(tools):
+        return tools
+
+    def name(t: Any) -> Any:
+        fn = t.get("function") if isinstance(t, dict) else None
+        return fn.get("name") if isinstance(fn, dict) else None
+    return original if [name(t) for t in original] == [name(t) for t in tools] else tools
+
+
 def _tools(body: dict) -> list | None:
-    tools = body.get("tools")
+    tools = _original_tools(body, body.get("tools"))
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -240,6 +260,12 @@ def _tools(body: dict) -> list | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                               "\"parameters\": {...}}}", param=f"tools[{k}]")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"tools[{k}].function.parameters must be a JSON schema object",
+                              param=f"tools[{k}].function.parameters")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"tools[{k}].function.strict must be true or false", param=f"tools[{k}].function.strict")
     return tools or None
 
 
@@ -390,6 +416,7 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
         logit_bias=_logit_bias(body, vocab_size),
         tool_choice=_tool_choice(body, tools),
         response_format=_response_format(body),
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
     )
 
 

@@ -204,7 +204,7 @@ class GrammarCompiler:
     def _explain(self, spec: GrammarSpec, message: str) -> SchemaError:
         """Which embedded schema failed, and where inside it."""
         reason = _first_line(message)
-        too_big = any(w in message for w in ("too big", "too complex", "limit", "fuel"))
+        too_big = any(w in message for w in ("too big", "too large", "too complex", "limit", "fuel"))
         for where, text in spec.schemas:
             schema = json.loads(text)
             err = _schema_error(schema, self.limits())

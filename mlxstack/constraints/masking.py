@@ -23,7 +23,9 @@ from .row import RowConstraint, words_for
 
 __all__ = ["BatchMasks", "allowed_mask", "apply_mask", "apply_masks"]
 
-_SHIFTS = mx.arange(32, dtype=mx.int32)
+# A constant, never a lazy op: MLX streams are per thread, and a lazy array made at import (on the
+# importing thread's default stream) fails when the inference thread evaluates it.
+_SHIFTS = mx.array(np.arange(32, dtype=np.int32))
 
 
 def allowed_mask(words: np.ndarray | mx.array, width: int) -> mx.array:

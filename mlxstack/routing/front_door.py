@@ -24,6 +24,7 @@ everything else itself.
 """
 from __future__ import annotations
 
+import copy
 import hmac
 import json
 import logging
@@ -289,6 +290,21 @@ def install(app: Any) -> bool:
     return True
 
 
+# ------------------------------------------------------------------ structured output through LiteLLM
+ORIGINAL_TOOLS_FIELD = "mlxstack_tools"      # = api/validation.py ORIGINAL_TOOLS_FIELD (tests keep them equal)
+
+
+def keep_original_tools(data: Any) -> Any:
+    """A chat request's ``tools`` as the client sent them, copied to ``mlxstack_tools`` (LiteLLM
+    forwards unknown fields untouched): LiteLLM 1.106.2's hosted_vllm transform deletes every
+    ``strict`` key and every ``additionalProperties: false`` from tool schemas -- a property named
+    "strict" included -- so the MLX server could no longer enforce strict tools exactly."""
+    if isinstance(data, dict) and isinstance(data.get("tools"), list) and ORIGINAL_TOOLS_FIELD not in data \
+            and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in data["tools"]):
+        data[ORIGINAL_TOOLS_FIELD] = copy.deepcopy(data["tools"])
+    return data
+
+
 class FrontDoorHook(CustomLogger):
     """What LiteLLM's config names; constructing it installs the ASGI layer in the running proxy."""
 
@@ -299,6 +315,14 @@ class FrontDoorHook(CustomLogger):
         if proxy is not None and getattr(proxy, "app", None) is not None:
             self.installed = install(proxy.app) or getattr(proxy.app, "_mlxstack_front_door", False)
             print("mlxstack front door: checking keys and request shapes on port 4000", file=sys.stderr)
+
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):  # noqa: ANN001
+        if call_type in ("completion", "acompletion"):
+            try:
+                keep_original_tools(data)
+            except Exception:  # noqa: BLE001 - never cost a request: the tools go on as LiteLLM has them
+                log.exception("front door: copying the request's tools failed")
+        return data
 
 
 front_door = FrontDoorHook()
