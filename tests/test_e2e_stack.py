@@ -73,10 +73,10 @@ def test_ready_line_and_capital_of_france_with_usage(stack):
 
 def test_missing_or_wrong_key_is_401(stack):
     assert stack.post("/v1/chat/completions", {"model": MODEL, "messages": Q}, key=None)[0] == 401
-    # A wrong key is refused too; LiteLLM 1.106 without a database answers it 400 "No connected db."
-    # (it looks the key up as a virtual key). Documented in the README's troubleshooting.
+    # A wrong key is 401 too: the front door answers it (LiteLLM 1.106 alone, without a database,
+    # would say 400 "No connected db."; routing/front_door.py).
     status, body, _ = stack.post("/v1/chat/completions", {"model": MODEL, "messages": Q}, key="sk-wrong")
-    assert status in (400, 401) and "choices" not in body
+    assert status == 401 and body["error"]["type"] == "authentication_error"
 
 
 def test_openai_sdk_streaming_and_cached_tokens(stack):

@@ -438,3 +438,46 @@ def test_tools_the_front_door_carried_past_litellm_are_the_ones_enforced():
     assert req.tools == [tool]
     other = dict(data, mlxstack_tools=[{"type": "function", "function": {"name": "g"}}])
     assert parse_chat_request(other, load_settings(env={})).tools == [stripped]     # names differ: ignored
+
+
+def test_the_front_door_hands_the_servers_own_400_through_litellm():
+    """LiteLLM wraps a backend's 400 in its own message (param and code lost): the front door answers
+    the MLX server's error as it sent it; other errors and every success pass unchanged."""
+    import asyncio
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from mlxstack.routing.front_door import FrontDoor, backend_error
+
+    ours = {"error": {"message": "response_format.json_schema.schema#/properties/a: Invalid type: weird",
+                      "type": "invalid_request_error", "param": "response_format.json_schema.schema#/properties/a",
+                      "code": "invalid_json_schema"}}
+    wrapped = {"error": {"message": "litellm.BadRequestError: Hosted_vllmException - " + json.dumps(ours)
+                         + "\n\nLiteLLM: model group 'm' failed with the error above.", "type": "invalid_request_error",
+                         "param": None, "code": "400"}}
+    assert json.loads(backend_error(json.dumps(wrapped).encode())) == ours
+    assert backend_error(json.dumps({"error": {"message": "No connected db."}}).encode()) is None
+
+    def through(status: int, body: dict, path="/v1/chat/completions"):
+        async def app(scope, receive, send):
+            raw = json.dumps(body).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+            await send({"type": "http.response.body", "body": raw[:10], "more_body": True})
+            await send({"type": "http.response.body", "body": raw[10:]})
+        out = []
+
+        async def receive():
+            return {"type": "http.request", "body": b'{"messages": [{"role": "user", "content": "hi"}]}'}
+
+        async def send(m):
+            out.append(m)
+        asyncio.run(FrontDoor(app, master_key="")({"type": "http", "method": "POST", "path": path, "headers": []},
+                                                    receive, send))
+        raw = b"".join(m.get("body", b"") for m in out[1:])
+        length = dict(out[0]["headers"])[b"content-length"]
+        assert int(length) == len(raw)
+        return out[0]["status"], json.loads(raw)
+    assert through(400, wrapped) == (400, ours)
+    assert through(200, {"ok": 1}) == (200, {"ok": 1})
+    assert through(404, {"error": {"message": "no"}}) == (404, {"error": {"message": "no"}})

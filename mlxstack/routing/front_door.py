@@ -257,7 +257,8 @@ class FrontDoor:
         if refused is not None:
             await _respond(send, refused)
             return
-        await self.app(scope, _replaying(replay, receive), send)
+        downstream = _unwrapping(send) if path in CHAT_PATHS + RESPONSES_PATHS else send
+        await self.app(scope, _replaying(replay, receive), downstream)
 
 
 def _replaying(messages: list[dict], receive: Receive) -> Receive:
@@ -266,6 +267,63 @@ def _replaying(messages: list[dict], receive: Receive) -> Receive:
     async def again() -> dict:
         return pending.pop(0) if pending else await receive()
     return again
+
+
+def backend_error(body: bytes) -> bytes | None:
+    """The MLX server's own error inside LiteLLM's wrapper, or None. LiteLLM 1.106.2 answers a
+    backend's 400 as ``{"error": {"message": "litellm.BadRequestError: Hosted_vllmException -
+    {<the backend's error JSON>}\n\nLiteLLM: ...", "param": null, "code": "400"}}``: the field the
+    error names (``param``, e.g. the JSON pointer of a schema that cannot be enforced) and its
+    ``code`` are lost to the SDKs. This is the backend's body, as it sent it."""
+    try:
+        outer = json.loads(body)
+    except ValueError:
+        return None
+    message = outer.get("error", {}).get("message") if isinstance(outer, dict) and isinstance(outer.get("error"), dict) \
+        else None
+    if not isinstance(message, str):
+        return None
+    at = message.find("Exception - {")
+    if at < 0:
+        return None
+    try:
+        inner, _ = json.JSONDecoder().raw_decode(message[at + len("Exception - "):])
+    except ValueError:
+        return None
+    if not (isinstance(inner, dict) and isinstance(inner.get("error"), dict)
+            and isinstance(inner["error"].get("message"), str)):
+        return None
+    return json.dumps(inner).encode()
+
+
+def _unwrapping(send: Send) -> Send:
+    """``send`` for LiteLLM's answers: an error response (4xx) carrying the backend's own error
+    (``backend_error``) goes out as that error; everything else passes unchanged."""
+    held: list[dict] = []
+
+    async def out(message: dict) -> None:
+        if message["type"] == "http.response.start" and 400 <= int(message.get("status", 200)) < 500:
+            held.append(message)
+            return
+        if not held:
+            await send(message)
+            return
+        held.append(message)
+        if message["type"] == "http.response.body" and message.get("more_body"):
+            return
+        start, parts = held[0], held[1:]
+        held.clear()
+        body = b"".join(m.get("body", b"") for m in parts)
+        inner = backend_error(body)
+        if inner is None:
+            for m in (start, *parts):
+                await send(m)
+            return
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(inner)).encode()))
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": inner})
+    return out
 
 
 async def _respond(send: Send, refused: Rejection) -> None:
