@@ -17,6 +17,14 @@ when not built yet). Errors are OpenAI-shaped (``{"error": {"message", "type", "
 and Anthropic-shaped on ``/v1/messages`` (``{"type": "error", "error": {"type", "message"}}``), so
 the SDKs raise AuthenticationError / BadRequestError.
 
+Structured output (issue 18) needs two more repairs, both measured on 1.106.2: LiteLLM's hosted_vllm
+transform deletes ``strict`` and ``additionalProperties: false`` from chat tool schemas (a property
+named "strict" too), so the pre-call hook copies the client's tools to ``mlxstack_tools``, which
+LiteLLM forwards untouched and the MLX server prefers (api/validation.py); and LiteLLM wraps the
+MLX server's 400s (a schema that cannot be enforced, naming its JSON pointer in ``param``) in its own
+message with ``param: null``, so a wrapped 400 on the chat and Responses paths is answered with the
+MLX server's own body.
+
 The key check only refuses what LiteLLM refuses anyway: with a master key and no database
 (``DATABASE_URL`` unset) no other key can pass. The body checks cover the shapes that break
 LiteLLM's transforms (types of ``messages`` / ``input`` and their parts); the MLX server validates
