@@ -289,6 +289,19 @@ def test_xml_string_values_are_free_text_up_to_the_closing_tag(smol):
     assert parse_tool_calls(body, tools, "qwen3")[1][0].arguments == json.dumps({"text": "line 1\n<b>line 2</b>"})
 
 
+def test_xml_values_are_typed_exactly_as_the_parser_types_them_back(smol):
+    # anyOf [integer, null]: the parser reads the value as JSON (parsing.tool_calls.schema_type),
+    # so the grammar must force JSON there too -- free text would parse back as a string
+    tools = [{"type": "function", "function": {"name": "page", "parameters": {
+        "type": "object", "properties": {"n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}, "required": ["n"]}}}]
+    spec = spec_for_request(tools=tools, tool_choice="required", tool_format=QWEN_XML)
+    body = "<tool_call>\n<function=page>\n<parameter=n>\n12\n</parameter>\n</function>\n</tool_call>"
+    write(smol, smol.row(spec), body)
+    assert parse_tool_calls(body, tools, "qwen3")[1][0].arguments == json.dumps({"n": 12})
+    with pytest.raises(AssertionError, match="the mask forbids"):
+        write(smol, smol.row(spec), body.replace("12", "twelve"))
+
+
 def test_harmony_required_and_auto(harmony):
     sp = harmony.compiler.specials
     assert {"<|channel|>", "<|message|>", "<|call|>"} <= set(sp)

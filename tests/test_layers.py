@@ -18,7 +18,7 @@ ALLOWED = {
     "observability": {"cache", "config", "system"},
     "engine": {"runtime", "constraints", "models", "cache", "pipeline", "parsing", "config"},
     "runtime": {"constraints", "cache", "config"},
-    "constraints": {"config"},
+    "constraints": {"parsing", "config"},
     "models": {"config", "system"},
     "cache": {"config"},
     "pipeline": {"parsing", "config"},

@@ -3,7 +3,7 @@
 Layers inside the package, bottom up: ``grammars`` (pure: request fields -> GrammarSpec),
 ``compiler`` (GrammarSpec -> CompiledGrammar for one tokenizer: limits, timeout, LRU cache, errors
 naming the schema path), ``row`` (one request's RowConstraint: tokens in, bitmask out), ``masking``
-(bitmasks onto MLX logits, one row or a batch). Imports only ``config`` from mlxstack.
+(bitmasks onto MLX logits, one row or a batch). Imports only ``config`` and ``parsing`` (the tool-call parser's schema typing) from mlxstack.
 
     compiler = GrammarCompiler.for_tokenizer(tokenizer, stop_ids=engine_stop_ids,
                                              **compiler_options(settings))                # at load

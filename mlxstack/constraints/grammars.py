@@ -48,6 +48,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..parsing.tool_calls import schema_type
+
 __all__ = [
     "GLM", "HARMONY", "HERMES", "QWEN_XML", "TOOL_FORMATS", "GrammarSpec", "Stage", "SpecError",
     "json_spec", "tools_spec", "spec_for_request", "tool_format_for", "opener_of",
@@ -219,7 +221,7 @@ def _value_rules(name: str, schema: Any, close: tuple[str, str, str], lk: _Lark,
     parsing/tool_calls.py types it back. The marker may be a special token."""
     pre, marker, post = close
     end = " ".join(x for x in (_q(pre) if pre else "", lk.m(marker), _q(post) if post else "") if x)
-    typ = _first_type(schema)
+    typ = schema_type(schema)   # exactly how parsing/tool_calls.py types the value back
     if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and schema["enum"] \
             and all(isinstance(v, str) for v in schema["enum"]):
         body = "(" + " | ".join(_q(v) for v in schema["enum"]) + ")"
@@ -242,21 +244,6 @@ def _regex_escape(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
-
-
-def _first_type(schema: Any) -> str | None:
-    """The type a text value is parsed as (parsing/tool_calls.py ``_schema_type``)."""
-    if not isinstance(schema, dict):
-        return None
-    typ = schema.get("type")
-    if isinstance(typ, str):
-        return typ
-    if isinstance(typ, list):
-        names = [t for t in typ if isinstance(t, str) and t != "null"]
-        return names[0] if names else ("null" if "null" in typ else None)
-    if "properties" in schema:
-        return "object"
-    return None
 
 
 def _params_rules(prefix: str, tool: _Tool, frame: tuple[str, str], close: tuple[str, str, str], lk: _Lark) -> tuple[str, str]:

@@ -121,7 +121,7 @@ def _loads(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant)
 
 
-def _schema_type(schema: Any) -> str | None:
+def schema_type(schema: Any) -> str | None:
     """The first non-null JSON-schema type of a property schema, or None when unknown."""
     if not isinstance(schema, dict):
         return None
@@ -135,7 +135,7 @@ def _schema_type(schema: Any) -> str | None:
         options = schema.get(key)
         if isinstance(options, list):
             for option in options:
-                found = _schema_type(option)
+                found = schema_type(option)
                 if found and found != "null":
                     return found
     if "properties" in schema:
@@ -225,7 +225,7 @@ def _properties(tools: list | None, name: str) -> dict | None:
 def _type_text_args(pairs: list[tuple[str, str]], props: dict | None) -> dict:
     args: dict[str, Any] = {}
     for key, value in pairs:
-        args[key] = _coerce(value, _schema_type((props or {}).get(key)))
+        args[key] = _coerce(value, schema_type((props or {}).get(key)))
     return args
 
 
@@ -314,8 +314,8 @@ def _parse_json(body: str, tools: list | None, closed: bool) -> tuple[str, dict]
     if props:
         # JSON is already typed; only fix strings the schema says are something else.
         args = {
-            k: _coerce(v, _schema_type(props.get(k)))
-            if isinstance(v, str) and _schema_type(props.get(k)) not in (None, "string")
+            k: _coerce(v, schema_type(props.get(k)))
+            if isinstance(v, str) and schema_type(props.get(k)) not in (None, "string")
             else v
             for k, v in args.items()
         }
