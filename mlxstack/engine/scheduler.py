@@ -38,26 +38,13 @@ from concurrent.futures import Future
 from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
+from .worker import resolve
 
 log = logging.getLogger("mlxstack.scheduler")
 
 
 class SchedulerReset(RuntimeError):
     """A request that was in flight when the scheduler's state had to be thrown away."""
-
-
-def resolve(future: Future, result: object = None, exc: BaseException | None = None) -> bool:
-    """Set a future's outcome unless it already has one (False then)."""
-    if future.done():
-        return False
-    try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-    except Exception:  # noqa: BLE001 - InvalidStateError: resolved meanwhile
-        return False
-    return True
 
 
 def next_round_robin(count: int, last: int) -> int:

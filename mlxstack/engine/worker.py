@@ -42,6 +42,20 @@ class WorkerDied(RuntimeError):
     """The inference thread is gone: the request was in flight, queued, or submitted after."""
 
 
+def resolve(future: Future, result: object = None, exc: BaseException | None = None) -> bool:
+    """Set a future's outcome unless it already has one (False then)."""
+    if future.done():
+        return False
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except Exception:  # noqa: BLE001 - InvalidStateError: resolved meanwhile
+        return False
+    return True
+
+
 class _Chat:
     __slots__ = ("job", "submitted")
 
@@ -202,11 +216,7 @@ class InferenceWorker:
             except Exception:  # noqa: BLE001
                 log.exception("resolving the scheduler's requests failed")
         for fut in pending:
-            if not fut.done():
-                try:
-                    fut.set_exception(err)
-                except Exception:  # noqa: BLE001 - resolved meanwhile
-                    pass
+            resolve(fut, exc=err)
 
     def _drain(self) -> list[Any]:
         out: list[Any] = []
@@ -245,5 +255,4 @@ class InferenceWorker:
                 try:
                     sched.admit(work.job, fut, queued_at=work.submitted)
                 except Exception as exc:  # noqa: BLE001 - admit resolves its own failures; a bug here too
-                    if not fut.done():
-                        fut.set_exception(exc)
+                    resolve(fut, exc=exc)
