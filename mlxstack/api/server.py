@@ -22,13 +22,12 @@ from typing import Any, Callable
 
 from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
 from ..engine.worker import WorkerDied
-from .job_adapter import attach_grammar, chat_job, submit_chat
+from .job_adapter import chat_job, chat_request, require_ready, submit_chat
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader, peer_closed
-from .image_fetch import prepare_request_images
 from .responses import StreamAssembler, completion_body
 from ..pipeline.images import ImageError
-from .validation import model_matches, parse_chat_request, parse_json, reject_images
+from .validation import parse_json
 
 log = logging.getLogger("mlxstack.http")
 
@@ -170,19 +169,10 @@ class Handler(BaseHTTPRequestHandler):
     def chat_completions(self) -> None:
         app = self.app
         body = parse_json(self.read_body())
-        if not app.ready:
-            raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
-        req = parse_chat_request(body, app.settings, vocab_size=app.vocab_size)
-        if not model_matches(req.model, app.model_id, app.aliases):
-            raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}", code="model_not_found")
-        if not getattr(app.loaded, "is_vlm", False):
-            reject_images(req.messages, app.model_id)
-        else:  # remote fetches and header checks here, on this thread: never on the inference worker
-            try:
-                req.messages = prepare_request_images(req.messages, app.image_limits, app.image_fetcher())
-            except ImageError as exc:
-                raise APIError(400, str(exc), param="messages", code="invalid_image") from None
-        attach_grammar(app, req)   # 400 for a schema that cannot be enforced, before anything is queued
+        require_ready(app)
+        # validation, model name, images (fetched here, never on the inference worker) and the
+        # reply's grammar (400 for a schema that cannot be enforced) -- as every other front
+        req = chat_request(app, body)
         completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
         cancelled = threading.Event()
         sock = self.connection
