@@ -35,7 +35,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +42,7 @@ from ..parsing.output import reply_splitter, split_reply
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from .errors import APIError, bad_request
 from ..engine.chat import GRAMMAR_DEAD_END
+from ..pipeline.sized_lru import SizedLRU
 from .job_adapter import JobRun, Usage, chat_request, outcome_incomplete, outcome_usage, require_ready
 from .structured import RESPONSES_FIELDS
 from .validation import parse_json
@@ -594,35 +594,31 @@ class ResponseStore:
     hold 256 copies of a 64 MB body. A conversation alone over the byte cap is not kept."""
 
     def __init__(self, max_entries: int = RESPONSE_STORE_MAX, max_bytes: int = RESPONSE_STORE_MAX_BYTES) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._data: "OrderedDict[str, tuple[list[dict], int]]" = OrderedDict()
+        self._data: SizedLRU[str, list[dict]] = SizedLRU(max_entries, max_bytes)
         self._lock = threading.Lock()
+
+    @property
+    def max_entries(self) -> int:
+        return self._data.max_entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._data.nbytes
 
     def get(self, response_id: str) -> list[dict] | None:
         with self._lock:
-            item = self._data.get(response_id)
-            if item is not None:
-                self._data.move_to_end(response_id)
-            return None if item is None else [dict(m) for m in item[0]]
+            conv = self._data.get(response_id)
+            return None if conv is None else [dict(m) for m in conv]
 
     def put(self, response_id: str, conversation: list[dict]) -> bool:
         """Store ``conversation``; False when it alone is over the byte cap (not kept)."""
         size = conversation_bytes(conversation)
         with self._lock:
-            old = self._data.pop(response_id, None)
-            self.nbytes -= old[1] if old is not None else 0
-            if size > self.max_bytes:
-                log.warning("response %s not kept for previous_response_id: %d bytes > RESPONSE_STORE_MAX_BYTES",
-                            response_id, size)
-                return False
-            self._data[response_id] = (conversation, size)
-            self.nbytes += size
-            while len(self._data) > self.max_entries or self.nbytes > self.max_bytes:
-                _, (_, n) = self._data.popitem(last=False)
-                self.nbytes -= n
-            return True
+            kept = self._data.put(response_id, conversation, size)
+        if not kept:
+            log.warning("response %s not kept for previous_response_id: %d bytes > RESPONSE_STORE_MAX_BYTES",
+                        response_id, size)
+        return kept
 
     def __len__(self) -> int:
         with self._lock:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections import OrderedDict
 from typing import Any, Callable, Sequence, Union
 
 from ..parsing.tool_calls import canonical_arguments
+from .sized_lru import SizedLRU
 
 
 def _content_text(content: Any) -> str:
@@ -97,18 +97,15 @@ class HealingStore:
     def __init__(self, max_entries: int = 2000, view: Callable[[dict], Any] = lambda m: m,
                  max_bytes: int = 64 * 1024 * 1024,
                  on_remember: Callable[[str, Healed], None] | None = None) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
         self.view = view  # one message -> the form the history digest covers (exact, billing line dropped)
-        self._items: "OrderedDict[str, tuple[Healed, int]]" = OrderedDict()
-        self._bytes = 0
+        self._items: SizedLRU[str, Healed] = SizedLRU(max_entries, max_bytes)
         self._lock = threading.Lock()
         self.healed = 0
         self.on_remember = on_remember   # persistence seam (the engine journals entries to disk)
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._items.nbytes
 
     def remember(self, history: str, content: Any, tool_calls: Sequence[Any] | None, healed: Healed) -> None:
         key = healing_key(history, content, tool_calls)
@@ -123,27 +120,13 @@ class HealingStore:
 
     def _put(self, key: str, healed: Healed) -> bool:
         size = _size(healed) + len(key)
-        if size > self.max_bytes:
-            return False
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            self._items[key] = (healed, size)
-            self._bytes += size
-            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
-                _, (_, n) = self._items.popitem(last=False)
-                self._bytes -= n
-        return True
+            return self._items.put(key, healed, size)
 
     def lookup(self, history: str, message: dict) -> Healed | None:
         key = healing_key(history, message.get("content"), message.get("tool_calls"))
         with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
-            return item[0]
+            return self._items.get(key)
 
     def heal(self, messages: list[dict]) -> list[dict]:
         """A new list where every recognised assistant turn carries what was generated."""
