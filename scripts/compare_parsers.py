@@ -49,6 +49,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -559,12 +560,7 @@ def compare_tool_calls() -> tuple[list[dict], list[dict]]:
             fam = FAMILY_OF[parser_fmt] if fmt == "any" else family   # malformed: as that parser's family
             for who, run in (("ours", lambda ch: ours_run(text, fam, tools, started, ch)),
                              ("mlx_lm", lambda ch: mlxlm_run(text, parser_fmt, tools, started, ch if ch else [text]))):
-                ok_w, whole = _verdict(lambda: run(None))
-                ok_s, streamed = _verdict(lambda: run(list(text)))
-                row[who] = ok_w and whole == want
-                row[who + "_stream"] = ok_s and streamed == want
-                if not row[who] or not row[who + "_stream"]:
-                    row[who + "_got"] = repr(whole if whole != want else streamed)
+                _score(row, who, run, text, want)
             rows.append(row)
     reasoning_rows = []
     for name, text, started, want_r, want_c in REASONING_CASES:
@@ -572,14 +568,19 @@ def compare_tool_calls() -> tuple[list[dict], list[dict]]:
         row = {"case": name, "text": text}
         for who, run in (("ours", lambda ch: ours_run(text, "generic", None, started, ch)),
                          ("mlx_lm", lambda ch: mlxlm_run(text, "json", None, started, ch if ch else [text]))):
-            ok_w, whole = _verdict(lambda: run(None))
-            ok_s, streamed = _verdict(lambda: run(list(text)))
-            row[who] = ok_w and whole == want
-            row[who + "_stream"] = ok_s and streamed == want
-            if not row[who] or not row[who + "_stream"]:
-                row[who + "_got"] = repr(whole if whole != want else streamed)
+            _score(row, who, run, text, want)
         reasoning_rows.append(row)
     return rows, reasoning_rows
+
+
+def _score(row: dict, who: str, run: Callable[[list[str] | None], Any], text: str, want: tuple) -> None:
+    """One parser's verdict on one case, whole and streamed char by char, into ``row``."""
+    ok_w, whole = _verdict(lambda: run(None))
+    ok_s, streamed = _verdict(lambda: run(list(text)))
+    row[who] = ok_w and whole == want
+    row[who + "_stream"] = ok_s and streamed == want
+    if not row[who] or not row[who + "_stream"]:
+        row[who + "_got"] = repr(whole if whole != want else streamed)
 
 
 # --------------------------------------------------------------------------------------------

@@ -95,6 +95,16 @@ def _cut_tokens(a: Any, n: int) -> Any:
     return a[..., :n, :]
 
 
+def _plain_state(cls: type, keys: Any, values: Any, depth: int) -> LayerState:
+    """A full-precision ``KVCache`` state of the first ``depth`` tokens of ``keys`` / ``values``."""
+    return LayerState(KVKind.name, cls, (_cut_tokens(keys, depth), _cut_tokens(values, depth)), (), depth, 0)
+
+
+def _kv_class(cls: type) -> type:
+    """The ``KVCache`` class of the package (mlx-lm or mlx-vlm) that defines ``cls``."""
+    return getattr(sys.modules[cls.__module__], "KVCache")
+
+
 class CacheKind:
     """Base of every kind: subclasses fill in the verbs for their layer layout."""
     name = ""
@@ -167,8 +177,7 @@ class KVKind(CacheKind):
         # live cache switches there), where a cold run is full precision too.
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None), (), 0, 0)
-        return LayerState(self.name, type(layer), (_cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth)),
-                          (), depth, 0)
+        return _plain_state(type(layer), layer.keys, layer.values, depth)
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls()
@@ -195,17 +204,14 @@ class QuantizedKind(KVKind):
     class_names = ("QuantizedKVCache",)
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
-        params = (("bits", int(layer.bits)), ("fp_head", 0), ("group_size", int(layer.group_size)))
+        head = getattr(layer, FP_HEAD, None) if layer.keys is not None else None
+        n = 0 if head is None else int(head[0].shape[-2])
+        if head is not None and depth <= n:   # below the switch: the full-precision head alone
+            return _plain_state(_kv_class(type(layer)), head[0], head[1], depth)
+        params = (("bits", int(layer.bits)), ("fp_head", n), ("group_size", int(layer.group_size)))
         if layer.keys is None:
             return LayerState(self.name, type(layer), (None, None, None, None), params, 0, 0)
-        head = getattr(layer, FP_HEAD, None)
-        n = 0 if head is None else int(head[0].shape[-2])
-        if depth <= n:                      # below the switch: the full-precision head alone
-            kv_cls = getattr(sys.modules[type(layer).__module__], "KVCache")
-            return LayerState(KVKind.name, kv_cls, (_cut_tokens(head[0], depth), _cut_tokens(head[1], depth)),
-                              (), depth, 0)
         tail = lambda t: tuple(x[..., n:depth, :] for x in t)  # noqa: E731
-        params = (("bits", int(layer.bits)), ("fp_head", n), ("group_size", int(layer.group_size)))
         return LayerState(self.name, type(layer),
                           (tail(layer.keys), tail(layer.values), *(head if n else (None, None))), params, depth, 0)
 
@@ -213,10 +219,8 @@ class QuantizedKind(KVKind):
         params = dict(state.params)
         group, bits, n = params["group_size"], params["bits"], params["fp_head"]
         k, v, hk, hv = state.arrays
-        if k is not None and depth <= n:
-            c = getattr(sys.modules[state.cls.__module__], "KVCache")()
-            c.keys, c.values, c.offset = _cut_tokens(hk, depth), _cut_tokens(hv, depth), depth
-            return c
+        if k is not None and depth <= n:    # a full-precision KVCache, exactly as KVKind checks one out
+            return super().checkout(_plain_state(_kv_class(state.cls), hk, hv, depth), depth)
         c = state.cls(group_size=group, bits=bits)
         if k is None:
             return c

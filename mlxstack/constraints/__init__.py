@@ -17,12 +17,12 @@ from .compiler import (CompiledGrammar, GrammarCompiler, GrammarTooComplex, Sche
                        locate_schema_error)
 from .grammars import (GLM, HARMONY, HERMES, QWEN_XML, TOOL_FORMATS, GrammarSpec, SpecError, Stage, json_spec,
                        opener_of, spec_for_request, tool_format_for, tools_spec)
-from .masking import BatchMasks, allowed_mask, apply_mask, apply_masks
+from .masking import BatchMasks, allowed_mask, apply_mask
 from .row import RowConstraint
 
 __all__ = [
     "BatchMasks", "CompiledGrammar", "GLM", "GrammarCompiler", "GrammarSpec", "GrammarTooComplex", "HARMONY",
     "HERMES", "QWEN_XML", "RowConstraint", "SchemaError", "SpecError", "Stage", "TOOL_FORMATS", "allowed_mask",
-    "apply_mask", "apply_masks", "compiler_options", "json_spec", "locate_schema_error", "opener_of", "spec_for_request",
+    "apply_mask", "compiler_options", "json_spec", "locate_schema_error", "opener_of", "spec_for_request",
     "tool_format_for", "tools_spec",
 ]

@@ -3,12 +3,14 @@
     logits = apply_mask(logits, row.mask_words())             # [V] or [1, V]; lazy
     masks = BatchMasks()
     words = masks.fill(rows)                                   # [B, W] int32, all-ones for free rows
-    logits = apply_masks(logits, words)                        # [B, V]
+    logits = apply_mask(logits, words)                         # [B, V]: the same, row by row
 
 The mask travels as int32 words (32 tokens each, 1/8 of a bool mask) and is unpacked by MLX next to
 the logits. ``BatchMasks.fill`` computes the engaged rows' masks in parallel on llguidance's own
-thread pool (``LLExecutor``; the GIL is released), so a batch with several constrained rows pays
-about one row's mask time, and it can run while the MLX forward for the step is in flight.
+thread pool (``LLExecutor``; the GIL is released). It is not on the decode path: on the 2-core dev
+box it was slower than masking row by row in each row's sampler (scripts/bench_structured.py:
+157 vs 89 us per 8-row step), so runtime/sampling.py masks one row at a time; the bench keeps
+measuring both.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from .row import RowConstraint, words_for
 
-__all__ = ["BatchMasks", "allowed_mask", "apply_mask", "apply_masks"]
+__all__ = ["BatchMasks", "allowed_mask", "apply_mask"]
 
 # A constant, never a lazy op: MLX streams are per thread, and a lazy array made at import (on the
 # importing thread's default stream) fails when the inference thread evaluates it.
@@ -37,15 +39,11 @@ def allowed_mask(words: np.ndarray | mx.array, width: int) -> mx.array:
 
 
 def apply_mask(logits: mx.array, words: np.ndarray | mx.array | None) -> mx.array:
-    """``logits`` with every token the mask does not allow at -inf (None: unchanged)."""
+    """``logits`` ([V], or [B, V] with [B, W] words) with every token the mask does not allow at
+    -inf (None: unchanged)."""
     if words is None:
         return logits
     return mx.where(allowed_mask(words, logits.shape[-1]), logits, -math.inf)
-
-
-def apply_masks(logits: mx.array, words: np.ndarray | None) -> mx.array:
-    """[B, V] logits masked row by row with [B, W] words (None: no row is constrained)."""
-    return apply_mask(logits, words)
 
 
 class BatchMasks:

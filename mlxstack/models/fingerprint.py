@@ -187,7 +187,7 @@ def _hash_all(paths: list[str], sizes: list[int]) -> list[str]:
     if workers <= 1 or sum(sizes) < 64 * MEMO_MIN_BYTES:
         return [_sha256_file(p) for p in paths]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
-        return list(pool.map(lambda p: _sha256_file(p), paths))
+        return list(pool.map(_sha256_file, paths))
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
