@@ -253,9 +253,11 @@ def test_implicit_session_ids_differ_by_opening_image(engines):
     warm, _ = engines
     a = [SYSTEM, user("Describe it.", image_url(0))]
     b = [SYSTEM, user("Describe it.", image_url(1))]
-    ka = warm._session_key_tokens(warm.prepare(job(a)), job(a))
-    kb = warm._session_key_tokens(warm.prepare(job(b)), job(b))
-    assert ka != kb and len(ka) > warm.prepare(job(a)).extras["spans"][0][1]
-    # Stable as the conversation grows.
+    ka = warm.session_of(warm.prepare(job(a)), job(a))
+    kb = warm.session_of(warm.prepare(job(b)), job(b))
+    assert ka.source == kb.source == "message-prefix" and ka.session_id != kb.session_id
+    # Stable as the conversation grows; the same opening with another image in a later turn is too.
     longer = a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    assert warm._session_key_tokens(warm.prepare(job(longer)), job(longer)) == ka
+    assert warm.session_of(warm.prepare(job(longer)), job(longer)) == ka
+    later_image = a + [{"role": "assistant", "content": "ok"}, user("And this?", image_url(1))]
+    assert warm.session_of(warm.prepare(job(later_image)), job(later_image)) == ka

@@ -44,6 +44,7 @@ class _TurnRecord:
     messages: list[Any]
     touched: float
     nbytes: int = 0
+    history: int | None = None   # tokens the messages took, rendered without a generation prompt
 
 
 class SessionTurnStore:
@@ -72,8 +73,22 @@ class SessionTurnStore:
         rec = self._records.get(session_id)
         return message_diff(rec.messages, canonical_messages) if rec else 0
 
-    def update(self, session_id: str, canonical_messages: Sequence[Any]) -> bool:
-        """Record ``canonical_messages`` if it strictly extends (or first creates) the record."""
+    def recorded_history(self, session_id: str, stable: int) -> int | None:
+        """Tokens the recorded messages took as the model saw them rendered, when the ``stable``
+        leading messages of a new request are the whole record: a growing conversation's stable
+        prefix is the previous request's history, so its token boundary needs no render. (An
+        estimate where the template renders the same messages differently now -- a per-turn date
+        in the system prompt: it only decides whether the secondary lookup runs, which verifies
+        every candidate on model tokens.)"""
+        rec = self._records.get(session_id)
+        if rec is None or rec.history is None or stable != len(rec.messages):
+            return None
+        return rec.history
+
+    def update(self, session_id: str, canonical_messages: Sequence[Any],
+               history: int | None = None) -> bool:
+        """Record ``canonical_messages`` if it strictly extends (or first creates) the record;
+        ``history``: the tokens those messages took, rendered without a generation prompt."""
         self._expire()
         rec = self._records.get(session_id)
         now = self.clock()
@@ -91,7 +106,7 @@ class SessionTurnStore:
         old = self._records.pop(session_id, None)
         if old is not None:
             self._bytes -= old.nbytes
-        self._records[session_id] = _TurnRecord([json.loads(b) for b in blobs], now, size)
+        self._records[session_id] = _TurnRecord([json.loads(b) for b in blobs], now, size, history)
         self._bytes += size
         while len(self._records) > self.max_sessions or self._bytes > self.max_bytes:
             _, dropped = self._records.popitem(last=False)

@@ -96,6 +96,16 @@ def message_digests(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, in
     return out
 
 
+IMPLICIT_PREFIX = "msg:"
+
+
+def opening_session_id(opening: Sequence[Mapping[str, Any]]) -> str:
+    """``msg:`` + the digest of a conversation's opening (pipeline/session_context.py
+    ``session_opening``): the implicit session id, spelled the same by the router and the engine."""
+    chain = message_digests(opening)
+    return IMPLICIT_PREFIX + (chain[-1][0][:24] if chain else "empty")
+
+
 # --- the summary (server side) ---------------------------------------------------------------------
 _memo: "weakref.WeakKeyDictionary[Any, dict[str, tuple[list, list]]]" = weakref.WeakKeyDictionary()
 

@@ -1,7 +1,7 @@
 """One chat request end to end, on the inference thread, in phases.
 
-    start:    heal -> canonicalise -> render x2 -> scrub (key only) -> tokenise x2 -> lookup
-              -> checkout KV at physical depth P                          (ChatEngine.start)
+    start:    heal -> canonicalise -> render once -> key + boundaries from it -> tokenise
+              (engine/assembly.py) -> lookup -> checkout KV at physical depth P   (ChatEngine.start)
     prefill:  model_tokens[P:] (+ checkpoints for caches that cannot be cut back later)
     decode:   sample until a stop; stream text
     finish:   close the turn in the KV -> store entries, session records, healing  (finish)
@@ -23,15 +23,13 @@ from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..config import faults
 from ..parsing.harmony import HarmonyStopper, healing_patch
 from ..parsing.reasoning import prompt_opens_thinking
-from ..pipeline.canonicalize import canonicalize_messages
-from ..pipeline.render import TemplateError, encode
-from ..pipeline.scrub import scrub_cache_key
-from ..pipeline.session_context import extract_session_context
+from ..pipeline.render import encode
 from ..pipeline.tokenize import encoder_for
 from ..runtime.generate import Aborted, decode, feed, last_logits, prefill
 from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
+from .assembly import PromptAssembly
 from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
     ChatJob,
     ChatOutcome,
@@ -48,7 +46,7 @@ GRAMMAR_DEAD_END = "grammar_dead_end"   # finish reason: the grammar could not c
 REASONING_CLOSE = "</think>"            # closes the reasoning block a generation prompt opened
 
 
-class ChatEngine:
+class ChatEngine(PromptAssembly):
     def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
         self.loaded = loaded
         self.renderer = renderer
@@ -66,95 +64,18 @@ class ChatEngine:
         self.token_count = tokenizer_size(loaded.tokenizer)
         self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
 
-    # ---------------------------------------------------------------- pipeline
-    def prepare(self, job: ChatJob) -> PreparedPrompt:
-        """heal -> canonicalise -> render both -> tokenise both (``_tokenize``: the VLM seam) ->
-        the key safety check (``_plain_key``: what the key falls back to)."""
-        s = self.settings
-        messages = self.state.heal(job.messages)
-        original, canonical = canonicalize_messages(
-            messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
-        model_text = self.renderer.render(original, job.tools, job.enable_thinking)
-        canon_text = scrub_cache_key(self.renderer.render(canonical, job.tools, job.enable_thinking))
-        model_tokens, key_tokens, extras, key_extra = self._tokenize(original, canonical, model_text, canon_text)
-        if s.cache_norm_safety_check and len(key_tokens) - key_extra < 0.9 * len(model_tokens):
-            log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
-                        job.request_id, len(key_tokens), len(model_tokens))
-            self.state.counters.bump("cache_key_safety_fallback")
-            key_tokens = self._plain_key(model_tokens, extras)
-        return PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
-                              len(model_text) - len(canon_text), extras)
-
-    def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
-                  canon_text: str) -> tuple[list[int], list[int], dict, int]:
-        """(model tokens, key tokens, backend extras, key tokens that are not text). A VLM expands
-        image placeholders and adds image identity markers here."""
-        tok = self.loaded.tokenizer
-        model_tokens = encode(tok, model_text)
-        key_tokens = model_tokens if canon_text == model_text else encode(tok, canon_text)
-        return model_tokens, key_tokens, {}, 0
-
-    def _plain_key(self, model_tokens: list[int], extras: dict) -> list[int]:
-        """The key when the canonical one is refused: the model tokens themselves."""
-        return model_tokens
-
-    def _render_prefix(self, messages: list[dict], job: ChatJob) -> str | None:
-        """The template's rendering of a message prefix without the generation prompt, or None
-        when the template refuses that prefix (strict templates reject e.g. a [system]-only list)."""
-        if not messages:
-            return None
-        try:
-            return self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=False)
-        except TemplateError:
-            return None
-
-    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
-        """Model tokens of ``messages`` rendered without the generation prompt (a VLM expands
-        its image pads here); None when the template cannot render that prefix."""
-        text = self._render_prefix(messages, job)
-        return None if text is None else encode(self.loaded.tokenizer, text)
-
-    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
-        """The same in cache-key form: scrubbed (a VLM adds image identity markers)."""
-        text = self._render_prefix(messages, job)
-        return None if text is None else encode(self.loaded.tokenizer, scrub_cache_key(text))
-
-    def _stable_prefix_tokens(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
-        """(stable message count, exact token boundary of those messages in the model tokens)."""
-        n = self.state.turns.stable_prefix(session_id, prep.canonical)
-        if n <= 0:
-            return 0, 0
-        tokens = self._rendered_tokens(prep.original[:n], prep, job)
-        return (n, lcp(tokens, prep.model_np)) if tokens is not None else (0, 0)
-
-    def _session_key_tokens(self, prep: PreparedPrompt, job: ChatJob) -> list[int]:
-        """Tokens a session without an explicit id is recognised by: the canonical key up to the
-        end of the first user message (all of it is hashed: LESSONS 7, 22), so the id stays the same
-        as the conversation grows even when that opening is shorter than 128 tokens."""
-        first_user = next((i for i, m in enumerate(prep.canonical) if m.get("role") == "user"), 0)
-        opening = self._rendered_key_tokens(prep.canonical[: first_user + 1], prep, job)
-        if opening is None:
-            return prep.key_tokens
-        return prep.key_tokens[: lcp(opening, prep.key_np)]
-
-    def _history_boundary(self, prep: PreparedPrompt, job: ChatJob) -> int:
-        """Token index where the rendered history ends (generation prompt excluded)."""
-        tokens = self._rendered_tokens(prep.original, prep, job)
-        return lcp(tokens, prep.model_np) if tokens is not None else len(prep.model_tokens) - 1
-
-    def _generation_prompt_text(self, prep: PreparedPrompt, job: ChatJob) -> str:
-        """What the generation prompt appended after the last message (``<|im_start|>assistant\n<think>\n``):
-        only this decides whether the reply starts inside a <think> block, never message text."""
-        history = self._render_prefix(prep.original, job)
-        if history is None:
-            return self.renderer.generation_suffix(job.enable_thinking)
-        return prep.model_text[lcp_text(history, prep.model_text):]
-
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
+        """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
+        once for all its tries and calls ``_lookup``)."""
+        stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
+        return self._lookup(prep, session_id, stable_tokens), stable_msgs
+
+    def _lookup(self, prep: PreparedPrompt, session_id: str, stable_tokens: int) -> MatchResult:
+        """The prompt cache's match: by key, then (when it stops short of the session's stable
+        prefix, or misses) the broad lookup over entries sharing a block and the session's lineage."""
         cache = self.state.prompt_cache
         hashes = cache.hashes(prep.key_np)
         match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes)
-        stable_msgs, stable_tokens = self._stable_prefix_tokens(prep, session_id, job)
         if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
             second = cache.lookup(prep.key_np, prep.model_np, broad=True, key_hashes=hashes,
                                   extra_candidates=self.state.sessions.candidates(session_id))
@@ -162,7 +83,7 @@ class ChatEngine:
                 match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")
         if match.hit and match.entry.pool == POOL_SNAPSHOT:
             match = match._replace(match_type="snapshot")
-        return match, stable_msgs
+        return match
 
     # ---------------------------------------------------------------- backend seams (VLM overrides)
     @property
@@ -198,7 +119,7 @@ class ChatEngine:
         s = self.settings
         st = self.state
         prep = self.prepare(job)
-        thinking_started = prompt_opens_thinking(self._generation_prompt_text(prep, job))
+        thinking_started = prompt_opens_thinking(prep.generation_text)
         forced = self._reply_prefix(job, thinking_started)
         if forced:
             prep = prep.extended(forced, encode(self.loaded.tokenizer, forced))
@@ -210,11 +131,12 @@ class ChatEngine:
         params = replace(job.params, stop_token_ids=job.params.stop_token_ids | self.stop_ids,
                          max_tokens=min(job.params.max_tokens, self.context_limit - n_prompt),
                          logit_bias=self._logit_bias(job))
-        session = extract_session_context(job.body, job.headers, self._session_key_tokens(prep, job))
+        session = self.session_of(prep, job)
         job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
         match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
+        st.counters.bump("renders", prep.renders)
         live = checkout(stored, match.depth, st.kv_quant) if match.hit else self.new_cache()
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
@@ -226,10 +148,9 @@ class ChatEngine:
         # are checkpointed where a later turn will extend exactly: the end of the history
         # (before the generation prompt) and prompt[:-1]. Checkpoints the final entry can serve
         # itself are dropped again in finish().
-        history_end = n_prompt - 1
+        history_end = prep.history_end
         checkpoints: list[int] = []
         if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
-            history_end = self._history_boundary(prep, job)
             checkpoints = sorted({k for k in (history_end, n_prompt - 1) if match.depth < k < n_prompt})
         deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
@@ -247,8 +168,9 @@ class ChatEngine:
             return MISS, 0, False, None
         if st.disk is not None:
             st.disk.sync(st.prompt_cache)
+        stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
         for _ in range(4):
-            match, stable_msgs = self.lookup(prep, session_id, job)
+            match = self._lookup(prep, session_id, stable_tokens)
             match = self.validate_match(prep, match)
             stored = match.entry.payload if match.hit else None
             if not match.hit or stored is not None:
@@ -485,7 +407,7 @@ class ChatEngine:
                               job.request_id, st.layout.describe())
                 st.counters.bump("store_failures")
         if not aborted and not job.prefill_only:
-            st.turns.update(seq.session.session_id, prep.canonical)
+            st.turns.update(seq.session.session_id, prep.canonical, history=prep.history_end)
             self._remember_reply(seq, raw_text, visible)
 
         if not seq.t_first:
@@ -508,6 +430,7 @@ class ChatEngine:
                 "total_s": round(seq.t_end - seq.t0, 4),
                 "prefilled_tokens": remaining,
                 "stable_prefix_msgs": seq.stable_msgs,
+                "renders": prep.renders,
                 "key_delta_chars": prep.key_delta_chars,
                 "cache_tier": "disk" if seq.from_disk else ("ram" if seq.match.hit else "none"),
                 "queue_wait_s": round(max(0.0, seq.t0 - seq.queued_at), 4) if seq.queued_at else 0.0,
@@ -709,14 +632,3 @@ def tokenizer_size(tokenizer: Any) -> int | None:
             return n
     return None
 
-
-def lcp_text(a: str, b: str) -> int:
-    """Length of the common prefix of two strings (binary search over C-level slice compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

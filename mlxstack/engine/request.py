@@ -85,6 +85,9 @@ class PreparedPrompt:
     extras: dict = field(default_factory=dict)   # backend-specific (e.g. VLM images, image spans)
     model_np: Any = None                         # the same tokens as int64 arrays (LCP, hashing)
     key_np: Any = None
+    generation_text: str = ""                    # what the generation prompt appended to the history
+    history_end: int = 0                         # tokens of the rendered history (no generation prompt)
+    renders: int = 0                             # chat-template renders this prompt cost
 
     def __post_init__(self) -> None:
         self.model_np = as_tokens(self.model_tokens)
@@ -95,7 +98,9 @@ class PreparedPrompt:
         key = self.model_tokens + ids if self.key_tokens is self.model_tokens else self.key_tokens + ids
         model = self.model_tokens + ids
         return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
-                              model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras)
+                              model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras,
+                              generation_text=self.generation_text, history_end=self.history_end,
+                              renders=self.renders)
 
 
 @dataclass(eq=False)       # identity: a request is itself, never "equal" to another

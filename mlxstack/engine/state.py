@@ -127,7 +127,8 @@ class EngineState:
             "match_type": outcome.match_type,
             "finish_reason": outcome.finish_reason,
             **{k: outcome.timings[k] for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s",
-                                                "stable_prefix_msgs", "key_delta_chars", "prepare_ms", "cache_tier",
+                                                "stable_prefix_msgs", "renders", "key_delta_chars", "prepare_ms",
+                                                "cache_tier",
                                                 "queue_wait_s", "batch_size_max", "batch_size_mean")},
         }
         with self.rows_lock:
@@ -137,10 +138,11 @@ class EngineState:
         self.counters.bump("prefilled_tokens", row["prefilled_tokens"])
         log.info(
             "req=%s session=%s prompt=%d cached=%d match=%s tier=%s prefilled=%d delta_chars=%d stable_msgs=%d "
-            "queue=%.3fs ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s batch=%s finish=%s correctness=%s",
+            "renders=%d queue=%.3fs ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s batch=%s finish=%s correctness=%s",
             job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
             row["cache_tier"],
-            row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["queue_wait_s"],
+            row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["renders"],
+            row["queue_wait_s"],
             row["ttft_s"], row["prefill_tok_s"], row["decode_tok_s"], row["batch_size_max"], row["finish_reason"],
             ",".join(f"{k}:{v}" for k, v in self.counters.correctness().items()),
         )

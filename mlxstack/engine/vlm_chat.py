@@ -46,8 +46,7 @@ from ..pipeline.images import (
     is_image_part,
 )
 from ..pipeline.render import ChatRenderer, content_text, encode
-from ..pipeline.scrub import scrub_cache_key
-from .chat import ChatEngine, ChatJob, PreparedPrompt
+from .chat import ChatEngine, PreparedPrompt
 from ..runtime.generate import Aborted, cache_arrays
 from ..runtime.mlx_stream import generation_stream
 
@@ -115,7 +114,7 @@ class VLMChatEngine(ChatEngine):
 
     # ---------------------------------------------------------------- pipeline
     def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
-                  canon_text: str) -> tuple[list[int], list[int], dict, int]:
+                  key_text: str) -> tuple[list[int], list[int], dict, int]:
         """Images decoded per message; model tokens from the processor (each placeholder expanded
         to its patch count); the key is the text render with the same expansion plus a 2-token
         identity marker after each image."""
@@ -128,9 +127,9 @@ class VLMChatEngine(ChatEngine):
         extras: dict[str, Any] = {"images": images, "spans": [], "counts": [], "markers": [],
                                   "pixel_values": [], "grids": []}
         if not images:
-            if image_pad_runs(encode(tok, model_text), self.image_pad_id):
-                raise ImageError("the text contains image placeholder tokens but the request has no images")
             model_tokens = encode(tok, model_text)
+            if image_pad_runs(model_tokens, self.image_pad_id):
+                raise ImageError("the text contains image placeholder tokens but the request has no images")
         else:
             from mlx_vlm.utils import prepare_inputs
 
@@ -149,10 +148,10 @@ class VLMChatEngine(ChatEngine):
             extras.update(spans=spans, counts=counts, grids=grids,
                           pixel_values=[pixel_values[a:b] for a, b in zip(cuts[:-1], cuts[1:])],
                           markers=[image_marker_tokens(im.digest, self.vocab_size) for im in images])
-        if canon_text == model_text:
+        if key_text == model_text:
             key_tokens = list(model_tokens)
         else:
-            key_tokens = expand_image_pads(encode(tok, canon_text), self.image_pad_id, extras["counts"])
+            key_tokens = expand_image_pads(encode(tok, key_text), self.image_pad_id, extras["counts"])
         if images and s.cache_vlm_image_identity:
             key_tokens = inject_image_markers(key_tokens, self.image_pad_id, [im.digest for im in images],
                                               self.vocab_size)
@@ -166,25 +165,9 @@ class VLMChatEngine(ChatEngine):
             return inject_image_markers(model_tokens, self.image_pad_id, [im.digest for im in images], self.vocab_size)
         return list(model_tokens)
 
-    def _expanded(self, text: str, prep: PreparedPrompt) -> list[int]:
+    def _tokens_of(self, text: str, prep: PreparedPrompt) -> list[int]:
+        """Model tokens of a prefix of the prompt's text, each image's pads expanded."""
         return expand_image_pads(encode(self.loaded.tokenizer, text), self.image_pad_id, prep.extras["counts"])
-
-    def _rendered_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
-        text = self._render_prefix(messages, job)
-        return None if text is None else self._expanded(text, prep)
-
-    def _rendered_key_tokens(self, messages: list[dict], prep: PreparedPrompt, job: ChatJob) -> list[int] | None:
-        """Images expanded and marked, so two sessions that open with different images get
-        different implicit ids."""
-        text = self._render_prefix(messages, job)
-        if text is None:
-            return None
-        tokens = self._expanded(scrub_cache_key(text), prep)
-        n = len(image_pad_runs(tokens, self.image_pad_id))
-        if n and self.settings.cache_vlm_image_identity:
-            tokens = inject_image_markers(tokens, self.image_pad_id, [im.digest for im in prep.extras["images"][:n]],
-                                          self.vocab_size)
-        return tokens
 
     def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
         """Key of ``model_tokens[:depth]``: the markers of the images that end by ``depth`` included."""

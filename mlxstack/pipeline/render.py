@@ -64,7 +64,9 @@ class ChatRenderer:
         self.supports_thinking = "enable_thinking" in source
         self.preserve_thinking = preserve_thinking and self._probe_preserve_thinking(source)
         self.template_source = source
-        self._shape: dict[bool, tuple[str, str]] = {}
+        self._shape: dict[bool, tuple[str, str, str]] = {}
+        for thinking in (False, True):   # probed here, so no request pays for the probe renders
+            self._assistant_shape(thinking)
 
     # Probe once at start-up: the same decision is used for every render (key and model).
     def _probe_preserve_thinking(self, source: str) -> bool:

@@ -14,9 +14,11 @@ Lookup order (first non-empty value wins):
      ``session_id`` / ``x-session-affinity`` only when configured to.
   3. Claude Code's ``metadata.user_id``, which embeds the session (``user_…_session_<uuid>`` or a JSON
      string with ``session_id``) (source ``"body.metadata.user_id"``) — only reaches us on direct calls.
-  4. SHA-1 of the canonical tokens the caller passes -- the engine passes the conversation's
-     opening, up to the end of the first user message (source ``"prefix-hash"``): requests sharing their
-     opening (system prompt + first user turn) share a session.
+  4. The caller's ``implicit`` id: the engine and the router both pass the digest of the
+     conversation's opening (``session_opening``: canonical messages up to the end of the first user
+     message, scrubbed; ``msg:<digest>``, source ``"message-prefix"``), so requests sharing their
+     opening (system prompt + first user turn) share a session, spelled the same on both sides.
+     Without one, SHA-1 of the canonical tokens the caller passes (source ``"prefix-hash"``).
 
 Ids are strings (ints are accepted and stringified), stripped; ids longer than 256 characters
 are replaced by ``"sha1:<hex>"`` so logs and keys stay bounded.
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from .scrub import scrub_cache_key
 
 BODY_ID_KEYS = ("session_id", "conversation_id", "thread_id", "chat_id")
 BODY_LOCATIONS = ((), ("extra_body",), ("metadata",))
@@ -87,10 +91,36 @@ def prefix_hash_session_id(canonical_tokens: Sequence[int]) -> str:
     return hashlib.sha1(head.tobytes()).hexdigest()
 
 
+def session_opening(canonical: Sequence[Any]) -> list[dict]:
+    """The opening an implicit session id hashes: the canonical messages up to and including the
+    first user message (all of them when there is none), their text scrubbed as the cache key's
+    is (pipeline/scrub.py: a reminder, a billing line or a clock does not start a new session).
+    The router hashes the same opening (routing/session_key.py), so one id means one session on
+    both sides, and the engine needs no render of its own for it."""
+    usable = [m for m in canonical if isinstance(m, Mapping)]
+    first_user = next((i for i, m in enumerate(usable) if m.get("role") == "user"), len(usable) - 1)
+    return [_scrubbed(m) for m in usable[: first_user + 1]]
+
+
+def _scrubbed(message: Mapping[str, Any]) -> dict:
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, str):
+        out["content"] = scrub_cache_key(content)
+    elif isinstance(content, list):
+        out["content"] = [
+            {**part, "text": scrub_cache_key(part["text"])}
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str) else part
+            for part in content
+        ]
+    return out
+
+
 def extract_session_context(
     body: Mapping[str, Any],
     headers: Mapping[str, str] | None,
-    canonical_tokens: Sequence[int],
+    canonical_tokens: Sequence[int] = (),
+    implicit: SessionContext | None = None,
 ) -> SessionContext:
     """Session id for a request (see the module docstring for the order).
 
@@ -98,6 +128,8 @@ def extract_session_context(
         body: parsed JSON request body.
         headers: request headers (any case; ``http.client.HTTPMessage`` works too).
         canonical_tokens: the canonical cache-key tokens (used only for the fallback).
+        implicit: the fallback itself when the caller has one (the engine passes the opening's
+            message digest, ``session_opening`` + cache/summary.py ``opening_session_id``).
 
     Returns:
         A ``SessionContext``; never fails.
@@ -122,7 +154,9 @@ def extract_session_context(
     if session_id is not None:
         return SessionContext(session_id, "body.metadata.user_id")
 
+    if implicit is not None:
+        return implicit
     return SessionContext(prefix_hash_session_id(canonical_tokens), "prefix-hash")
 
 
-__all__ = ["SessionContext", "extract_session_context", "prefix_hash_session_id"]
+__all__ = ["SessionContext", "extract_session_context", "prefix_hash_session_id", "session_opening"]

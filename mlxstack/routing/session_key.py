@@ -9,20 +9,20 @@ Explicit ids are the MLX server's own (mlxstack/pipeline/session_context.py, sam
 ``x-claude-code-session-id``; Claude Code's ``metadata.user_id``), so one id means one session
 on both sides.
 
-Without one, the server hashes the canonical *tokens* of the opening (up to the end of the first
-user message); the router has no tokenizer, so it hashes the canonical *messages* of the same
-opening instead (``msg:<digest>``, source ``message-prefix``). Both are stable over the turns of
-one conversation, which is all affinity needs; the two ids differ in spelling only.
+Without one, both sides hash the canonical *messages* of the opening (up to the end of the first
+user message, scrubbed: pipeline/session_context.py ``session_opening``) the same way
+(``msg:<digest>``, source ``message-prefix``): stable over the turns of one conversation, and
+the same id on the router and on the server.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from mlxstack.cache.summary import message_digests
+from mlxstack.cache.summary import IMPLICIT_PREFIX, message_digests, opening_session_id
 from mlxstack.pipeline.canonicalize import canonicalize_messages
-from mlxstack.pipeline.session_context import SessionContext, extract_session_context
+from mlxstack.pipeline.session_context import SessionContext, extract_session_context, session_opening
 
-IMPLICIT_PREFIX = "msg:"
+__all__ = ["IMPLICIT_PREFIX", "canonical_messages", "opening_session_id", "request_digests", "routing_session"]
 
 
 def canonical_messages(messages: Sequence[Any], *, canonicalize: bool = True, strip_billing_header: bool = True) -> list:
@@ -36,13 +36,6 @@ def request_digests(messages: Sequence[Any], **canon: bool) -> list[tuple[str, i
     return message_digests(canonical_messages(messages, **canon))
 
 
-def opening_session_id(canonical: Sequence[Mapping[str, Any]]) -> str:
-    """``msg:`` + the digest of the messages up to and including the first user message."""
-    first_user = next((i for i, m in enumerate(canonical) if m.get("role") == "user"), len(canonical) - 1)
-    chain = message_digests(canonical[: first_user + 1])
-    return IMPLICIT_PREFIX + (chain[-1][0][:24] if chain else "empty")
-
-
 def routing_session(body: Mapping[str, Any], headers: Mapping[str, str] | None, messages: Sequence[Any],
                     **canon: bool) -> SessionContext:
     """The request's session id: the client's own when it sends one, else the opening's digest."""
@@ -52,4 +45,5 @@ def routing_session(body: Mapping[str, Any], headers: Mapping[str, str] | None, 
     usable = [m for m in messages if isinstance(m, dict)] if isinstance(messages, (list, tuple)) else []
     first_user = next((i for i, m in enumerate(usable) if m.get("role") == "user"), len(usable) - 1)
     # only the opening is hashed, so only the opening is canonicalised (per message: same result)
-    return SessionContext(opening_session_id(canonical_messages(usable[: first_user + 1], **canon)), "message-prefix")
+    opening = session_opening(canonical_messages(usable[: first_user + 1], **canon))
+    return SessionContext(opening_session_id(opening), "message-prefix")

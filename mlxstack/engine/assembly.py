@@ -1,0 +1,164 @@
+"""The request assembly pass: messages in, one render, token ids with their boundaries out.
+
+    prep = engine.prepare(job)   # heal -> canonicalise -> ONE render -> tokenise -> boundaries
+    prep.model_tokens            # what the model computes on
+    prep.key_tokens              # the cache key (canonical, scrubbed)
+    prep.history_end             # tokens of the rendered history (generation prompt excluded)
+    prep.generation_text         # what the generation prompt appended (decides <think>)
+    prep.renders                 # chat-template renders this request cost (1 unless a fallback ran)
+
+Everything else a request needs from its prompt comes from that one render:
+- the cache key: the original rendering with each text the canonicaliser changed replaced where
+  the template wrote it (pipeline/key_text.py), then scrubbed; no text changed -> the key is the
+  model text itself;
+- the history boundary and the generation prompt: the template's generation suffix, probed once
+  at start-up (ChatRenderer.generation_suffix), is the tail of the rendered prompt;
+- the implicit session id: a digest of the canonical opening *messages* (no render at all);
+- the stable prefix of a session's next turn: the turn store keeps this request's history
+  boundary (``SessionTurnStore.recorded_history``).
+Where a template defeats one of these (it escapes content, its generation prompt depends on the
+conversation, a conversation branched inside its record), the old way runs -- a render of the
+messages in question -- and is counted in ``prep.renders`` and the ``renders`` counter, so a
+template that needs it is visible in /stats.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..cache.lcp import lcp
+from ..cache.summary import opening_session_id
+from ..pipeline.canonicalize import canonicalize_messages
+from ..pipeline.key_text import canonical_text
+from ..pipeline.render import TemplateError, encode
+from ..pipeline.scrub import scrub_cache_key
+from ..pipeline.session_context import SessionContext, extract_session_context, session_opening
+from .request import ChatJob, PreparedPrompt
+
+log = logging.getLogger("mlxstack.request")
+
+
+class PromptAssembly:
+    """ChatEngine's first phase (engine/chat.py inherits it; engine/vlm_chat.py overrides the
+    ``_tokenize`` / ``_plain_key`` / ``_rendered_tokens`` seams)."""
+
+    loaded: Any
+    renderer: Any
+    state: Any
+    settings: Any
+
+    # ------------------------------------------------------------------ the pass
+    def prepare(self, job: ChatJob) -> PreparedPrompt:
+        """heal -> canonicalise -> render once -> tokenise (``_tokenize``: the VLM seam) -> the key
+        safety check (``_plain_key``: what the key falls back to) -> history boundary."""
+        s = self.settings
+        renders = [0]
+        messages = self.state.heal(job.messages)
+        original, canonical = canonicalize_messages(
+            messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
+        model_text = self._render(renders, original, job)
+        canon_text = canonical_text(model_text, original, canonical)
+        if canon_text is None:   # a template that does not write message text verbatim
+            canon_text = self._render(renders, canonical, job)
+        key_text = scrub_cache_key(canon_text)
+        model_tokens, key_tokens, extras, key_extra = self._tokenize(original, canonical, model_text, key_text)
+        if s.cache_norm_safety_check and len(key_tokens) - key_extra < 0.9 * len(model_tokens):
+            log.warning("%s cache key %d tokens vs prompt %d (>10%% shorter): using original tokens as key",
+                        job.request_id, len(key_tokens), len(model_tokens))
+            self.state.counters.bump("cache_key_safety_fallback")
+            key_tokens = self._plain_key(model_tokens, extras)
+        prep = PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
+                              len(model_text) - len(key_text), extras)
+        prep.generation_text, prep.history_end = self._history_split(prep, job, renders)
+        prep.renders = renders[0]
+        return prep
+
+    def _render(self, renders: list[int], messages: list[dict], job: ChatJob,
+                add_generation_prompt: bool = True) -> str:
+        renders[0] += 1
+        return self.renderer.render(messages, job.tools, job.enable_thinking, add_generation_prompt=add_generation_prompt)
+
+    def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
+                  key_text: str) -> tuple[list[int], list[int], dict, int]:
+        """(model tokens, key tokens, backend extras, key tokens that are not text). A VLM expands
+        image placeholders and adds image identity markers here."""
+        tok = self.loaded.tokenizer
+        model_tokens = encode(tok, model_text)
+        key_tokens = model_tokens if key_text == model_text else encode(tok, key_text)
+        return model_tokens, key_tokens, {}, 0
+
+    def _plain_key(self, model_tokens: list[int], extras: dict) -> list[int]:
+        """The key when the canonical one is refused: the model tokens themselves."""
+        return model_tokens
+
+    # ------------------------------------------------------------------ boundaries
+    def _history_split(self, prep: PreparedPrompt, job: ChatJob, renders: list[int]) -> tuple[str, int]:
+        """(the generation prompt's text, the token index where the rendered history ends). The
+        probed generation suffix ends the prompt for every template we know; where it does not,
+        the history is rendered on its own (the old way, counted)."""
+        suffix = self.renderer.generation_suffix(job.enable_thinking)
+        n = len(prep.model_tokens)
+        if suffix and prep.model_text.endswith(suffix):
+            suffix_ids = self._suffix_ids(suffix)
+            if suffix_ids and prep.model_tokens[-len(suffix_ids):] == suffix_ids:
+                return suffix, n - len(suffix_ids)
+            history_text = prep.model_text[: len(prep.model_text) - len(suffix)]
+            return suffix, lcp(self._tokens_of(history_text, prep), prep.model_np)
+        history_text = self._render_prefix(renders, prep.original, job)
+        if history_text is None:
+            return suffix, n - 1
+        start = _common_prefix_chars(history_text, prep.model_text)
+        return prep.model_text[start:], lcp(self._tokens_of(history_text, prep), prep.model_np)
+
+    def _suffix_ids(self, suffix: str) -> list[int]:
+        memo = self.__dict__.setdefault("_suffix_memo", {})
+        if suffix not in memo:
+            memo[suffix] = encode(self.loaded.tokenizer, suffix)
+        return memo[suffix]
+
+    def _tokens_of(self, text: str, prep: PreparedPrompt) -> list[int]:
+        """Model tokens of a prefix of the prompt's text (a VLM expands its image pads)."""
+        return encode(self.loaded.tokenizer, text)
+
+    def _render_prefix(self, renders: list[int], messages: list[dict], job: ChatJob) -> str | None:
+        """The template's rendering of a message prefix without the generation prompt, or None
+        when the template refuses that prefix (strict templates reject e.g. a [system]-only list)."""
+        if not messages:
+            return None
+        try:
+            return self._render(renders, messages, job, add_generation_prompt=False)
+        except TemplateError:
+            return None
+
+    def stable_prefix(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[int, int]:
+        """(stable message count, token boundary of those messages in the model tokens): from the
+        turn store's record of the previous request when the stable messages are that whole
+        record (a growing conversation), else by rendering them (a branch inside the record)."""
+        turns = self.state.turns
+        n = turns.stable_prefix(session_id, prep.canonical)
+        if n <= 0:
+            return 0, 0
+        recorded = turns.recorded_history(session_id, n)
+        if recorded is not None:
+            return n, min(recorded, len(prep.model_tokens))
+        renders = [0]
+        text = self._render_prefix(renders, prep.original[:n], job)
+        prep.renders += renders[0]
+        return (n, lcp(self._tokens_of(text, prep), prep.model_np)) if text is not None else (0, 0)
+
+    def session_of(self, prep: PreparedPrompt, job: ChatJob) -> SessionContext:
+        """The client's session id, else the digest of the canonical opening (the router's too)."""
+        implicit = SessionContext(opening_session_id(session_opening(prep.canonical)), "message-prefix")
+        return extract_session_context(job.body, job.headers, implicit=implicit)
+
+
+def _common_prefix_chars(a: str, b: str) -> int:
+    """Length of the common prefix of two strings (binary search over C-level slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
