@@ -439,13 +439,10 @@ class PromptCache:
             self._evict(victim, "bytes")
 
     def _supersede_prefixes(self, new: CacheEntry) -> None:
-        """Entries whose model tokens are a strict prefix of ``new``'s and whose depth ``new`` can
-        serve itself (depth >= its floor) are superseded by it: they become the first eviction
-        victims, and all but the longest are culled (the longest stays as a safety net). ``new``
-        inherits the hit count of every prefix (it is the same conversation, one turn further).
-        A prefix ``new`` cannot serve -- a recurrent snapshot at the end of a turn's history,
-        below the same turn's prompt[:-1] snapshot -- is not covered by it and keeps its place:
-        it is what a next turn whose echoed reply differs from the generated one resumes from."""
+        """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:
+        ``new`` inherits their hit count (it is the same conversation, one turn further) and
+        they become the first eviction victims. Of those ``new`` can itself serve (their depth
+        >= its floor), all but the longest are culled (the longest stays as a safety net)."""
         prefixes = [
             e for e in self._entries.values()
             if e.pool == new.pool and e.entry_id != new.entry_id and e.depth < new.depth
@@ -455,9 +452,9 @@ class PromptCache:
             return
         new.hits = max(new.hits, max(e.hits for e in prefixes))
         prefixes.sort(key=lambda e: e.depth)
-        covered = [e for e in prefixes if e.depth >= new.floor]
-        for e in covered:
+        for e in prefixes:
             e.superseded = True
+        covered = [e for e in prefixes if e.depth >= new.floor]
         for e in covered[:-1]:
             self._remove(e.entry_id, "prefix_cull")
 
