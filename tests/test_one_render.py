@@ -208,7 +208,9 @@ FAMILIES = ["dense", "hybrid", "gpt_oss", "vlm"]
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_server(request, tiny_kind_paths, tiny_vlm_path, tmp_path_factory):
     path = tiny_vlm_path if request.param == "vlm" else tiny_kind_paths(request.param)
-    srv = LiveServer(engine_settings(path, log_root=str(tmp_path_factory.mktemp("logs"))))
+    # Room for every conversation's snapshots: which of them the snapshot pool keeps is its own
+    # question (.context/TASKS.md), not this test's.
+    srv = LiveServer(engine_settings(path, log_root=str(tmp_path_factory.mktemp("logs")), snapshot_max_entries=64))
     try:
         yield request.param, srv
     finally:
