@@ -31,53 +31,39 @@ window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import logging
 import uuid
 from typing import Any
 
-from ..parsing.output import reply_splitter
-from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
-from .errors import APIError, bad_request, internal
-from ..engine.chat import GRAMMAR_DEAD_END
-from .job_adapter import (JobRun, Usage, chat_job, chat_request, outcome_usage, request_headers,
-                          require_ready, submit_on_worker)
+from ..parsing.reasoning import REASONING
+from .chat_body import copy_fields, function_tool, joined
+from .error_shapes import answer_errors
+from .error_shapes import messages_error as error_body
+from .errors import APIError, bad_request
+from .finish import matched_stop_sequence
+from .finish import messages_stop_reason as stop_reason
+from .items import ReplyParts, ReplySplit, whole_reply_events
+from .job_adapter import JobRun, chat_job, chat_request, request_headers, require_ready, submit_on_worker
+from .opaque import decode_opaque, encode_opaque
+from .sse import event_frame
 from .structured import MESSAGES_FIELDS
+from .usage import Usage, outcome_usage
+from .usage import messages_usage as usage_object
 from .validation import parse_json
 
 SIGNATURE_PREFIX = "mlxstack.thinking.v1:"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-               499: "invalid_request_error", 503: "overloaded_error", 529: "overloaded_error"}
 MESSAGE_ROLES = ("user", "assistant", "system")
-
-
-# ============================================================================ errors
-def error_body(err: APIError) -> dict:
-    """Anthropic's error envelope for an APIError (Claude Code compacts on "prompt is too long")."""
-    message = err.message
-    if err.code == "context_length_exceeded":
-        message = f"prompt is too long: {message}"
-    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # ============================================================================ request -> chat body
 def encode_signature(text: str) -> str:
     """A thinking block's ``signature``: the thinking text, base64-encoded (our own opaque state,
     not a cryptographic signature), so an omitted thinking block still round-trips exactly."""
-    return SIGNATURE_PREFIX + base64.b64encode(text.encode("utf-8")).decode("ascii")
+    return encode_opaque(SIGNATURE_PREFIX, text, urlsafe=False)
 
 
 def decode_signature(signature: Any) -> str | None:
-    if not isinstance(signature, str) or not signature.startswith(SIGNATURE_PREFIX):
-        return None
-    try:
-        return base64.b64decode(signature[len(SIGNATURE_PREFIX):].encode("ascii"), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
+    return decode_opaque(SIGNATURE_PREFIX, signature, urlsafe=False)
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -105,12 +91,6 @@ def _image_part(block: dict, where: str) -> dict:
                       "{\"type\": \"url\", \"url\"}", param=f"{where}.source")
 
 
-def _joined(parts: list[dict]) -> str | list[dict]:
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)  # the renderer joins text parts the same way
-    return parts
-
-
 def _tool_result_content(content: Any, where: str) -> str | list[dict]:
     if content is None or isinstance(content, str):
         return content or ""
@@ -128,7 +108,7 @@ def _tool_result_content(content: Any, where: str) -> str | list[dict]:
         else:
             raise bad_request(f"{where}[{j}].type {kind!r} is not supported in a tool_result; use text or image",
                               param=f"{where}[{j}].type")
-    return _joined(parts)
+    return joined(parts)
 
 
 def _user_messages(content: Any, where: str) -> list[dict]:
@@ -143,7 +123,7 @@ def _user_messages(content: Any, where: str) -> list[dict]:
 
     def flush() -> None:
         if run:
-            out.append({"role": "user", "content": _joined(list(run))})
+            out.append({"role": "user", "content": joined(list(run))})
             run.clear()
 
     for j, block in enumerate(content):
@@ -247,13 +227,7 @@ def anthropic_tools(tools: Any) -> list[dict] | None:
             continue
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"{where} needs a non-empty string 'name'", param=f"{where}.name")
-        fn: dict[str, Any] = {"name": tool["name"],
-                              "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            fn["strict"] = tool["strict"]
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(tool["name"], tool, "input_schema"))
     return out or None
 
 
@@ -302,10 +276,8 @@ def to_chat_body(body: dict) -> dict:
     fmt = output_format(body)
     if fmt is not None:
         chat["response_format"] = fmt
-    for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                     ("top_k", "top_k"), ("stop_sequences", "stop"), ("metadata", "metadata")):
-        if body.get(src) is not None:
-            chat[dst] = body[src]
+    copy_fields(body, chat, (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("top_k", "top_k"), ("stop_sequences", "stop"), ("metadata", "metadata")))
     # Anthropic semantics: no `thinking` field means no extended thinking (Claude Code with
     # CLAUDE_CODE_DISABLE_THINKING=1 still sends output_config.effort, which shapes the answer).
     chat["thinking"] = body["thinking"] if body.get("thinking") is not None else {"type": "disabled"}
@@ -318,77 +290,38 @@ def thinking_omitted(body: dict) -> bool:
 
 
 # ============================================================================ reply -> content blocks
-def stop_reason(outcome_finish: str, has_tool_use: bool, stop_sequence: str | None) -> str:
-    if outcome_finish in ("length", "cancelled"):
-        return "max_tokens"
-    if outcome_finish == GRAMMAR_DEAD_END:     # the tool / output grammar could not continue the reply:
-        return "refusal"                        # the API's word for a reply the server cut
-    if has_tool_use:
-        return "tool_use"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
-
-
-def matched_stop_sequence(text: str, raw_text: str, stops: list[str]) -> str | None:
-    """Which stop sequence ended the reply: the raw generation continues the visible text with it."""
-    if not stops or not raw_text.startswith(text):
-        return None
-    rest = raw_text[len(text):]
-    hits = [s for s in stops if s and rest.startswith(s)]
-    return max(hits, key=len) if hits else None
-
-
-def usage_object(usage: Usage) -> dict:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
-
-
-class ContentBlocks:
-    """Splitter events -> Anthropic content blocks, plus the stream events that build them.
-
-    ``push``/``close`` return event payloads; ``blocks`` holds finished blocks in order.
-    """
+class ContentBlocks(ReplyParts):
+    """Splitter events -> Anthropic content blocks (``blocks``, in generation order), plus the stream
+    events that build them (items.ReplyParts): thinking and text blocks grow delta by delta; a
+    thinking block ends with its signature; each tool call is a tool_use block."""
 
     def __init__(self, omit_thinking: bool = False) -> None:
+        super().__init__()
         self.omit_thinking = omit_thinking
-        self.blocks: list[dict] = []
-        self._open: str | None = None     # "thinking" | "text"
-        self._text: list[str] = []
+        self.blocks = self.parts
 
     @property
     def has_tool_use(self) -> bool:
         return any(b["type"] == "tool_use" for b in self.blocks)
 
-    def push(self, kind: str, text: str = "", calls: tuple = ()) -> list[dict]:
-        want = {REASONING: "thinking", CONTENT: "text"}.get(kind)
-        out = self.close() if self._open is not None and self._open != want else []
-        if kind == TOOL_CALLS:
-            for call in calls:
-                out += self._tool_use(call)
-            return out
-        if not text:
-            return out
-        index = len(self.blocks)
-        if self._open is None:
-            self._open = want
-            start = {"type": "thinking", "thinking": "", "signature": ""} if want == "thinking" else \
-                {"type": "text", "text": ""}
-            out.append({"type": "content_block_start", "index": index, "content_block": start})
-        self._text.append(text)
-        if want == "thinking":
-            if not self.omit_thinking:
-                out.append({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "thinking_delta", "thinking": text}})
-        else:
-            out.append({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}})
-        return out
+    def _start(self, kind: str) -> list[dict]:
+        start = {"type": "thinking", "thinking": "", "signature": ""} if kind == REASONING else \
+            {"type": "text", "text": ""}
+        return [{"type": "content_block_start", "index": len(self.blocks), "content_block": start}]
 
-    def close(self) -> list[dict]:
-        if self._open is None:
-            return []
-        index, text, kind = len(self.blocks), "".join(self._text), self._open
-        self._open, self._text = None, []
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        if kind == REASONING:
+            if self.omit_thinking:
+                return []
+            return [{"type": "content_block_delta", "index": len(self.blocks),
+                     "delta": {"type": "thinking_delta", "thinking": text}}]
+        return [{"type": "content_block_delta", "index": len(self.blocks),
+                 "delta": {"type": "text_delta", "text": text}}]
+
+    def _end(self, kind: str, text: str) -> list[dict]:
+        index = len(self.blocks)
         out: list[dict] = []
-        if kind == "thinking":
+        if kind == REASONING:
             signature = encode_signature(text)
             self.blocks.append({"type": "thinking", "thinking": "" if self.omit_thinking else text,
                                 "signature": signature})
@@ -398,7 +331,7 @@ class ContentBlocks:
             self.blocks.append({"type": "text", "text": text})
         return out + [{"type": "content_block_stop", "index": index}]
 
-    def _tool_use(self, call: Any) -> list[dict]:
+    def _tool_call(self, call: Any) -> list[dict]:
         index = len(self.blocks)
         try:
             args = json.loads(call.arguments)
@@ -416,9 +349,8 @@ def reply_blocks(text: str, *, thinking_started: bool, tools: list | None, famil
                  omit_thinking: bool) -> ContentBlocks:
     """The content blocks of a whole reply: the streaming path's blocks, built in one pass."""
     blocks = ContentBlocks(omit_thinking)
-    splitter = reply_splitter(thinking_started=thinking_started, tools=tools, family=family, id_salt=salt)
-    for ev in [*splitter.feed(text), *splitter.finish()]:
-        blocks.push(ev.kind, ev.text, ev.calls)
+    blocks.push_events(whole_reply_events(text, thinking_started=thinking_started, tools=tools, family=family,
+                                          salt=salt))
     blocks.close()
     return blocks
 
@@ -429,8 +361,15 @@ def message_object(message_id: str, model: str, blocks: list[dict], *, stop: str
             "stop_reason": stop, "stop_sequence": stop_sequence, "usage": usage}
 
 
-def sse_event(payload: dict) -> bytes:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode("utf-8")
+def whole_message(message_id: str, model: str, outcome: Any, *, tools: list | None, family: str,
+                  stops: list[str], omit_thinking: bool) -> dict:
+    """The message object of a whole (non-streamed) reply."""
+    blocks = reply_blocks(outcome.text, thinking_started=outcome.thinking_started, tools=tools, family=family,
+                          salt=message_id, omit_thinking=omit_thinking)
+    seq = matched_stop_sequence(outcome.text, outcome.raw_text, stops)
+    return message_object(message_id, model, blocks.blocks,
+                          stop=stop_reason(outcome.finish_reason, blocks.has_tool_use, seq),
+                          stop_sequence=seq, usage=usage_object(outcome_usage(outcome)))
 
 
 class MessagesStream:
@@ -438,71 +377,42 @@ class MessagesStream:
 
     def __init__(self, message_id: str, model: str, *, tools: list | None, family: str, stops: list[str],
                  omit_thinking: bool) -> None:
-        self.message_id, self.model, self.tools, self.family, self.stops = message_id, model, tools, family, stops
+        self.message_id, self.model, self.stops = message_id, model, stops
         self.blocks = ContentBlocks(omit_thinking)
-        self.splitter: Any = None
-
-    def _split(self, events: list) -> list[dict]:
-        out: list[dict] = []
-        for ev in events:
-            out += self.blocks.push(ev.kind, ev.text, ev.calls)
-        return out
+        self.split = ReplySplit(tools=tools, family=family, salt=message_id)
 
     def start(self, ready: Any) -> list[bytes]:
-        if ready is not None:
-            self.splitter = reply_splitter(thinking_started=ready.thinking_started, tools=self.tools,
-                                           family=self.family, id_salt=self.message_id)
+        self.split.open(ready)
         # Token counts are known only when the reply ends: message_delta carries them in full.
         opening = message_object(self.message_id, self.model, [], stop=None, stop_sequence=None,
                                  usage=usage_object(Usage(0, 0, 0)))
-        return [sse_event({"type": "message_start", "message": opening})]
+        return [event_frame({"type": "message_start", "message": opening})]
 
     def feed(self, text: str) -> list[bytes]:
-        return [sse_event(p) for p in self._split(self.splitter.feed(text))]
+        return [event_frame(p) for p in self.blocks.push_events(self.split.feed(text))]
 
     def finish(self, outcome: Any) -> list[bytes]:
-        if self.splitter is None:
-            self.splitter = reply_splitter(thinking_started=outcome.thinking_started, tools=self.tools,
-                                           family=self.family, id_salt=self.message_id)
-        payloads = self._split(self.splitter.finish()) + self.blocks.close()
+        payloads = self.blocks.push_events(self.split.finish(outcome)) + self.blocks.close()
         seq = matched_stop_sequence(outcome.text, outcome.raw_text, self.stops)
         reason = stop_reason(outcome.finish_reason, self.blocks.has_tool_use, seq)
         payloads.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                          "usage": usage_object(outcome_usage(outcome))})
         payloads.append({"type": "message_stop"})
-        return [sse_event(p) for p in payloads]
+        return [event_frame(p) for p in payloads]
 
     def error(self, err: APIError) -> list[bytes]:
-        return [sse_event(error_body(err))]
+        return [event_frame(error_body(err))]
 
 
 # ============================================================================ HTTP handlers
-def _answer_errors(h: Any, fn: Any) -> None:
-    """Run ``fn``; an APIError is answered in Anthropic's envelope instead of OpenAI's."""
-    try:
-        fn()
-    except (BrokenPipeError, ConnectionResetError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug still answers in the client's envelope, with an id
-        if not isinstance(exc, APIError):
-            rid = uuid.uuid4().hex[:12]
-            logging.getLogger("mlxstack.http").exception("internal error (request id %s)", rid)
-            exc = internal(rid)
-        h.app.count_status(exc.status)
-        try:
-            h._send(exc.status, json.dumps(error_body(exc)).encode(), headers=exc.headers)
-        except OSError:
-            pass
-
-
 def handle_messages(h: Any) -> None:
-    """POST /v1/messages."""
-    _answer_errors(h, lambda: _messages(h))
+    """POST /v1/messages (errors in Anthropic's envelope)."""
+    answer_errors(h, lambda: _messages(h), error_body)
 
 
 def handle_count_tokens(h: Any) -> None:
     """POST /v1/messages/count_tokens: the rendered prompt's real token count."""
-    _answer_errors(h, lambda: _count_tokens(h))
+    answer_errors(h, lambda: _count_tokens(h), error_body)
 
 
 def _messages(h: Any) -> None:
@@ -513,22 +423,10 @@ def _messages(h: Any) -> None:
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)
     run = JobRun.submit(h, req, message_id[-12:], stream=req.stream)
-    if req.stream:
-        outcome = run.stream(h, MessagesStream(message_id, app.model_id, tools=req.tools, family=app.family,
-                                               stops=req.stop, omit_thinking=omit))
-    else:
-        outcome = run.wait(h)
-        if outcome is None:
-            return
-        blocks = reply_blocks(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
-                              family=app.family, salt=message_id, omit_thinking=omit)
-        seq = matched_stop_sequence(outcome.text, outcome.raw_text, req.stop)
-        app.count_status(200)
-        h._json(200, message_object(message_id, app.model_id, blocks.blocks,
-                                    stop=stop_reason(outcome.finish_reason, blocks.has_tool_use, seq),
-                                    stop_sequence=seq, usage=usage_object(outcome_usage(outcome))))
-    if outcome is not None:
-        app.after_response(run.job, outcome)
+    run.answer(h, lambda: MessagesStream(message_id, app.model_id, tools=req.tools, family=app.family,
+                                         stops=req.stop, omit_thinking=omit),
+               lambda outcome: whole_message(message_id, app.model_id, outcome, tools=req.tools, family=app.family,
+                                             stops=req.stop, omit_thinking=omit))
 
 
 def _count_tokens(h: Any) -> None:

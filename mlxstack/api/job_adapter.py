@@ -1,57 +1,34 @@
-"""The one seam between non-chat API fronts (Responses, Anthropic Messages) and the chat engine.
+"""The one seam between the API fronts (chat completions, Responses, Anthropic Messages) and the engine.
 
-Each front translates its request into a chat-completions body (pure, in its own module); this
-module validates that body with the chat parser, builds the same ``ChatJob`` the chat handler
-builds, runs it on the inference worker and hands back the engine's outcome -- streamed through a
-front-specific frame encoder, or whole:
+Each front translates its request into a chat-completions body (pure, in its own module; the chat
+front's body already is one); this module validates that body with the chat parser, builds the
+``ChatJob``, runs it on the inference worker and hands back the engine's outcome -- streamed
+through a front-specific frame encoder, or whole:
 
     req = chat_request(app, chat_body)                     # parse_chat_request + model + images
-    run = JobRun.submit(handler, req, "resp_1234", stream=True)
-    outcome = run.stream(handler, encoder)                 # or run.wait(handler); None: client left
+    run = JobRun.submit(handler, req, "resp_1234", stream=req.stream)
+    outcome = run.answer(handler, make_encoder, whole_body)   # streamed or whole; None: client left
 
-Only this file knows ChatJob / ChatOutcome field names, so an engine refactor is adapted here once.
+Only this file builds a ChatJob, so an engine refactor is adapted here once; what a front reports
+from the outcome is read in usage.py (token counts) and finish.py (why it ended).
 """
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from ..engine.chat import GRAMMAR_DEAD_END, ChatJob, PromptReady
+from ..engine.chat import ChatJob, PromptReady
 from ..engine.worker import QueueFull
 from ..pipeline.images import ImageError
 from ..runtime.generate import SamplingParams
+from .error_shapes import internal_logged
 from .errors import APIError, not_found, unavailable
 from .structured import CHAT_FIELDS, Fields
+from .usage import Usage, outcome_usage  # noqa: F401 - re-exported: every front's usage starts here
 from .validation import ChatRequest, model_matches, parse_chat_request, reject_images
 
 _DONE = object()
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What every front reports from an outcome (token counts are model tokens)."""
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-def outcome_usage(outcome: Any) -> Usage:
-    return Usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
-
-
-def outcome_truncated(outcome: Any) -> bool:
-    """True when the reply was cut (token budget, window, watchdog) rather than finished."""
-    return outcome.finish_reason in ("length", "cancelled")
-
-
-def outcome_incomplete(outcome: Any) -> str | None:
-    """Why a reply did not finish on its own, in a front's words: "length" (token budget, window,
-    watchdog), GRAMMAR_DEAD_END (its grammar could not continue it), else None."""
-    if outcome_truncated(outcome):
-        return "length"
-    return GRAMMAR_DEAD_END if outcome.finish_reason == GRAMMAR_DEAD_END else None
 
 
 def require_ready(app: Any) -> None:
@@ -185,6 +162,22 @@ class JobRun:
                 return None  # the worker sees the flag between tokens; nobody to answer
         return handler._result(self.future)
 
+    def answer(self, handler: Any, encoder: Callable[[], FrameEncoder], whole: Callable[[Any], dict]) -> Any | None:
+        """Answer the request: stream ``encoder()``'s frames, or 200 with ``whole(outcome)``; then the
+        app's after-response hooks. Returns the outcome, or None when nobody was answered."""
+        if self.stream_mode:
+            outcome = self.stream(handler, encoder())
+        else:
+            outcome = self.wait(handler)
+            if outcome is None:
+                return None
+            body = whole(outcome)
+            self.app.count_status(200)
+            handler._json(200, body)
+        if outcome is not None:
+            self.app.after_response(self.job, outcome)
+        return outcome
+
     def stream(self, handler: Any, encoder: FrameEncoder, content_type: str = "text/event-stream") -> Any | None:
         """Write ``encoder``'s frames as generation proceeds; returns the outcome, or None when the
         client left or the stream ended with an error event (headers already sent)."""
@@ -226,7 +219,8 @@ class JobRun:
                 raise
             if client_gone:
                 return None
-            err = exc if isinstance(exc, APIError) else _internal(exc)
+            err = exc if isinstance(exc, APIError) else internal_logged(exc, "stream failed after it started "
+                                                                               "(request id %s)")
             app.count_status(err.status)
             try:
                 handler.wfile.write(b"".join(encoder.error(err)))
@@ -236,16 +230,5 @@ class JobRun:
             return None
 
 
-def _internal(exc: BaseException) -> APIError:
-    import logging
-    import uuid
-
-    from .errors import internal
-
-    rid = uuid.uuid4().hex[:12]
-    logging.getLogger("mlxstack.http").error("stream failed after it started (request id %s)", rid, exc_info=exc)
-    return internal(rid)
-
-
-__all__ = ["FrameEncoder", "JobRun", "Usage", "attach_grammar", "chat_job", "chat_request", "outcome_incomplete",
-           "outcome_truncated", "outcome_usage", "request_headers", "require_ready", "submit_on_worker"]
+__all__ = ["FrameEncoder", "JobRun", "Usage", "attach_grammar", "chat_job", "chat_request", "outcome_usage",
+           "request_headers", "require_ready", "submit_on_worker"]

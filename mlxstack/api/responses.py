@@ -1,4 +1,4 @@
-"""Turn engine output into OpenAI chat.completion bodies and SSE frames.
+"""Turn engine output into OpenAI chat.completion bodies and SSE frames (the chat front's reply side).
 
 The streaming path feeds text deltas through ReasoningStreamSplitter; the non-streaming path
 uses split_output on the whole text. Both share one grammar, so the concatenated streamed
@@ -9,33 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..engine.chat import GRAMMAR_DEAD_END
 from ..parsing.output import reply_splitter, split_reply
 from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
-from .sse import ChunkEncoder, encode_frame
-
-
-def usage_body(outcome: Any) -> dict:
-    return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
-    }
-
-
-# A reply whose grammar could not continue it (engine GRAMMAR_DEAD_END) ends in OpenAI's own word for
-# "cut by the server, not finished": LiteLLM 1.106.2 refuses any finish_reason outside its list (a 500)
-# and maps the rest to "stop"; the SDKs' .parse() raises ContentFilterFinishReasonError on it.
-DEAD_END_FINISH = "content_filter"
-
-
-def finish_reason(outcome: Any, has_tool_calls: bool) -> str:
-    if has_tool_calls and outcome.finish_reason == "stop":
-        return "tool_calls"
-    if outcome.finish_reason == GRAMMAR_DEAD_END:
-        return DEAD_END_FINISH
-    return "length" if outcome.finish_reason in ("length", "cancelled") else outcome.finish_reason
+from .errors import APIError
+from .finish import chat_finish_reason
+from .sse import DONE, ChunkEncoder, encode_frame
+from .usage import chat_usage, outcome_usage
 
 
 def logprobs_body(outcome: Any) -> dict | None:
@@ -61,8 +40,8 @@ def completion_body(completion_id: str, model: str, outcome: Any, *, tools: list
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs_body(outcome),
-                     "finish_reason": finish_reason(outcome, bool(parsed.tool_calls))}],
-        "usage": usage_body(outcome),
+                     "finish_reason": chat_finish_reason(outcome, bool(parsed.tool_calls))}],
+        "usage": chat_usage(outcome_usage(outcome)),
     }
 
 
@@ -102,8 +81,8 @@ class StreamAssembler:
 
     def finish(self, outcome: Any) -> list[bytes]:
         frames = self._frames(self.splitter.finish())
-        usage = usage_body(outcome)
-        reason = finish_reason(outcome, self.tool_calls > 0)
+        usage = chat_usage(outcome_usage(outcome))
+        reason = chat_finish_reason(outcome, self.tool_calls > 0)
         lp = logprobs_body(outcome)
         if lp is not None:  # per-token logprobs in one chunk before the finish frame
             frames.append(encode_frame(self.encoder.chunk({}, None) | {"choices": [
@@ -112,3 +91,35 @@ class StreamAssembler:
         if self.include_usage:
             frames.append(self.encoder.usage_frame(usage))
         return frames
+
+
+class ChatStream:
+    """FrameEncoder (job_adapter) for one streamed chat completion: a StreamAssembler made when the
+    prompt is ready (or from the outcome when no PromptReady came), ``data: [DONE]`` after the last
+    frame; an error after the 200 is one ``data: {"error": ...}`` frame, then ``[DONE]``."""
+
+    def __init__(self, completion_id: str, model: str, *, tools: list | None, family: str, include_usage: bool,
+                 parse_tools: bool) -> None:
+        self.completion_id, self.model, self.tools, self.family = completion_id, model, tools, family
+        self.include_usage, self.parse_tools = include_usage, parse_tools
+        self.asm: StreamAssembler | None = None
+
+    def _assembler(self, thinking_started: bool) -> StreamAssembler:
+        return StreamAssembler(self.completion_id, self.model, thinking_started=thinking_started, tools=self.tools,
+                               family=self.family, include_usage=self.include_usage, parse_tools=self.parse_tools)
+
+    def start(self, ready: Any) -> list[bytes]:
+        if ready is not None:
+            self.asm = self._assembler(ready.thinking_started)
+        return [self.asm.start()]
+
+    def feed(self, text: str) -> list[bytes]:
+        return self.asm.feed(text)
+
+    def finish(self, outcome: Any) -> list[bytes]:
+        if self.asm is None:
+            self.asm = self._assembler(outcome.thinking_started)
+        return [*self.asm.finish(outcome), DONE]
+
+    def error(self, err: APIError) -> list[bytes]:
+        return [err.sse_frame() + DONE]

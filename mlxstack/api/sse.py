@@ -1,4 +1,5 @@
-"""Server-sent-event frames for OpenAI `chat.completion.chunk` streams (seed 000 §8).
+"""Server-sent-event frames: OpenAI `chat.completion.chunk` streams (seed 000 §8), and the named
+events of the Responses and Anthropic Messages streams (`event_frame`).
 
 Pure: no I/O. The per-token hot path is one C-level string escape plus three byte joins:
 
@@ -12,6 +13,10 @@ Pure: no I/O. The per-token hot path is one C-level string escape plus three byt
 Every frame is byte-identical to `b"data: " + json.dumps(chunk).encode() + b"\\n\\n"` for the
 equivalent dict (see `chunk_dict`): json.dumps defaults, i.e. `", "` / `": "` separators and
 `ensure_ascii=True` (non-ASCII as \\uXXXX escapes, so every frame is pure ASCII).
+
+Named events (Responses, Anthropic) name the payload's own ``type``:
+
+    event_frame({"type": "message_stop"}) == b'event: message_stop\\ndata: {"type": "message_stop"}\\n\\n'
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 from json.encoder import encode_basestring_ascii  # the C escaper json.dumps itself uses
 from typing import Any, Iterable
 
-__all__ = ["ChunkEncoder", "DONE", "chunk_dict", "encode_frame"]
+__all__ = ["ChunkEncoder", "DONE", "chunk_dict", "encode_frame", "event_frame"]
 
 DONE = b"data: [DONE]\n\n"
 _END = b"\n\n"
@@ -29,6 +34,12 @@ _END = b"\n\n"
 def encode_frame(obj: Any) -> bytes:
     """Slow path: one SSE `data:` frame for any JSON-serialisable object."""
     return b"data: " + json.dumps(obj).encode("ascii") + _END
+
+
+def event_frame(payload: dict) -> bytes:
+    """One named SSE event (Responses and Anthropic streams): ``event: <payload["type"]>`` and the
+    payload as its ``data:`` line."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode("utf-8")
 
 
 def chunk_dict(
