@@ -173,9 +173,11 @@ class App:
 
     def post_routes(self, h: Any) -> dict[str, Callable[[], None]]:
         from .anthropic_messages import handle_count_tokens, handle_messages
+        from .chat_completions import handle_chat_completions
         from .openai_responses import handle_responses
 
-        return {"/v1/chat/completions": h.chat_completions, "/chat/completions": h.chat_completions,
+        return {"/v1/chat/completions": lambda: handle_chat_completions(h),
+                "/chat/completions": lambda: handle_chat_completions(h),
                 "/v1/responses": lambda: handle_responses(h), "/responses": lambda: handle_responses(h),
                 "/v1/messages": lambda: handle_messages(h),
                 "/v1/messages/count_tokens": lambda: handle_count_tokens(h)}
