@@ -12,22 +12,17 @@ from __future__ import annotations
 import io
 import json
 import logging
-import queue
 import re
-import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-from ..engine.chat import ClientGone, ContextLengthExceeded, PromptReady
+from ..engine.chat import ClientGone, ContextLengthExceeded
 from ..engine.worker import WorkerDied
-from .job_adapter import chat_job, chat_request, require_ready, submit_chat
 from .errors import APIError, bad_request, internal, not_found, unavailable
-from .http_server import DeadlineReader, peer_closed
-from .responses import StreamAssembler, completion_body
+from .http_server import DeadlineReader
 from ..pipeline.images import ImageError
-from .validation import parse_json
 
 log = logging.getLogger("mlxstack.http")
 
@@ -165,47 +160,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             self.connection.settimeout(self.app.settings.mlx_body_timeout_seconds)
 
-    # ------------------------------------------------------------------ chat
-    def chat_completions(self) -> None:
-        app = self.app
-        body = parse_json(self.read_body())
-        require_ready(app)
-        # validation, model name, images (fetched here, never on the inference worker) and the
-        # reply's grammar (400 for a schema that cannot be enforced) -- as every other front
-        req = chat_request(app, body)
-        completion_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-        cancelled = threading.Event()
-        sock = self.connection
-
-        def is_cancelled() -> bool:
-            if not cancelled.is_set() and peer_closed(sock):
-                cancelled.set()
-            return cancelled.is_set()
-
-        deltas: "queue.Queue[Any]" = queue.Queue()
-        job = chat_job(req, completion_id[-12:], {k.lower(): v for k, v in self.headers.items()},
-                       emit=deltas.put if req.stream else (lambda _t: None), is_cancelled=is_cancelled,
-                       on_prompt=deltas.put if req.stream else (lambda _p: None))
-        future = submit_chat(app, job)
-        done = object()
-        future.add_done_callback(lambda _f: deltas.put(done))
-        if req.stream:
-            self._stream(req, future, deltas, done, completion_id, cancelled)
-        else:
-            while not future.done():
-                try:
-                    future.result(timeout=0.25)
-                except Exception:  # noqa: BLE001 - inspected below
-                    pass
-                if not future.done() and is_cancelled():
-                    return  # the worker sees the flag between tokens; nobody to answer
-            outcome = self._result(future)
-            app.count_status(200)
-            self._json(200, completion_body(completion_id, app.model_id, outcome, tools=req.tools,
-                                            family=app.family, enable_thinking=req.enable_thinking,
-                                            parse_tools=req.tool_choice != "none"))
-            app.after_response(job, outcome)
-
+    # ------------------------------------------------------------------ job results
     def _result(self, future: Any) -> Any:
         exc = future.exception()
         if exc is None:
@@ -225,67 +180,3 @@ class Handler(BaseHTTPRequestHandler):
         rid = uuid.uuid4().hex[:12]
         log.error("generation failed (request id %s)", rid, exc_info=exc)
         raise internal(rid)
-
-    def _stream(self, req: Any, future: Any, deltas: "queue.Queue[Any]", done: object, completion_id: str,
-                cancelled: threading.Event) -> None:
-        app = self.app
-        asm: StreamAssembler | None = None
-        started = False
-
-        def write(frames: list[bytes]) -> None:
-            nonlocal started
-            if not started:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                frames = [asm.start(), *frames]
-                started = True
-            if frames:
-                self.wfile.write(b"".join(frames))
-                self.wfile.flush()
-
-        try:
-            while True:
-                item = deltas.get()
-                if item is done:
-                    break
-                if isinstance(item, PromptReady):
-                    asm = StreamAssembler(completion_id, app.model_id, thinking_started=item.thinking_started,
-                                          tools=req.tools, family=app.family, include_usage=req.include_usage,
-                                          parse_tools=req.tool_choice != "none")
-                    write([])  # headers + role frame as soon as the prompt is ready
-                    continue
-                write(asm.feed(item))
-            outcome = self._result(future)  # raises APIError before any byte if it failed early
-            if asm is None:
-                asm = StreamAssembler(completion_id, app.model_id, thinking_started=outcome.thinking_started,
-                                      tools=req.tools, family=app.family, include_usage=req.include_usage,
-                                      parse_tools=req.tool_choice != "none")
-            write(asm.finish(outcome))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            app.count_status(200)
-            app.after_response(None, outcome)
-        except OSError:  # client gone, or stopped reading past MLX_BODY_TIMEOUT_SECONDS
-            cancelled.set()
-        except Exception as exc:  # noqa: BLE001 - APIError from the job, or a bug while assembling frames
-            client_gone = cancelled.is_set()
-            cancelled.set()  # the worker stops at its next token
-            if not started:
-                raise
-            if client_gone:
-                return
-            # The 200 status line is out: report the error as an event, never as a new status line.
-            if not isinstance(exc, APIError):
-                rid = uuid.uuid4().hex[:12]
-                log.error("stream failed after it started (request id %s)", rid, exc_info=exc)
-                exc = internal(rid)
-            app.count_status(exc.status)
-            try:
-                self.wfile.write(exc.sse_frame() + b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except OSError:
-                pass
