@@ -18,10 +18,9 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..cache.kv_ops import LiveCache, capture, checkout
-from ..cache.lcp import lcp
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..config import faults
-from ..parsing.harmony import HarmonyStopper, healing_patch
+from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.render import encode
 from ..pipeline.tokenize import encoder_for
@@ -30,6 +29,7 @@ from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
 from .assembly import PromptAssembly
+from .finish import TurnFinish
 from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
     ChatJob,
     ChatOutcome,
@@ -46,7 +46,7 @@ GRAMMAR_DEAD_END = "grammar_dead_end"   # finish reason: the grammar could not c
 REASONING_CLOSE = "</think>"            # closes the reasoning block a generation prompt opened
 
 
-class ChatEngine(PromptAssembly):
+class ChatEngine(PromptAssembly, TurnFinish):
     def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
         self.loaded = loaded
         self.renderer = renderer
@@ -374,250 +374,6 @@ class ChatEngine(PromptAssembly):
             live = self.new_cache()
             self._width = int(last_logits(self.loaded.model, live, 0).shape[-1])
         return self._width
-
-    def finish(self, seq: Sequence) -> ChatOutcome:
-        """Close the turn, store what the KV holds, record the request. Never raises because
-        of a cache kind: a failed store is logged and counted, the reply still goes out."""
-        st = self.state
-        prep, job = seq.prep, seq.job
-        aborted = False
-        if seq.watchdog:
-            aborted, seq.finish_reason = True, "length"
-            st.counters.bump("watchdog_aborts")
-        elif job.is_cancelled():
-            aborted, seq.finish_reason = True, "cancelled"
-            st.counters.bump("disconnects")
-        raw_ids = self.content_ids(seq)
-        raw_text = seq.forced + self.loaded.tokenizer.decode(raw_ids)
-        visible = "".join(seq.visible)
-        if not aborted and seq.finish_reason == "stop" \
-                and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
-            self._check_json(seq, visible)
-        if st.prompt_cache.enabled:
-            try:
-                if aborted:
-                    self._salvage(seq)
-                elif job.prefill_only:
-                    self._store(seq, [])
-                else:
-                    continuation = seq.closed if seq.closed is not None else self._close_turn(seq, raw_ids)
-                    self._store(seq, continuation)
-            except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
-                log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
-                              job.request_id, st.layout.describe())
-                st.counters.bump("store_failures")
-        if not aborted and not job.prefill_only:
-            st.turns.update(seq.session.session_id, prep.canonical, history=prep.history_end)
-            self._remember_reply(seq, raw_text, visible)
-
-        if not seq.t_first:
-            seq.t_first = seq.t_end = time.perf_counter()
-        prefill_s = seq.t_first - seq.t_prep
-        decode_s = seq.t_end - seq.t_first
-        remaining = len(prep.model_tokens) - seq.start
-        outcome = ChatOutcome(
-            text=visible, raw_text=raw_text, finish_reason=seq.finish_reason,
-            prompt_tokens=len(prep.model_tokens), cached_tokens=seq.start,
-            completion_tokens=len(seq.generated), match_type=seq.match.match_type if seq.match.hit else "miss",
-            thinking_started=seq.thinking_started, session_id=seq.session.session_id, aborted=aborted,
-            logprobs=self._logprobs(seq),
-            timings={
-                "prepare_ms": round((seq.t_prep - seq.t0) * 1000, 2),
-                "ttft_s": round(seq.t_first - seq.t0, 4),
-                "prefill_s": round(prefill_s, 4),
-                "prefill_tok_s": round(remaining / prefill_s, 1) if prefill_s > 0 else 0.0,
-                "decode_tok_s": round(len(seq.generated) / decode_s, 1) if decode_s > 0 and seq.generated else 0.0,
-                "total_s": round(seq.t_end - seq.t0, 4),
-                "prefilled_tokens": remaining,
-                "stable_prefix_msgs": seq.stable_msgs,
-                "renders": prep.renders,
-                "key_delta_chars": prep.key_delta_chars,
-                "cache_tier": "disk" if seq.from_disk else ("ram" if seq.match.hit else "none"),
-                "queue_wait_s": round(max(0.0, seq.t0 - seq.queued_at), 4) if seq.queued_at else 0.0,
-                "batch_size_max": max(seq.batch_sizes, default=1),
-                "batch_size_mean": round(sum(seq.batch_sizes) / len(seq.batch_sizes), 2) if seq.batch_sizes else 1.0,
-            },
-        )
-        st.record(job, outcome, prep)
-        return outcome
-
-    def _check_json(self, seq: Sequence, visible: str) -> None:
-        """A JSON-mode reply that ended on its own must hold one JSON object (a tool call instead
-        is fine when tools were offered). Without a grammar (best effort) a miss is counted
-        (``json_mode_invalid``) and logged; with one it cannot happen -- a miss is a bug
-        (``grammar_invalid_output``, logged as an error). The reply goes out as generated."""
-        import json
-
-        from ..parsing.output import split_reply
-
-        parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=seq.job.tools,
-                             family=self.loaded.family, parse_tools=bool(seq.job.tools))
-        try:
-            ok = isinstance(json.loads(parsed.content), dict)
-        except ValueError:
-            ok = bool(parsed.tool_calls) and not parsed.content.strip()
-        if ok:
-            return
-        if seq.params.grammar is not None:
-            self.state.counters.bump("grammar_invalid_output")
-            log.error("%s response_format %s under a grammar: the reply is not a JSON object (a bug): %r",
-                      seq.job.request_id, seq.job.response_format.get("type"), visible[:200])
-            return
-        self.state.counters.bump("json_mode_invalid")
-        log.warning("%s response_format %s: the reply is not a JSON object (finish=%s)", seq.job.request_id,
-                    seq.job.response_format.get("type"), seq.finish_reason)
-
-    def _logprobs(self, seq: Sequence) -> list[dict] | None:
-        """OpenAI ``logprobs.content`` entries for the tokens the client sees (stop tokens excluded)."""
-        if not seq.params.logprobs or seq.sampler is None:
-            return None
-        tok = self.loaded.tokenizer
-        out = []
-        for token, lp in zip(seq.generated, seq.sampler.logprobs):
-            if token in seq.params.stop_token_ids:
-                break
-            text = tok.decode([token])
-            entry = {"token": text, "logprob": float(lp.logprob.item()), "bytes": list(text.encode("utf-8")),
-                     "top_logprobs": []}
-            if lp.top_ids is not None:
-                for tid, val in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist()):
-                    t = tok.decode([tid])
-                    entry["top_logprobs"].append({"token": t, "logprob": float(val), "bytes": list(t.encode("utf-8"))})
-            out.append(entry)
-        return out
-
-    def _remember_reply(self, seq: Sequence, raw_text: str, visible: str) -> None:
-        """Healing store: the reply as the client will see it -> the text as generated. A reply a
-        client stop string cut is remembered only up to the cut (the client never saw the rest)."""
-        healing = self.state.healing
-        if healing is None:
-            return
-        from ..parsing.output import split_reply
-        from ..pipeline.healing import history_digest
-
-        job = seq.job
-        parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=job.tools, family=self.loaded.family)
-        generated = visible if seq.stopped_by_string else raw_text
-        if self.harmony:
-            # A harmony template wraps content in channel markup: heal the message's fields so
-            # it re-renders what the model generated (seed 002: track what is in the KV).
-            healed: Any = healing_patch(generated)
-            if healed is None:
-                return
-        else:
-            healed = self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
-        healing.remember(history_digest([healing.view(m) for m in seq.prep.original]), parsed.content,
-                         parsed.tool_calls, healed)
-
-    def _close_turn(self, seq: Sequence, content_ids: list[int]) -> list[int]:
-        """Feed what the next turn is certain to contain after this reply: the last sampled
-        token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
-
-        Returns the tokens the KV now holds after the prompt. Correctness never depends on this
-        guess -- reuse is still accepted only up to the token LCP -- but it is what lets an
-        exact-depth cache (recurrent state, a rotated window) continue straight into the next turn.
-        """
-        target, to_feed = self.plan_close(seq, content_ids)
-        feed(self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
-        return target
-
-    def plan_close(self, seq: Sequence, content_ids: list[int]) -> tuple[list[int], list[int]]:
-        """What closing the turn leaves after the prompt, and the tokens still to feed for it (the
-        KV is cut back first where it holds a stop token the next turn will not contain). The
-        scheduler feeds the closers of sequences finishing together in one forward."""
-        live, prep, generated = seq.live, seq.prep, seq.generated
-        fed = live.depth - len(prep.model_tokens)
-        if fed < 0 or fed > len(generated):
-            raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(generated)} were sampled")
-        in_kv = generated[:fed]
-        if seq.stopped_by_string:
-            return in_kv, []  # the client never sees the rest: the next turn will not contain it
-        closer = self.renderer.assistant_closer(seq.job.enable_thinking)
-        closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
-        if self.harmony and generated and generated[-1] == self.call_id:
-            closer_ids = [self.call_id]   # a harmony tool call stays closed by <|call|> in history
-        elif closer_ids and content_ids[-len(closer_ids):] == closer_ids:
-            closer_ids = []               # the reply already ended with the closer (harmony <|end|>)
-        target = content_ids + closer_ids
-        if len(prep.model_tokens) + len(target) > self.context_limit:
-            return in_kv, []  # no room left in the window to close the turn
-        if in_kv != target[:fed]:
-            # A stop token the re-rendered history will not contain (e.g. <|endoftext|> where the
-            # template closes turns with <|im_end|>): drop it if the cache can be cut back.
-            keep = lcp(in_kv, target[:fed])
-            if live.floor > len(prep.model_tokens) + keep:
-                return in_kv, []
-            live.cut(len(prep.model_tokens) + keep)
-            fed = keep
-        return target, target[fed:]
-
-    def content_ids(self, seq: Sequence) -> list[int]:
-        """The reply's tokens without stop tokens (what the client's next turn renders back)."""
-        stop_ids = seq.params.stop_token_ids
-        return [t for t in seq.generated if t not in stop_ids]
-
-    def completed(self, seq: Sequence) -> bool:
-        """The reply ran to its end (no watchdog, no hang-up): its turn is closed and stored."""
-        return not seq.watchdog and not seq.job.is_cancelled() and not seq.job.prefill_only
-
-    def _salvage(self, seq: Sequence) -> None:
-        """Nothing prefilled is thrown away: a request aborted by a hang-up or the watchdog keeps
-        the KV it computed -- cut at the last completed prefill chunk, or the prompt plus what was
-        decoded -- as an ordinary entry, so the client's retry pays only the rest."""
-        prep, live = seq.prep, seq.live
-        n_prompt = len(prep.model_tokens)
-        in_kv = (seq.generated if seq.closed is None else seq.closed)[: max(0, live.depth - n_prompt)]
-        depth = live.depth
-        if depth <= seq.start or depth < self.state.prompt_cache.config.block_size:
-            return
-        self._store(seq, in_kv, prompt_depth=min(depth, n_prompt))
-        self.state.counters.bump("salvaged_prefill_tokens", min(depth, n_prompt) - seq.start)
-
-    def _store(self, seq: Sequence, continuation: list[int], prompt_depth: int | None = None) -> None:
-        """Store the turn's KV (and its snapshots) with their session records -- all or nothing:
-        a failure part-way removes the entries this call inserted before it re-raises."""
-        inserted: list[int] = []
-        try:
-            self._store_entries(seq, continuation, prompt_depth, inserted)
-        except BaseException:
-            for entry_id in inserted:
-                try:   # its session record and disk copy go with it (EngineState._on_evict)
-                    self.state.prompt_cache.remove(entry_id, "store_failed")
-                except Exception:  # noqa: BLE001 - best effort: the original error is what matters
-                    log.exception("removing entry %s after a failed store failed", entry_id)
-            raise
-
-    def _store_entries(self, seq: Sequence, continuation: list[int], prompt_depth: int | None,
-                       inserted: list[int]) -> None:
-        st = self.state
-        prep, match, session_id = seq.prep, seq.match, seq.session.session_id
-        parent = match.entry.session_id if match.hit else None
-        n_prompt = len(prep.model_tokens) if prompt_depth is None else prompt_depth
-        all_model = prep.model_tokens[:n_prompt] + continuation
-        state = capture(seq.live)
-        depth = state.depth
-        extra = max(0, depth - n_prompt)
-        key = (prep.key_tokens if n_prompt == len(prep.model_tokens) else self.key_prefix(prep, n_prompt)) \
-            + continuation[:extra]
-        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes, floor=state.floor,
-                                       pool=POOL_KV, session_id=session_id)
-        if entry is not None:
-            inserted.append(entry.entry_id)
-            faults.hit("store", seq.job.request_id)
-            st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
-            if st.disk is not None:
-                st.disk.write_through(entry)
-        for snap in seq.snapshots:
-            if state.can_serve(snap.depth):
-                continue  # the turn's own entry serves this depth: no copy needed
-            snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth],
-                                                snap, nbytes=snap.nbytes, floor=snap.floor, pool=POOL_SNAPSHOT,
-                                                session_id=session_id)
-            if snap_entry is not None:
-                inserted.append(snap_entry.entry_id)
-                st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)
-                if st.disk is not None:
-                    st.disk.write_through(snap_entry)
 
 
 def tokenizer_size(tokenizer: Any) -> int | None:
