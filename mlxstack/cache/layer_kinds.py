@@ -25,6 +25,10 @@ What each kind can serve (``floor``):
 Checkout never aliases a stored array: slice assignment (``keys[..., a:b, :] = k``) rewrites
 the Python array object it is applied to, so every array handed to a live cache is a new
 object made by indexing (LESSONS.md §2).
+
+Why one module of ~500 lines: the kinds are one registry behind one interface, and each kind's
+verbs are read against the others' (a CacheList is its members' kinds; the quantised kind builds
+its full-precision head with KVKind's code): split per kind, every file would import the rest.
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ own MLX server process on its own launcher-held port, all loading at once and ea
 its own; LiteLLM starts once they are ready and lists each backend as a deployment of the model
 its /v1/models names. With other backends still serving, one that cannot be restarted is left
 down (said loudly) instead of stopping everything: the router moves its sessions.
+
+Why one module of ~500 lines: start-up order, the supervision loop and shutdown share one set of
+child processes and ports; backends, LiteLLM config, ports and restarts already live beside it.
 """
 from __future__ import annotations
 
