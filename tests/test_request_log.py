@@ -71,9 +71,11 @@ def test_live_server_writes_session_log(logged_server):
                                      "stable_prefix_msgs", "key_delta_chars"}
         assert rec["cache"]["prompt_tokens"] == len(rec["model_tokens"])
         assert set(rec["timings"]) == {"ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms"}
+        assert set(rec["speculation"]) == {"proposed", "accepted"}
+        assert 0 <= rec["speculation"]["accepted"] <= rec["speculation"]["proposed"]
         assert rec["output"]["finish_reason"] in ("stop", "length")
         assert rec["message_roles"] == ["user"]
-        assert rec["session"] == path.name[len("cache-session-"):-len(".log")]
+        assert path.name == session_file_name(rec["session"])   # msg:<digest> is written as msg_<digest>
         assert rec["truncated"] == []
     assert first["cache"]["match_type"] == "miss"
     assert second["cache"]["match_type"] != "miss" and second["cache"]["cached_tokens"] > 0
