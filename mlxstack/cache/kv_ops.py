@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .layer_kinds import FP_HEAD, KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of
+from .layer_kinds import (FP_HEAD, KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of,
+                          mark_layer, replayable, restore_layer)
 
 
 class LiveCache:
@@ -66,6 +67,32 @@ class LiveCache:
             raise ValueError(f"cannot cut a cache at {self.depth} (floor {self.floor}) to {depth}")
         for layer in self.layers:
             kind_of(layer).cut(layer, self.depth, depth)
+        self.depth = depth
+
+    def room(self) -> int:
+        """Tokens one forward may add and still be cut back to any depth in between (the
+        smallest layer's ``room``); a forward must not cross the KV quantisation start either."""
+        room = min((kind_of(layer).room(layer, self.depth) for layer in self.layers), default=0)
+        return min(room, self.quant_room())
+
+    def quant_room(self) -> int:
+        """Tokens one forward may add without crossing the KV quantisation start (a cold run
+        switches exactly there)."""
+        return 1 << 30 if self.quantized else max(0, self.quant.start - self.depth)
+
+    @property
+    def replayable(self) -> bool:
+        """Every layer can be put back as it was before a forward (``mark`` / ``restore``)."""
+        return all(replayable(layer) for layer in self.layers)
+
+    def mark(self) -> tuple:
+        """The cache as it is now (references), for ``restore`` after a forward."""
+        return self.depth, [mark_layer(layer) for layer in self.layers]
+
+    def restore(self, mark: tuple) -> None:
+        depth, layers = mark
+        for layer, m in zip(self.layers, layers):
+            restore_layer(layer, m)
         self.depth = depth
 
     def check(self) -> None:

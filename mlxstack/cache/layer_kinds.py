@@ -9,6 +9,7 @@ Each kind answers the same few verbs (the way mlx-lm's ``models/cache.py`` gives
     state = kind.capture(layer, depth)        # immutable LayerState cut to ``depth``
     layer2 = kind.checkout(state, d)          # fresh object of the same class, same parameters
     kind.cut(layer, depth, d)                 # cut a live layer back to d (floor <= d <= depth)
+    kind.room(layer, depth)                   # tokens one forward may add and still cut back
     arrays, meta = kind.dump(state)           # flat arrays + JSON meta (the disk tier's form)
     state = kind.load(arrays, meta, cls)      # the inverse
 
@@ -51,6 +52,7 @@ class KVQuant:
     start: int
 
 
+UNBOUNDED = 1 << 30             # room() of a layer any forward can be cut back from
 FP_HEAD = "_mlxstack_fp_head"   # on a live QuantizedKVCache: (keys, values) it held in full
 #                                 precision when it switched (the tokens below the start)
 
@@ -114,6 +116,7 @@ class CacheKind:
     name = ""
     class_names: tuple[str, ...] = ()
     always_trimmable = False   # every reachable state has floor 0 (no checkpoints needed)
+    replayable = True          # a forward only rebinds or writes past what ``mark`` keeps (restore + replay)
 
     def matches(self, layer: Any) -> bool:
         cls = type(layer)
@@ -134,6 +137,11 @@ class CacheKind:
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
         raise NotImplementedError
+
+    def room(self, layer: Any, depth: int) -> int:
+        """How many tokens one forward may add to the layer such that it can still be cut back
+        to any depth in between (speculative decoding verifies drafts that way). 0: none."""
+        return 0
 
     # ---- serialisable form: named arrays + JSON-able meta (the disk tier stores these)
     def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
@@ -193,6 +201,9 @@ class KVKind(CacheKind):
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
         layer.offset = target
+
+    def room(self, layer: Any, depth: int) -> int:
+        return UNBOUNDED
 
 
 class QuantizedKind(KVKind):
@@ -310,6 +321,11 @@ class RotatingKind(CacheKind):
         layer._idx -= depth - target
         layer.offset = target
 
+    def room(self, layer: Any, depth: int) -> int:
+        # only while nothing rotates out, during the forward or after it (a forward of S tokens
+        # concatenates them in temporal order; the window trims once it passes max_size)
+        return max(0, int(layer.max_size) - depth - 1) if self._in_order(layer) else 0
+
 
 class ChunkedKind(CacheKind):
     """``ChunkedKVCache`` (llama4 chunked attention): holds tokens [start_position, offset).
@@ -317,6 +333,7 @@ class ChunkedKind(CacheKind):
     depth d can be served only when that chunk start is still held."""
     name = "chunked"
     class_names = ("ChunkedKVCache",)
+    replayable = False         # a forward may drop the front of the chunk in place
 
     def floor(self, layer: Any, depth: int) -> int:
         start, chunk = int(layer.start_position), int(layer.chunk_size)
@@ -400,6 +417,9 @@ class ListKind(CacheKind):
     def cut(self, layer: Any, depth: int, target: int) -> None:
         for c in layer.caches:
             kind_of(c).cut(c, depth, target)
+
+    def room(self, layer: Any, depth: int) -> int:
+        return min((kind_of(c).room(c, depth) for c in layer.caches), default=0)
 
     def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
         arrays: dict[str, Any] = {}
@@ -504,3 +524,31 @@ def eval_state(states: Sequence[LayerState], extra: Callable[[list], None] | Non
         walk(s)
     if out:
         mx.eval(out)
+
+
+# ------------------------------------------------------------------------------ before a forward
+def mark_layer(layer: Any) -> Any:
+    """What ``layer`` holds now, as references: a forward rebinds its arrays (concatenation,
+    recurrent state) or writes past its offset, so putting these back undoes it (speculative
+    decoding on caches that cannot be cut: restore, then replay the accepted tokens)."""
+    if hasattr(layer, "caches"):                                   # CacheList
+        return [mark_layer(c) for c in layer.caches]
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}
+
+
+def restore_layer(layer: Any, mark: Any) -> None:
+    if hasattr(layer, "caches"):
+        for c, m in zip(layer.caches, mark):
+            restore_layer(c, m)
+        return
+    for k in [k for k in vars(layer) if k not in mark]:
+        delattr(layer, k)
+    for k, v in mark.items():
+        setattr(layer, k, list(v) if isinstance(v, list) else v)
+
+
+def replayable(layer: Any) -> bool:
+    kind = kind_of(layer)
+    if kind is None or not kind.replayable:
+        return False
+    return all(replayable(c) for c in layer.caches) if hasattr(layer, "caches") else True
