@@ -122,17 +122,25 @@ class Sampler:
         else:
             tok = self._draw(logprobs)
         if self.p.logprobs:
-            top_ids = top_vals = None
-            if self.p.top_logprobs > 0:
-                k = min(self.p.top_logprobs, self.vocab)
-                top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-                top_vals = logprobs[top_ids]
-                order = mx.argsort(-top_vals)
-                top_ids, top_vals = top_ids[order], top_vals[order]
-            self.logprobs.append(TokenLogprobs(logprobs[tok], top_ids, top_vals))
+            self._record_logprobs(logprobs, tok)
         return tok
 
+    def _record_logprobs(self, logprobs: mx.array, tok: mx.array) -> None:
+        top_ids = top_vals = None
+        if self.p.top_logprobs > 0:
+            k = min(self.p.top_logprobs, self.vocab)
+            top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            top_vals = logprobs[top_ids]
+            order = mx.argsort(-top_vals)
+            top_ids, top_vals = top_ids[order], top_vals[order]
+        self.logprobs.append(TokenLogprobs(logprobs[tok], top_ids, top_vals))
+
     def _draw(self, logprobs: mx.array) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(self._filtered(logprobs), key=sub).astype(mx.int32)
+
+    def _filtered(self, logprobs: mx.array) -> mx.array:
+        """The logits the draw samples from: top-k, min-p, top-p, then temperature."""
         masked = logprobs
         if self.top_k:
             kth = mx.sort(logprobs)[-self.top_k]
@@ -147,8 +155,32 @@ class Sampler:
             before = mx.cumsum(probs) - probs          # mass strictly above each token
             keep_sorted = before < self.p.top_p        # always keeps the most likely token
             masked = mx.where(keep_sorted[mx.argsort(order)], masked, NEG_INF)
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(masked * (1.0 / self.p.temperature), key=sub).astype(mx.int32)
+        return masked * (1.0 / self.p.temperature)
+
+    def verify(self, logits: mx.array, draft: int) -> mx.array:
+        """The next token given a drafted one (lazy int32 scalar): what ``sample`` gives, except
+        that a draft is kept whenever the distribution allows it with the standard rejection rule
+        for a draft proposed with certainty -- kept with probability p(draft), else a token drawn
+        from p with the draft removed (renormalised) -- so the token is distributed exactly as
+        ``sample``'s. Greedy rows take the argmax, as ``sample`` does (the draft is kept when it
+        is the argmax). Like ``sample``, it records logprobs and consumes the grammar."""
+        if self.greedy:
+            return self.sample(logits)
+        logits = self._process(logits)
+        if self.constraint is not None:
+            logits = self._constrain(logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        final = self._filtered(logprobs)
+        final = final - mx.logsumexp(final, keepdims=True)          # log p, as the draw samples it
+        self.key, k_accept, k_redraw = mx.random.split(self.key, 3)
+        d = mx.array(int(draft), dtype=mx.int32)
+        keep = mx.log(mx.random.uniform(key=k_accept)) < final[d]
+        others = mx.where(mx.arange(final.shape[-1]) == d, NEG_INF, final)
+        redraw = mx.random.categorical(others, key=k_redraw).astype(mx.int32)
+        tok = mx.where(keep, d, redraw)
+        if self.p.logprobs:
+            self._record_logprobs(logprobs, tok)
+        return tok
 
     def accept(self, tok: mx.array) -> None:
         """Let the penalties see ``tok`` (lazy: the next step can be built before it is read)."""
