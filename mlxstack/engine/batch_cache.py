@@ -30,9 +30,86 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 class SlabKVCache(BatchKVCache):
     step = 256
 
+    def __init__(self, left_padding: list[int]) -> None:
+        super().__init__(left_padding)
+        # per row: columns between the row's own end and the shared index (speculative decoding
+        # takes rejected drafts back from one row, not from all): 0 everywhere is mlx-lm's layout
+        self.gap: list[int] = [0] * len(left_padding)
+        self._ends: list[int] | None = None   # rows' ends before the rewinds settle() applies
+
     @classmethod
     def empty(cls, rows: int) -> "SlabKVCache":
         return cls([0] * rows)
+
+    # ------------------------------------------------------------------ ragged ends (speculation)
+    @property
+    def ragged(self) -> bool:
+        return any(self.gap)
+
+    def rewind(self, row: int, n: int) -> None:
+        """Take back the last ``n`` tokens of ``row`` only (rejected drafts): its end moves left,
+        and the next tokens fed to the row are written there (``update_and_fetch``). Call
+        ``settle`` once every row is rewound, before the next forward."""
+        if n > 0:
+            if self.keys is None or n > self._idx - self.gap[row]:
+                raise ValueError(f"cannot rewind row {row} by {n}")
+            if self._ends is None:
+                self._ends = [self._idx - g for g in self.gap]
+            self.gap[row] += n
+
+    def settle(self, active: list[int]) -> None:
+        """After rewinds: each row's RoPE offset follows its end, free rows follow the members
+        (their gap is the smallest member's), and the shared index moves back to the furthest
+        member's end, so no column is attended for nothing."""
+        if self.keys is None:
+            return
+        before = self._ends if self._ends is not None else [self._idx - g for g in self.gap]
+        if active:
+            low = min(self.gap[r] for r in active)
+            taken = set(active)
+            self.gap = [g if r in taken else low for r, g in enumerate(self.gap)]
+        low = min(self.gap)
+        if low:
+            self._idx -= low
+            self.gap = [g - low for g in self.gap]
+        ends = [self._idx - g for g in self.gap]
+        delta = [b - e for b, e in zip(before, ends)]
+        if any(delta):
+            self.offset = self.offset - mx.array(delta, dtype=self.offset.dtype)
+        self._ends = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if not self.ragged:
+            return super().update_and_fetch(keys, values)
+        n = keys.shape[2]
+        low = min(self.gap)
+        end = self._idx - low + n
+        if end > self.keys.shape[2]:
+            grow = ((end - self.keys.shape[2] + self.step - 1) // self.step) * self.step
+            pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        rows = len(self.gap)
+        at = (mx.array([self._idx - g for g in self.gap], dtype=mx.int32)[:, None]
+              + mx.arange(n, dtype=mx.int32)[None]).reshape(rows, 1, n, 1)
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.offset = self.offset + n
+        self._idx = end
+        self.gap = [g - low for g in self.gap]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if not self.ragged:
+            return super().make_mask(N, return_array=return_array, **kwargs)
+        if kwargs.get("window_size") is not None:
+            raise ValueError("ragged rows hold plain KV layers only")
+        low = min(self.gap)
+        ends = mx.array([self._idx - g for g in self.gap], dtype=mx.int32)
+        cols = mx.arange(self._idx - low + N, dtype=mx.int32)[None, None, None, :]
+        query = (ends[:, None] + mx.arange(N, dtype=mx.int32)[None])[:, None, :, None]   # [B,1,N,1]
+        # a free row keeps at least its own column: a fully masked row would be NaN (module doc)
+        start = mx.minimum(self.left_padding, ends)[:, None, None, None]
+        return (cols <= query) & (cols >= start)
 
     @property
     def rows(self) -> int:
@@ -69,15 +146,17 @@ class SlabKVCache(BatchKVCache):
         self.values[row:row + 1, :, start:self._idx, :] = values
         self.left_padding[row] = start
         self.offset[row] = length
+        self.gap[row] = 0
 
     def take(self, row: int) -> KVCache:
         """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it)."""
         cache = KVCache()
         start = int(self.left_padding[row].item())
-        if self.keys is not None and start < self._idx:
-            cache.keys = mx.contiguous(self.keys[row:row + 1, :, start:self._idx, :])
-            cache.values = mx.contiguous(self.values[row:row + 1, :, start:self._idx, :])
-            cache.offset = self._idx - start
+        end = self._idx - self.gap[row]
+        if self.keys is not None and start < end:
+            cache.keys = mx.contiguous(self.keys[row:row + 1, :, start:end, :])
+            cache.values = mx.contiguous(self.values[row:row + 1, :, start:end, :])
+            cache.offset = end - start
         return cache
 
     def row_view(self, row: int) -> tuple[mx.array | None, mx.array | None, int]:
@@ -85,8 +164,8 @@ class SlabKVCache(BatchKVCache):
         if self.keys is None:
             return None, None, 0
         start = int(self.left_padding[row].item())
-        return (self.keys[row:row + 1, :, start:self._idx, :], self.values[row:row + 1, :, start:self._idx, :],
-                self._idx - start)
+        end = self._idx - self.gap[row]
+        return (self.keys[row:row + 1, :, start:end, :], self.values[row:row + 1, :, start:end, :], end - start)
 
     def compact(self, active: list[int], slack: int = 256) -> int:
         """Drop the columns no active row uses any more (every active row's left padding is at
