@@ -131,6 +131,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("GRAMMAR_CACHE_ENTRIES", "int", 64, "Compiled grammars (JSON schemas, tool-call grammars) kept, keyed by a hash of the grammar; least recently used go first (0 = compile every request).", minimum=0, group="structured output"),
     Spec("GRAMMAR_COMPILE_TIMEOUT_SECONDS", "float", 5.0, "A schema or tool set whose grammar does not compile within this long is refused with 400 (compiling runs beside the request's handler, never on the inference thread).", minimum=0.01, group="structured output"),
     Spec("GRAMMAR_MAX_SIZE", "int", 200000, "Largest grammar (llguidance symbols) a request may ask for; a bigger schema or tool set is refused with 400.", minimum=1000, group="structured output"),
+    # --- speculative decoding (engine/speculation.py, runtime/drafting.py) -------
+    Spec("SPECULATIVE", "choice", "auto", "Speculative decoding inside continuous batching. auto / ngram: prompt lookup (drafts copied from the prompt and the reply so far), verified for every row of the batch in one forward; each row drafts only while its drafts are accepted. off: one token per step. Greedy replies are identical either way; sampled ones are distributed the same. draft (a separate draft model) is not available yet.", choices=("auto", "off", "ngram"), group="speculative decoding"),
+    Spec("SPEC_MAX_DRAFT", "int", 6, "Most draft tokens a row tries in one step (its draft length adapts between 1 and this from what was accepted; 0 turns speculation off).", minimum=0, group="speculative decoding"),
+    Spec("SPEC_NGRAM_MAX", "int", 4, "Longest suffix (tokens) prompt lookup matches; it tries shorter ones down to SPEC_NGRAM_MIN.", minimum=1, group="speculative decoding"),
+    Spec("SPEC_NGRAM_MIN", "int", 2, "Shortest suffix (tokens) prompt lookup accepts as a match.", minimum=1, group="speculative decoding"),
 )
 
 SPEC_BY_NAME: dict[str, Spec] = {s.name: s for s in SPECS}

@@ -44,6 +44,7 @@ from ..config import faults
 from ..runtime.mlx_stream import generation_stream
 from .batch_cache import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
 from .chat import ChatEngine, Sequence
+from .speculation import spec_budgets, speculative_step, wants_step
 
 log = logging.getLogger("mlxstack.batch")
 
@@ -106,15 +107,17 @@ class DecodeGroup:
         kv = None
         if self.slab is not None:
             kv = [(i, self.slab[i], (self.slab[i].keys, self.slab[i].values, self.slab[i].offset,
-                                     self.slab[i].left_padding, self.slab[i]._idx)) for i in self.kv_idx]
+                                     self.slab[i].left_padding, self.slab[i]._idx, list(self.slab[i].gap)))
+                  for i in self.kv_idx]
         return (list(self.seqs), dict(self.row), self.rows, None if self.slab is None else list(self.slab), kv,
                 [list(s.live.layers) for s in self.seqs])
 
     def _restore(self, snap: tuple) -> None:
         seqs, row, rows, slab, kv, layers = snap
         self.seqs, self.row, self.rows, self.slab = seqs, row, rows, slab
-        for i, layer, (keys, values, offset, left_padding, idx) in kv or []:
+        for i, layer, (keys, values, offset, left_padding, idx, gap) in kv or []:
             layer.keys, layer.values, layer.offset, layer.left_padding, layer._idx = keys, values, offset, left_padding, idx
+            layer.gap = gap
         for s, own in zip(seqs, layers):
             s.live.layers = own
         self._check()
@@ -289,6 +292,9 @@ class DecodeGroup:
         that failed left too: ``take_failed()``. GroupReset when the batch had to be dropped."""
         if not self.seqs:
             return []
+        budgets = spec_budgets(self.seqs)
+        if wants_step(self, budgets):
+            return speculative_step(self, budgets)
         stream = generation_stream()
         model = self.engine.decode_model
         seqs = list(self.seqs)

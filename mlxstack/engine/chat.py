@@ -24,12 +24,13 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.render import encode
 from ..pipeline.tokenize import encoder_for
-from ..runtime.generate import Aborted, decode, feed, last_logits, prefill
+from ..runtime.generate import Aborted, feed, last_logits, prefill
 from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
 from .assembly import PromptAssembly
 from .finish import TurnFinish
+from .speculation import Speculation
 from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
     ChatJob,
     ChatOutcome,
@@ -63,6 +64,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # is never sampled past it -- mlx-lm's detokenizers index their token map unchecked
         self.token_count = tokenizer_size(loaded.tokenizer)
         self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
+        self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)))
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
@@ -248,12 +250,18 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return self.finish(seq)
 
     def _decode(self, seq: Sequence, logits: Any, should_stop: Callable[[], bool]) -> None:
+        """Decode alone: the scheduler's decode group with one member (the same steps, drafts
+        included), stepped here until the reply ends."""
+        from .batch import DecodeGroup   # batch.py builds on this module
+
         if not self.begin_decode(seq, logits):
             return
-        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, seq.params, should_stop,
-                          sampler=seq.sampler):
-            if self.consume(seq, tok):
-                break
+        group = DecodeGroup(self, batching=False)
+        group.add(seq, logits)
+        while group.seqs:
+            group.step()
+            for _, exc in group.take_failed():
+                raise exc
         self.end_decode(seq)
 
     # ---------------------------------------------------------------- incremental phases
@@ -266,6 +274,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         seq.detok.reset()
         width = self.sampled_width(logits)
         seq.sampler = Sampler(seq.params, seq.prep.model_tokens, width, constraint=self.new_constraint(seq, width))
+        seq.spec = self.speculation.row(seq)
         if seq.forced:
             seq.visible.append(seq.forced)
             seq.job.emit(seq.forced)
@@ -292,6 +301,8 @@ class ChatEngine(PromptAssembly, TurnFinish):
         sequence is done (a stop token or string, harmony's stop rule, or max_tokens)."""
         seq.generated.append(tok)
         seq.produced += 1
+        if seq.spec is not None:
+            seq.spec.drafter.extend((tok,))
         if tok in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
             row = seq.sampler.constraint if seq.sampler is not None else None

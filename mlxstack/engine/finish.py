@@ -102,6 +102,8 @@ class TurnFinish:
                 "queue_wait_s": round(max(0.0, seq.t0 - seq.queued_at), 4) if seq.queued_at else 0.0,
                 "batch_size_max": max(seq.batch_sizes, default=1),
                 "batch_size_mean": round(sum(seq.batch_sizes) / len(seq.batch_sizes), 2) if seq.batch_sizes else 1.0,
+                "spec_proposed": seq.spec.control.proposed if seq.spec is not None else 0,
+                "spec_accepted": seq.spec.control.accepted if seq.spec is not None else 0,
             },
         )
         st.record(job, outcome, prep)

@@ -144,3 +144,4 @@ class Sequence:
     queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
     batch_sizes: list[int] = field(default_factory=list)
     closed: list[int] | None = None   # the turn was closed in the KV already: what it holds after the prompt
+    spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)

@@ -129,7 +129,8 @@ class EngineState:
             **{k: outcome.timings[k] for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s",
                                                 "stable_prefix_msgs", "renders", "key_delta_chars", "prepare_ms",
                                                 "cache_tier",
-                                                "queue_wait_s", "batch_size_max", "batch_size_mean")},
+                                                "queue_wait_s", "batch_size_max", "batch_size_mean",
+                                                "spec_proposed", "spec_accepted")},
         }
         with self.rows_lock:
             self.rows.append(row)
@@ -138,12 +139,14 @@ class EngineState:
         self.counters.bump("prefilled_tokens", row["prefilled_tokens"])
         log.info(
             "req=%s session=%s prompt=%d cached=%d match=%s tier=%s prefilled=%d delta_chars=%d stable_msgs=%d "
-            "renders=%d queue=%.3fs ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s batch=%s finish=%s correctness=%s",
+            "renders=%d queue=%.3fs ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s batch=%s spec=%d/%d finish=%s "
+            "correctness=%s",
             job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
             row["cache_tier"],
             row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["renders"],
             row["queue_wait_s"],
-            row["ttft_s"], row["prefill_tok_s"], row["decode_tok_s"], row["batch_size_max"], row["finish_reason"],
+            row["ttft_s"], row["prefill_tok_s"], row["decode_tok_s"], row["batch_size_max"], row["spec_accepted"],
+            row["spec_proposed"], row["finish_reason"],
             ",".join(f"{k}:{v}" for k, v in self.counters.correctness().items()),
         )
         for hook in self.on_record:

@@ -130,6 +130,12 @@ class EngineCollector(Collector):
                       "spills")
         yield counter("mlxstack_store_failures", "Finished requests whose KV could not be stored (logged).",
                       "store_failures")
+        yield counter("mlxstack_spec_proposed_tokens",
+                      "Draft tokens proposed by speculative decoding (prompt lookup), all rows.", "spec_proposed")
+        yield counter("mlxstack_spec_accepted_tokens",
+                      "Draft tokens the model accepted (each saved one decode step for its row).", "spec_accepted")
+        yield counter("mlxstack_spec_steps", "Decode steps that verified drafts (one forward for the batch).",
+                      "spec_steps")
         yield GaugeMetricFamily("mlxstack_cache_quantized_bytes",
                                 "Bytes of RAM cache entries held as quantised K/V (KV_BITS).",
                                 value=stats.get("quantized_bytes", 0) or 0)

@@ -11,6 +11,7 @@ One line (``v`` = 1) holds:
 - ``message_roles``: roles of the request's messages, in order
 - ``cache``: match_type, prompt/cached/prefilled tokens, stable_prefix_msgs, key_delta_chars
 - ``timings``: ttft_s, prefill_tok_s, decode_tok_s, total_s, prepare_ms
+- ``speculation``: draft tokens proposed and accepted for this reply (SPECULATIVE)
 - ``output``: completion_tokens, finish_reason, aborted, ``text_head`` (first 200 characters)
 - ``model_text``, ``model_tokens``; ``key_tokens`` (null with ``key_same_as_model: true`` when equal to
   model_tokens; ``read_records`` fills it back in) and ``key_text`` (the decoded key when it differs)
@@ -82,6 +83,7 @@ def build_record(row: dict, *, model: str = "", decode: Callable[[list[int]], st
         "cache": {k: row.get(k) for k in ("match_type", "prompt_tokens", "cached_tokens", "prefilled_tokens",
                                           "stable_prefix_msgs", "key_delta_chars")},
         "timings": {k: row.get(k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms")},
+        "speculation": {"proposed": row.get("spec_proposed", 0), "accepted": row.get("spec_accepted", 0)},
         "output": {
             "completion_tokens": row.get("completion_tokens"),
             "finish_reason": row.get("finish_reason"),

@@ -177,6 +177,10 @@
     $("t-queue").textContent = fmtInt(s.queue_depth);
     const sc = s.scheduler || {};
     $("t-flight").textContent = `${fmtInt(sc.active || 0)} / ${fmtInt(sc.last_batch_size || 0)}`;
+    const proposed = c.spec_proposed || 0, accepted = c.spec_accepted || 0;
+    $("t-spec").textContent = proposed ? `${fmtInt(accepted)} / ${fmtInt(proposed)}` : "–";
+    $("t-spec").title = proposed ? `${((100 * accepted) / proposed).toFixed(0)}% of draft tokens accepted ` +
+      `(speculative decoding: each saved one decode step)` : "no drafts yet (SPECULATIVE)";
     $("model").textContent = s.model || "";
   }
 

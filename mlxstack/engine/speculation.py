@@ -1,0 +1,356 @@
+"""Speculative decoding inside continuous batching: every row drafts, one forward verifies all.
+
+    spec = Speculation(settings)                 # per engine (SPECULATIVE, SPEC_MAX_DRAFT)
+    seq.spec = spec.row(seq)                     # per request at begin_decode (None: never drafts)
+    budgets = spec_budgets(group.seqs)           # per step: drafts each row may try (0: none)
+    if wants_step(group, budgets):
+        done = speculative_step(group, budgets)  # instead of DecodeGroup's one-token step
+
+A speculative step (engine/batch.py calls it when a row has a draft worth trying):
+1. every row's pending token is read back and consumed (streamed, stop rules) -- as the plain step
+   does, only before the forward instead of after it;
+2. each row proposes up to its budget of drafts (runtime/drafting.py: prompt lookup over the
+   prompt and the reply so far), capped by what its cache can take back (``LiveCache.room``: plain
+   and quantised KV any amount, a sliding window until it rotates, recurrent state and chunked
+   attention none) and by its token limit;
+3. ONE forward feeds ``[pending, d1..dk]`` for every row: the batch's slab rows padded to the
+   longest row (engine/batch_cache.py), or each row on its own cache;
+4. each row verifies its own drafts against its own sampler -- greedy: the model's argmax at each
+   position, so the accepted tokens are exactly what plain decoding produces; sampling: the
+   standard rejection rule (``Sampler.verify``), so the distribution is plain sampling's -- and
+   keeps the longest accepted prefix plus the model's own next token;
+5. each row takes back what it did not keep, on its own: a slab row moves its end back (ragged
+   rows), an own cache is cut (``LiveCache.cut``). The prompt cache, snapshots and salvage later
+   see exactly the accepted tokens: nothing else is in the KV.
+
+Rows without drafts ride along with one token. ``DraftControl`` (per row) grows the draft length
+while drafts are accepted and pauses a row whose drafts keep failing, so free text, high
+temperatures and grammars that reject the drafts fall back to plain steps, which stay pipelined.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import faults
+from ..runtime.drafting import DraftControl, NgramDrafter, accepted_prefix, best_width
+from ..runtime.mlx_stream import generation_stream
+from .request import Sequence
+
+log = logging.getLogger("mlxstack.speculation")
+
+MODES = ("auto", "ngram")        # SPECULATIVE values that draft (off: never)
+
+
+@dataclass(eq=False)
+class RowSpec:
+    """One request's drafter and draft-length control."""
+    drafter: NgramDrafter
+    control: DraftControl
+    replays: int = 0          # steps whose cache was put back and the kept tokens fed again
+
+
+class Speculation:
+    def __init__(self, settings: Any, vlm: bool = False) -> None:
+        self.mode = getattr(settings, "speculative", "off")
+        self.max_draft = int(getattr(settings, "spec_max_draft", 0))
+        self.ngram = (int(getattr(settings, "spec_ngram_min", 2)), int(getattr(settings, "spec_ngram_max", 4)))
+        # a VLM decodes through its language model with multimodal RoPE positions kept per
+        # request (engine/vlm_chat.py): drafts are not verified there yet
+        self.enabled = self.mode in MODES and self.max_draft > 0 and not vlm
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        return f"{self.mode}: prompt lookup, {self.ngram[0]}..{self.ngram[1]}-token suffixes, up to {self.max_draft} drafts a row"
+
+    def row(self, seq: Sequence) -> RowSpec | None:
+        """The request's drafting state, or None when it never drafts (speculation off, or a
+        cache that can never take tokens back: recurrent state, chunked attention)."""
+        if not self.enabled or (seq.live.room() < 2 and not seq.live.replayable):
+            return None
+        lo, hi = self.ngram
+        return RowSpec(NgramDrafter(seq.prep.model_tokens, max_n=max(lo, hi), min_n=min(lo, hi)),
+                       DraftControl(self.max_draft))
+
+
+# One more token position through the model, per row, costs this fraction of a plain decode step
+# (measured on the embedded model, 2-core CPU, ~500 tokens of context: 8 rows x 7 positions cost
+# 2.27 plain steps, 1 row x 7 positions 1.27). A GPU has more room (cheaper positions).
+COST_PER_POSITION = 0.03
+
+
+def spec_budgets(seqs: list[Sequence]) -> dict[int, int]:
+    """Drafts each row may try this step (a paused row counts its pause down here, once a step)."""
+    return {id(s): s.spec.control.budget() for s in seqs if s.spec is not None}
+
+
+def wants_step(group: Any, budgets: dict[int, int]) -> bool:
+    """Whether this step should verify drafts, and how many per row (``budgets`` is capped in
+    place). The drafts a row would get are estimated from its tokens read so far (the pending
+    token is not read yet: reading it would stall the pipeline), weighted by its acceptance so far;
+    a speculative step runs when it is expected to produce more tokens per unit of time than a
+    plain one (``best_width``). Rows on their own caches are costed one by one."""
+    if not budgets or (group.slab is not None and not group.dense):
+        return False
+    rows = []
+    for s in group.seqs:
+        k = budgets.get(id(s), 0)
+        k = len(s.spec.drafter.propose(k)) if k > 0 else 0
+        rows.append((s, k, s.spec.control.rate if s.spec is not None else 0.0))
+    if group.slab is not None:
+        width = best_width([(k, rate) for _, k, rate in rows], COST_PER_POSITION)
+        for s, _, _ in rows:
+            if id(s) in budgets:
+                budgets[id(s)] = min(budgets[id(s)], width - 1)
+        return width > 1
+    any_row = False
+    for s, k, rate in rows:
+        width = best_width([(k, rate)], COST_PER_POSITION)
+        if id(s) in budgets:
+            budgets[id(s)] = min(budgets[id(s)], width - 1)
+        any_row |= width > 1
+    return any_row
+
+
+def _row_limit(group: Any, s: Sequence, budget: int) -> int:
+    """Drafts row ``s`` may feed now: its budget, its token limit, what its cache can take back
+    (a cache that can be put back as it was -- recurrent state, a rotated window -- takes any
+    number: what it did not keep is replayed), never across the KV quantisation start."""
+    left = s.params.max_tokens - s.produced - 1        # the token after the drafts counts too
+    if group.slab is not None:
+        return max(0, min(budget, left))
+    live = s.live
+    room = live.room() - 1
+    if room < budget and live.replayable:
+        room = live.quant_room() - 1
+    return max(0, min(budget, left, room))
+
+
+def _fast(s: Sequence) -> bool:
+    """Greedy with nothing that depends on the tokens before each position: one argmax for all."""
+    smp = s.sampler
+    return (smp.greedy and smp.rep is None and smp.counts is None and smp.constraint is None
+            and not smp.p.logprobs)
+
+
+def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
+    """One step of ``group`` (engine/batch.DecodeGroup) with drafts; returns the members that
+    finished (removed). Failures are handled as the plain step handles them."""
+    from .batch import GroupReset, _ids
+
+    eng = group.engine
+    model = eng.decode_model
+    seqs = list(group.seqs)
+    failed: dict[int, BaseException] = {}
+    done: list[Sequence] = []
+
+    def row_work(s: Sequence, work: Any) -> Any:
+        try:
+            return work()
+        except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
+            failed[id(s)] = exc
+            return None
+
+    # 1. read every pending token back (one evaluation) and consume it
+    mx.eval([s.pending for s in seqs])
+    firsts: dict[int, int] = {}
+    for s in seqs:
+        def read(s: Sequence = s) -> bool:
+            tok = int(s.pending.item())
+            firsts[id(s)] = tok
+            if s.tail:
+                s.tail = False
+                return eng._should_stop(s)()
+            if eng.consume(s, tok) or eng._should_stop(s)():
+                return True
+            s.sampler.accept(s.pending)
+            return False
+        if row_work(s, read):
+            done.append(s)
+    going = [s for s in seqs if id(s) not in failed and s not in done]
+
+    # 2. drafts
+    drafts: dict[int, list[int]] = {}
+    for s in going:
+        k = _row_limit(group, s, budgets.get(id(s), 0)) if s.spec is not None else 0
+        drafts[id(s)] = s.spec.drafter.propose(k) if k > 0 else []
+    width = 1 + max((len(d) for d in drafts.values()), default=0)
+
+    # 3. one forward
+    stream = generation_stream()
+    logits: dict[int, mx.array] = {}
+    fed: dict[int, int] = {}
+    marks: dict[int, tuple] = {}      # rows whose cache is put back and the kept tokens replayed
+    with mx.stream(stream):
+        if group.slab is not None and going:
+            try:
+                faults.hit("decode_forward", _ids(going))
+                rows = [[0] * width for _ in range(group.rows)]
+                for s in going:
+                    first = firsts[id(s)]
+                    d = drafts[id(s)]
+                    rows[group.row[id(s)]] = [first] + d + [first] * (width - 1 - len(d))
+                out = model(mx.array(rows, dtype=mx.int32), cache=group.slab)
+            except Exception as exc:  # noqa: BLE001 - the shared forward: every member is lost
+                raise GroupReset(group.reset(), exc) from exc
+            for s in going:
+                s.live.advance(width)
+                fed[id(s)] = width
+                logits[id(s)] = out[group.row[id(s)]]
+            for s in done:                  # ended on their pending token: their row was fed filler
+                if id(s) in group.row:
+                    for i in group.kv_idx:
+                        group.slab[i].rewind(group.row[id(s)], width)
+        else:
+            for s in going:
+                def forward(s: Sequence = s) -> None:
+                    faults.hit("decode_forward", s.job.request_id)
+                    s.live.maybe_quantize()
+                    toks = [firsts[id(s)]] + drafts[id(s)]
+                    if len(toks) > s.live.room():          # cannot cut back: keep the state before
+                        marks[id(s)] = s.live.mark()
+                    out = model(mx.array([toks], dtype=mx.int32), cache=s.live.layers)
+                    s.live.advance(len(toks))
+                    fed[id(s)] = len(toks)
+                    logits[id(s)] = out[0]
+                row_work(s, forward)
+        going = [s for s in going if id(s) not in failed]
+
+        # 4. verify: greedy rows without per-position state in one evaluation, the rest in order
+        targets = {}
+        for s in going:
+            if _fast(s):
+                def argmax(s: Sequence = s) -> mx.array:
+                    faults.hit("sampler", s.job.request_id)
+                    n = len(drafts[id(s)]) + 1
+                    proc = logits[id(s)][:n, : s.sampler.vocab].astype(mx.float32)
+                    if s.sampler.bias is not None:
+                        proc = proc + s.sampler.bias
+                    return mx.argmax(proc, axis=-1).astype(mx.int32)
+                targets[id(s)] = row_work(s, argmax)
+        try:
+            mx.eval([t for t in targets.values() if t is not None])
+        except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost
+            raise GroupReset(group.reset(), exc) from exc
+        verdicts: dict[int, tuple[int, mx.array]] = {}
+        for s in going:
+            if id(s) in failed:
+                continue
+            d = drafts[id(s)]
+            if id(s) in targets:
+                t = targets[id(s)]
+                a = accepted_prefix(t.tolist(), d)
+                verdicts[id(s)] = (a, t[a])
+            else:
+                verdicts[id(s)] = row_work(s, lambda s=s, d=d: _verify_in_order(s, logits[id(s)], d))
+
+    # 5. keep the accepted prefix, take the rest back, row by row
+    size = len(going) if group.slab is not None else 1
+    proposed = accepted = 0
+    for s in going:
+        if id(s) in failed:
+            continue
+        d = drafts[id(s)]
+        a, nxt = verdicts[id(s)]
+        if d:
+            s.spec.control.record(len(d), a)
+            proposed += len(d)
+            accepted += a
+        s.batch_sizes.append(size)
+
+        def keep(s: Sequence = s, d: list[int] = d, a: int = a, nxt: mx.array = nxt) -> bool:
+            used, finished = 0, False
+            for tok in d[:a]:
+                used += 1
+                if eng.consume(s, tok):
+                    finished = True
+                    break
+            if id(s) in marks:
+                if used < fed[id(s)] - 1:
+                    _replay(model, s, marks[id(s)], [firsts[id(s)]] + d[:used])
+                    eng.state.counters.bump("spec_replays")
+            else:
+                _take_back(group, s, fed[id(s)] - 1 - used)
+            if finished or eng._should_stop(s)():
+                return True
+            s.pending = nxt
+            return False
+        if row_work(s, keep):
+            done.append(s)
+    if group.slab is not None:
+        alive = [group.row[id(s)] for s in seqs if id(s) not in failed and id(s) in group.row]
+        for i in group.kv_idx:
+            group.slab[i].settle(alive)
+    counters = eng.state.counters
+    counters.bump("spec_steps")
+    if proposed:
+        counters.bump("spec_proposed", proposed)
+        counters.bump("spec_accepted", accepted)
+
+    gone = [s for s in seqs if id(s) in failed]
+    done = [s for s in done if id(s) not in failed]
+    group._failed.extend((s, failed[id(s)]) for s in gone)
+    if gone:
+        group._discard(gone)
+    if done:
+        try:
+            group._atomic(done, lambda: group._leave(done))
+        except GroupReset:
+            raise
+        except Exception as exc:  # noqa: BLE001 - they could not take their caches: they fail
+            group._failed.extend((s, exc) for s in done)
+            group._discard(done)
+            return []
+    return done
+
+
+def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[int, mx.array]:
+    """Verify position by position with the row's own sampler (penalties, grammar, logprobs and
+    sampling see each accepted token before the next position, as plain decoding does)."""
+    faults.hit("sampler", s.job.request_id)
+    smp = s.sampler
+    accepted = 0
+    with mx.stream(generation_stream()):
+        for j in range(len(drafts) + 1):
+            tok = smp.verify(logits[j], drafts[j]) if j < len(drafts) else smp.sample(logits[j])
+            value = int(tok.item())
+            if j < len(drafts) and value == drafts[j]:
+                smp.accept(tok)
+                accepted += 1
+                continue
+            return accepted, tok
+    raise AssertionError("unreachable: the last position always returns")
+
+
+def _replay(model: Any, s: Sequence, mark: tuple, kept: list[int]) -> None:
+    """Put the row's cache back as it was before the step and feed only the tokens it kept (for
+    caches that cannot be cut: recurrent / conv state, a rotated sliding window)."""
+    s.live.restore(mark)
+    with mx.stream(generation_stream()):
+        model(mx.array([kept], dtype=mx.int32), cache=s.live.layers)
+        s.live.advance(len(kept))
+        mx.eval([a for layer in s.live.layers for a in _arrays_of(layer)])
+    s.spec.replays += 1
+
+
+def _arrays_of(layer: Any) -> list[mx.array]:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(layer.state) if isinstance(v, mx.array)]
+
+
+def _take_back(group: Any, s: Sequence, n: int) -> None:
+    """Remove the last ``n`` fed tokens of row ``s`` from its KV (drafts it did not keep)."""
+    if n <= 0:
+        return
+    if group.slab is not None and id(s) in group.row:
+        row = group.row[id(s)]
+        for i in group.kv_idx:
+            group.slab[i].rewind(row, n)
+        s.live.depth -= n
+    else:
+        s.live.cut(s.live.depth - n)
