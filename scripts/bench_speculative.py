@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Speculative decoding (prompt lookup inside continuous batching) vs SPECULATIVE=off, side by side.
+
+Through the real engine and continuous-batching scheduler on the embedded model (in process,
+greedy, prompt cache off so both modes prefill the same), interleaved rounds of:
+  copy  -- an agent's edit turns: a ~40-line file rewritten with one change (copy-heavy replies)
+  free  -- free text (a story, an explanation)
+  mix8  -- 8 concurrent sessions, 4 copy + 4 free, in one batch
+  copy8 -- 8 concurrent copy sessions in one batch
+Per workload: decode tok/s (completion tokens / time from the first token to the last, aggregate
+over the batch), the ratio on/off (median of the per-round ratios), the acceptance (accepted /
+proposed drafts, and the share of reply tokens that came from drafts), and whether every reply is
+identical with speculation off.
+
+    .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 160] [--max-draft 6]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mlxstack.config.settings import load_settings  # noqa: E402
+from mlxstack.engine.batch import batching_support  # noqa: E402
+from mlxstack.engine.chat import ChatJob  # noqa: E402
+from mlxstack.engine.factory import make_engine  # noqa: E402
+from mlxstack.engine.scheduler import Scheduler  # noqa: E402
+from mlxstack.models.loader import load_model  # noqa: E402
+from mlxstack.runtime.sampling import SamplingParams  # noqa: E402
+
+FILE = "\n".join(
+    f"def handle_{name}(request, store):\n    item = store.get(request.{name}_id)\n"
+    f"    if item is None:\n        raise NotFound('{name}')\n    return render(item, status={200 + i})"
+    for i, name in enumerate(["user", "order", "invoice", "product", "cart", "payment", "review", "coupon"]))
+COPY = [   # an agent's edit turns: the file is in the prompt, the reply rewrites it with one change
+    [{"role": "system", "content": "You are a code editor. You output only code."},
+     {"role": "user", "content": "```python\n" + FILE + "\n```\nOutput the same code with `render` renamed to "
+                                 "`render_item`."}],
+    [{"role": "user", "content": "Write handlers for user, order, invoice, product, cart, payment, review and coupon."},
+     {"role": "assistant", "content": "```python\n" + FILE + "\n```"},
+     {"role": "user", "content": "Now write the whole file again, but change NotFound to KeyError."}],
+]
+FREE = [
+    [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+    [{"role": "user", "content": "Explain how a hash map works, and when to use one."}],
+]
+
+
+def make(mode: str, max_draft: int):
+    env = {"MODEL_PATH": "", "SPECULATIVE": mode, "SPEC_MAX_DRAFT": str(max_draft), "DEFAULT_TEMPERATURE": "0",
+           "DEFAULT_REPETITION_PENALTY": "1.0", "DEFAULT_THINKING": "false", "ENABLE_REQUEST_LOGGING": "false",
+           "PROMPT_CACHE_MAX_ENTRIES_GLOBAL": "0", "DISK_CACHE_DIR": "off", "MLX_PORT": "0"}
+    settings = load_settings(env=env)
+    return make_engine(load_model(settings), settings)
+
+
+def run(engine, convos: list[list[dict]], max_tokens: int) -> tuple[list, float]:
+    sched = Scheduler(engine, 16, 512, batching=batching_support(engine)[0])
+    futures = []
+    for i, messages in enumerate(convos):
+        job = ChatJob(request_id=f"b{i}", messages=messages, tools=None, enable_thinking=False,
+                      params=SamplingParams(temperature=0.0, max_tokens=max_tokens), stop=[],
+                      body={"session_id": f"bench-{i}-{time.time()}"}, headers={}, emit=lambda _t: None)
+        f: Future = Future()
+        f.set_running_or_notify_cancel()
+        sched.admit(job, f)
+        futures.append(f)
+    seqs = list(sched.prefilling)
+    while not sched.idle():
+        sched.step()
+    outs = [f.result() for f in futures]
+    first = min(s.t_first for s in seqs)
+    last = max(s.t_end for s in seqs)
+    tokens = sum(o.completion_tokens for o in outs)
+    return outs, tokens / (last - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-draft", type=int, default=6)
+    args = ap.parse_args()
+    if sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs
+        from mlxstack.system.blas import reexec_with_blas
+
+        reexec_with_blas(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
+    engines = {"off": make("off", args.max_draft), "auto": make("auto", args.max_draft)}
+    print(f"speculation: {engines['auto'].speculation.describe()}")
+    loads = {"copy": [[c] for c in COPY], "free": [[f] for f in FREE], "mix8": [COPY * 2 + FREE * 2],
+             "copy8": [COPY * 4]}
+    for name, batches in loads.items():
+        for convos in batches:          # warm-up (graph caches, allocator) outside the timings
+            for eng in engines.values():
+                run(eng, convos, 8)
+    print(f"{'load':6} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'accepted/proposed':>18} "
+          f"{'from drafts':>12} {'identical':>10}")
+    for name, batches in loads.items():
+        ratios, speeds = [], {"off": [], "auto": []}
+        proposed = accepted = tokens = 0
+        identical = True
+        for r in range(args.rounds):
+            order = ("off", "auto") if r % 2 == 0 else ("auto", "off")
+            for convos in batches:
+                got = {}
+                for mode in order:
+                    outs, tps = run(engines[mode], convos, args.max_tokens)
+                    got[mode] = (outs, tps)
+                    speeds[mode].append(tps)
+                ratios.append(got["auto"][1] / got["off"][1])
+                identical &= [o.raw_text for o in got["auto"][0]] == [o.raw_text for o in got["off"][0]]
+                proposed += sum(o.timings["spec_proposed"] for o in got["auto"][0])
+                accepted += sum(o.timings["spec_accepted"] for o in got["auto"][0])
+                tokens += sum(o.completion_tokens for o in got["auto"][0])
+        print(f"{name:6} {statistics.median(speeds['off']):10.1f} {statistics.median(speeds['auto']):10.1f} "
+              f"{statistics.median(ratios):6.2f}x {accepted:>8}/{proposed:<9} {accepted / max(1, tokens):11.0%} "
+              f"{str(identical):>10}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
