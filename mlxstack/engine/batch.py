@@ -346,6 +346,11 @@ class DecodeGroup:
                 done.append(s)
             elif id(s) not in failed:
                 s.pending = n
+        return self.settle_rows(seqs, failed, done)
+
+    def settle_rows(self, seqs: list[Sequence], failed: dict[int, BaseException], done: list[Sequence]) -> list[Sequence]:
+        """After a step: failed rows leave without their KV (take_failed() hands them over),
+        finished ones leave with theirs; returns the finished ones that left."""
         gone = [s for s in seqs if id(s) in failed]
         done = [s for s in done if id(s) not in failed]
         self._failed.extend((s, failed[id(s)]) for s in gone)

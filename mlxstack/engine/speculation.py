@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from ..config import faults
 from ..runtime.drafting import DraftControl, NgramDrafter, accepted_prefix, best_width
+from ..runtime.generate import cache_arrays
 from ..runtime.mlx_stream import generation_stream
 from .request import Sequence
 
@@ -291,21 +292,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
         counters.bump("spec_proposed", proposed)
         counters.bump("spec_accepted", accepted)
 
-    gone = [s for s in seqs if id(s) in failed]
-    done = [s for s in done if id(s) not in failed]
-    group._failed.extend((s, failed[id(s)]) for s in gone)
-    if gone:
-        group._discard(gone)
-    if done:
-        try:
-            group._atomic(done, lambda: group._leave(done))
-        except GroupReset:
-            raise
-        except Exception as exc:  # noqa: BLE001 - they could not take their caches: they fail
-            group._failed.extend((s, exc) for s in done)
-            group._discard(done)
-            return []
-    return done
+    return group.settle_rows(seqs, failed, done)
 
 
 def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[int, mx.array]:
@@ -333,14 +320,8 @@ def _replay(model: Any, s: Sequence, mark: tuple, kept: list[int]) -> None:
     with mx.stream(generation_stream()):
         model(mx.array([kept], dtype=mx.int32), cache=s.live.layers)
         s.live.advance(len(kept))
-        mx.eval([a for layer in s.live.layers for a in _arrays_of(layer)])
+        mx.eval(cache_arrays(s.live))
     s.spec.replays += 1
-
-
-def _arrays_of(layer: Any) -> list[mx.array]:
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in tree_flatten(layer.state) if isinstance(v, mx.array)]
 
 
 def _take_back(group: Any, s: Sequence, n: int) -> None:
