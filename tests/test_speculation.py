@@ -142,8 +142,8 @@ def test_copy_heavy_replies_are_identical_and_most_tokens_come_from_drafts(embed
     assert accepted >= spec[0].completion_tokens // 2, (proposed, accepted, spec[0].completion_tokens)
     assert spec_totals(plain) == (0, 0)
     assert on.state.counters.get("spec_accepted") == spec_totals(spec)[1]
-    alone = on.run(job(COPY, max_tokens=60, session="alone")[0])        # engine.run: one row
-    assert alone.raw_text == spec[0].raw_text and alone.timings["spec_accepted"] > 0
+    alone, _ = run_batched(on, [job(COPY, max_tokens=60, session="alone")[0]])   # a group of one
+    assert alone[0].raw_text == spec[0].raw_text and alone[0].timings["spec_accepted"] > 0
 
 
 def test_every_slab_row_holds_exactly_its_depth_after_every_step(embedded_model_path, monkeypatch):
@@ -255,7 +255,7 @@ def generated_ids(engine, messages, max_tokens, session):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths, monkeypatch):
-    """One request at a time (engine.run: a decode group of one on its own cache), drafts right,
+    """One request at a time (a decode group of one on its own cache), drafts right,
     partly right and wrong: caches that can be cut take rejected drafts back, recurrent / conv state
     and rotated windows are put back and the kept tokens replayed, chunked attention never drafts.
     The reply and the next turn's reuse are identical to SPECULATIVE=off."""
@@ -263,7 +263,7 @@ def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths
     b, ids = generated_ids(off, LOOP, 30, "l")
     prompt = on.prepare(job(LOOP, max_tokens=30, session="probe")[0]).model_tokens
     oracle_drafts(monkeypatch, list(prompt) + ids)
-    a = on.run(job(LOOP, max_tokens=30, session="l")[0])
+    a = alone(on, job(LOOP, max_tokens=30, session="l")[0])
     assert a.raw_text == b.raw_text
     if kind == "llama4":
         assert a.timings["spec_proposed"] == 0
@@ -272,9 +272,14 @@ def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths
     assert (on.state.counters.get("spec_replays") > 0) == (kind in REPLAYED), kind
     monkeypatch.undo()
     follow = LOOP + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "more"}]
-    wa = on.run(job(follow, max_tokens=12, session="l")[0])
-    wb = off.run(job(follow, max_tokens=12, session="l")[0])
+    wa = alone(on, job(follow, max_tokens=12, session="l")[0])
+    wb = alone(off, job(follow, max_tokens=12, session="l")[0])
     assert wa.raw_text == wb.raw_text and wa.cached_tokens == wb.cached_tokens > 0
+
+
+def alone(engine, j):
+    """One request through the scheduler (a decode group of one, the server's path)."""
+    return run_batched(engine, [j])[0][0]
 
 
 def test_quantised_kv_parity(tiny_dense_hd64_path):
@@ -304,22 +309,23 @@ def test_stop_inside_accepted_drafts_leaves_exactly_the_reply_in_the_cache(embed
     and the stored entry holds the prompt and the reply only (the next turn's hit equals cold)."""
     on, off = engines(embedded_model_path)
     for mt in (7, 13):
-        a = on.run(job(COPY, max_tokens=mt, session=f"m{mt}")[0])
-        b = off.run(job(COPY, max_tokens=mt, session=f"m{mt}")[0])
+        a = alone(on, job(COPY, max_tokens=mt, session=f"m{mt}")[0])
+        b = alone(off, job(COPY, max_tokens=mt, session=f"m{mt}")[0])
         assert a.raw_text == b.raw_text and a.completion_tokens == mt
     stop = ["return x * 3"]
-    a = on.run(job(COPY, max_tokens=80, stop=stop, session="st")[0])
-    b = off.run(job(COPY, max_tokens=80, stop=stop, session="st")[0])
+    a = alone(on, job(COPY, max_tokens=80, stop=stop, session="st")[0])
+    b = alone(off, job(COPY, max_tokens=80, stop=stop, session="st")[0])
     assert a.text == b.text and a.finish_reason == b.finish_reason == "stop"
+    assert a.timings["spec_accepted"] > 0
     follow = COPY + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "thanks"}]
-    wa = on.run(job(follow, max_tokens=8, session="st")[0])
-    wb = off.run(job(follow, max_tokens=8, session="st")[0])
+    wa = alone(on, job(follow, max_tokens=8, session="st")[0])
+    wb = alone(off, job(follow, max_tokens=8, session="st")[0])
     assert wa.raw_text == wb.raw_text and wa.cached_tokens == wb.cached_tokens > 0
 
 
 def test_speculation_off_never_drafts(embedded_model_path):
     eng = build_engine(engine_settings(embedded_model_path, spec_max_draft=0))
-    out = eng.run(job(COPY, max_tokens=20, session="z")[0])
+    out = alone(eng, job(COPY, max_tokens=20, session="z")[0])
     assert out.timings["spec_proposed"] == 0
     assert eng.speculation.describe() == "off"
     assert not math.isnan(out.timings["decode_tok_s"])

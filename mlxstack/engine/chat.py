@@ -24,7 +24,7 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.render import encode
 from ..pipeline.tokenize import encoder_for
-from ..runtime.generate import Aborted, feed, last_logits, prefill
+from ..runtime.generate import Aborted, decode, feed, last_logits, prefill
 from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
@@ -250,18 +250,14 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return self.finish(seq)
 
     def _decode(self, seq: Sequence, logits: Any, should_stop: Callable[[], bool]) -> None:
-        """Decode alone: the scheduler's decode group with one member (the same steps, drafts
-        included), stepped here until the reply ends."""
-        from .batch import DecodeGroup   # batch.py builds on this module
-
+        """Decode alone with the pipelined loop (engine.run: VLMs, MAX_CONCURRENT_SEQUENCES=1, warm
+        prompts; the scheduler's decode group -- drafts included -- serves every other request)."""
         if not self.begin_decode(seq, logits):
             return
-        group = DecodeGroup(self, batching=False)
-        group.add(seq, logits)
-        while group.seqs:
-            group.step()
-            for _, exc in group.take_failed():
-                raise exc
+        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, seq.params, should_stop,
+                          sampler=seq.sampler):
+            if self.consume(seq, tok):
+                break
         self.end_decode(seq)
 
     # ---------------------------------------------------------------- incremental phases

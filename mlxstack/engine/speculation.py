@@ -39,6 +39,7 @@ from ..config import faults
 from ..runtime.drafting import DraftControl, NgramDrafter, accepted_prefix, best_width
 from ..runtime.generate import cache_arrays
 from ..runtime.mlx_stream import generation_stream
+from ..runtime.sampling import Sampler
 from .request import Sequence
 
 log = logging.getLogger("mlxstack.speculation")
@@ -132,10 +133,11 @@ def _row_limit(group: Any, s: Sequence, budget: int) -> int:
 
 
 def _fast(s: Sequence) -> bool:
-    """Greedy with nothing that depends on the tokens before each position: one argmax for all."""
+    """Greedy with nothing that depends on the tokens before each position: one argmax for all
+    (a sampler class that processes logits its own way is verified position by position)."""
     smp = s.sampler
     return (smp.greedy and smp.rep is None and smp.counts is None and smp.constraint is None
-            and not smp.p.logprobs)
+            and not smp.p.logprobs and type(smp)._process is Sampler._process)
 
 
 def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
