@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .layer_kinds import (FP_HEAD, KINDS, KVQuant, LayerState, class_from_key, class_key, eval_state, kind_of,
-                          mark_layer, replayable, restore_layer)
+from .layer_kinds import (FP_HEAD, KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key, eval_state,
+                          kind_of, mark_layer, replayable, restore_layer)
 
 
 class LiveCache:
@@ -78,7 +78,7 @@ class LiveCache:
     def quant_room(self) -> int:
         """Tokens one forward may add without crossing the KV quantisation start (a cold run
         switches exactly there)."""
-        return 1 << 30 if self.quantized else max(0, self.quant.start - self.depth)
+        return UNBOUNDED if self.quantized else max(0, self.quant.start - self.depth)
 
     @property
     def replayable(self) -> bool:

@@ -62,6 +62,15 @@ class GroupReset(RuntimeError):
         self.cause = cause
 
 
+def run_row(failed: dict[int, BaseException], s: Sequence, work: Callable[[], Any]) -> Any:
+    """Per-row work in a step: a failure fails this row only (recorded in ``failed``; None)."""
+    try:
+        return work()
+    except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
+        failed[id(s)] = exc
+        return None
+
+
 def _ids(seqs: list[Sequence]) -> str:
     return ",".join(s.job.request_id for s in seqs)
 
@@ -302,12 +311,7 @@ class DecodeGroup:
         failed: dict[int, BaseException] = {}
 
         def row_work(s: Sequence, work: Callable[[], Any]) -> Any:
-            """Per-row work: a failure fails this row only."""
-            try:
-                return work()
-            except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
-                failed[id(s)] = exc
-                return None
+            return run_row(failed, s, work)
 
         nxt: list[Any] = [None] * len(seqs)
         with mx.stream(stream):

@@ -29,7 +29,6 @@ temperatures and grammars that reject the drafts fall back to plain steps, which
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +41,6 @@ from ..runtime.mlx_stream import generation_stream
 from ..runtime.sampling import Sampler
 from .request import Sequence
 
-log = logging.getLogger("mlxstack.speculation")
-
 MODES = ("auto", "ngram")        # SPECULATIVE values that draft (off: never)
 
 
@@ -52,14 +49,13 @@ class RowSpec:
     """One request's drafter and draft-length control."""
     drafter: NgramDrafter
     control: DraftControl
-    replays: int = 0          # steps whose cache was put back and the kept tokens fed again
 
 
 class Speculation:
     def __init__(self, settings: Any, vlm: bool = False) -> None:
-        self.mode = getattr(settings, "speculative", "off")
-        self.max_draft = int(getattr(settings, "spec_max_draft", 0))
-        self.ngram = (int(getattr(settings, "spec_ngram_min", 2)), int(getattr(settings, "spec_ngram_max", 4)))
+        self.mode = settings.speculative
+        self.max_draft = settings.spec_max_draft
+        self.ngram = (settings.spec_ngram_min, settings.spec_ngram_max)
         # a VLM decodes through its language model with multimodal RoPE positions kept per
         # request (engine/vlm_chat.py): drafts are not verified there yet
         self.enabled = self.mode in MODES and self.max_draft > 0 and not vlm
@@ -143,7 +139,7 @@ def _fast(s: Sequence) -> bool:
 def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
     """One step of ``group`` (engine/batch.DecodeGroup) with drafts; returns the members that
     finished (removed). Failures are handled as the plain step handles them."""
-    from .batch import GroupReset, _ids
+    from .batch import GroupReset, _ids, run_row
 
     eng = group.engine
     model = eng.decode_model
@@ -152,11 +148,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
     done: list[Sequence] = []
 
     def row_work(s: Sequence, work: Any) -> Any:
-        try:
-            return work()
-        except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
-            failed[id(s)] = exc
-            return None
+        return run_row(failed, s, work)
 
     # 1. read every pending token back (one evaluation) and consume it
     mx.eval([s.pending for s in seqs])
@@ -206,8 +198,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
                 logits[id(s)] = out[group.row[id(s)]]
             for s in done:                  # ended on their pending token: their row was fed filler
                 if id(s) in group.row:
-                    for i in group.kv_idx:
-                        group.slab[i].rewind(group.row[id(s)], width)
+                    _rewind_row(group, group.row[id(s)], width)
         else:
             for s in going:
                 def forward(s: Sequence = s) -> None:
@@ -323,7 +314,6 @@ def _replay(model: Any, s: Sequence, mark: tuple, kept: list[int]) -> None:
         model(mx.array([kept], dtype=mx.int32), cache=s.live.layers)
         s.live.advance(len(kept))
         mx.eval(cache_arrays(s.live))
-    s.spec.replays += 1
 
 
 def _take_back(group: Any, s: Sequence, n: int) -> None:
@@ -331,9 +321,13 @@ def _take_back(group: Any, s: Sequence, n: int) -> None:
     if n <= 0:
         return
     if group.slab is not None and id(s) in group.row:
-        row = group.row[id(s)]
-        for i in group.kv_idx:
-            group.slab[i].rewind(row, n)
+        _rewind_row(group, group.row[id(s)], n)
         s.live.depth -= n
     else:
         s.live.cut(s.live.depth - n)
+
+
+def _rewind_row(group: Any, row: int, n: int) -> None:
+    """Take the last ``n`` tokens of slab row ``row`` back in every KV layer (settle() follows)."""
+    for i in group.kv_idx:
+        group.slab[i].rewind(row, n)

@@ -111,12 +111,16 @@ class Sampler:
             logits = logits - self.p.frequency_penalty * self.counts - self.p.presence_penalty * (self.counts > 0)
         return logits
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """The next token for ``logits`` (lazy int32 scalar)."""
+    def _logprobs(self, logits: mx.array) -> mx.array:
+        """Processed, masked and normalised log-probabilities (what logprobs report)."""
         logits = self._process(logits)
         if self.constraint is not None:
             logits = self._constrain(logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return logits - mx.logsumexp(logits, keepdims=True)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """The next token for ``logits`` (lazy int32 scalar)."""
+        logprobs = self._logprobs(logits)
         if self.greedy:
             tok = mx.argmax(logprobs).astype(mx.int32)
         else:
@@ -166,10 +170,7 @@ class Sampler:
         is the argmax). Like ``sample``, it records logprobs and consumes the grammar."""
         if self.greedy:
             return self.sample(logits)
-        logits = self._process(logits)
-        if self.constraint is not None:
-            logits = self._constrain(logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        logprobs = self._logprobs(logits)
         final = self._filtered(logprobs)
         final = final - mx.logsumexp(final, keepdims=True)          # log p, as the draw samples it
         self.key, k_accept, k_redraw = mx.random.split(self.key, 3)
