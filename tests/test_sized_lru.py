@@ -23,3 +23,14 @@ def test_a_replaced_key_counts_once_and_an_oversized_value_changes_nothing():
     assert (lru.get("k"), lru.nbytes, len(lru)) == (2, 50, 1)
     assert lru.put("k", 3, 101) is False and (lru.get("k"), lru.nbytes) == (2, 50)
     assert lru.get("missing") is None
+
+
+def test_pop_takes_one_out_and_items_lists_oldest_first():
+    lru: SizedLRU[str, int] = SizedLRU(max_entries=10, max_bytes=100)
+    for i, k in enumerate("abc"):
+        lru.put(k, i, 10 * (i + 1))
+    lru.get("a")                                   # order b, c, a
+    assert lru.items() == [("b", 1), ("c", 2), ("a", 0)]
+    assert lru.pop("c") == 2 and lru.nbytes == 30 and len(lru) == 2
+    assert lru.pop("c") is None and lru.nbytes == 30
+    assert lru.items() == [("b", 1), ("a", 0)]

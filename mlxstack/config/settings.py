@@ -132,7 +132,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("GRAMMAR_COMPILE_TIMEOUT_SECONDS", "float", 5.0, "A schema or tool set whose grammar does not compile within this long is refused with 400 (compiling runs beside the request's handler, never on the inference thread).", minimum=0.01, group="structured output"),
     Spec("GRAMMAR_MAX_SIZE", "int", 200000, "Largest grammar (llguidance symbols) a request may ask for; a bigger schema or tool set is refused with 400.", minimum=1000, group="structured output"),
     # --- speculative decoding (engine/speculation.py, runtime/drafting.py) -------
-    Spec("SPECULATIVE", "choice", "auto", "Speculative decoding inside continuous batching. auto / ngram: prompt lookup (drafts copied from the prompt and the reply so far), verified for every row of the batch in one forward; each row drafts only while its drafts are accepted. off: one token per step. Greedy replies are identical either way; sampled ones are distributed the same. draft (a separate draft model) is not available yet.", choices=("auto", "off", "ngram"), group="speculative decoding"),
+    Spec("SPECULATIVE", "choice", "auto", "Speculative decoding inside continuous batching: drafts verified for every row of the batch in one forward; each row drafts only while its drafts pay. auto: prompt lookup (drafts copied from the prompt and the reply so far), and the draft model where the lookup finds nothing when DRAFT_MODEL is set. ngram: prompt lookup only. draft: the draft model only (needs DRAFT_MODEL). off: one token per step. Greedy replies are identical either way; sampled ones are distributed the same.", choices=("auto", "off", "ngram", "draft"), group="speculative decoding"),
+    Spec("DRAFT_MODEL", "str", "", "A smaller model with the target's tokenizer (local MLX folder or a cached Hugging Face repo id) whose greedy tokens are the drafts; empty = none. A different vocabulary is refused at start.", group="speculative decoding"),
+    Spec("DRAFT_CACHE_MAX_BYTES", "int", 1 << 30, "RAM for the draft model's caches of finished requests (a new request starts from the one sharing the longest prefix with its prompt); least recently used go first.", minimum=0, group="speculative decoding"),
     Spec("SPEC_MAX_DRAFT", "int", 6, "Most draft tokens a row tries in one step (its draft length adapts between 1 and this from what was accepted; 0 turns speculation off).", minimum=0, group="speculative decoding"),
     Spec("SPEC_NGRAM_MAX", "int", 4, "Longest suffix (tokens) prompt lookup matches; it tries shorter ones down to SPEC_NGRAM_MIN.", minimum=1, group="speculative decoding"),
     Spec("SPEC_NGRAM_MIN", "int", 2, "Shortest suffix (tokens) prompt lookup accepts as a match.", minimum=1, group="speculative decoding"),
@@ -254,6 +256,9 @@ def load_settings(
     for spec in SPECS:
         raw = merged.get(spec.name)
         values[_attr(spec.name)] = spec.default if raw is None or raw.strip() == "" and spec.kind != "str" else _parse(spec, raw)
+    if values["speculative"] == "draft" and not values["draft_model"].strip():
+        raise SettingsError("SPECULATIVE=draft needs DRAFT_MODEL (a smaller model with the same tokenizer); "
+                            "use SPECULATIVE=auto for prompt lookup without a draft model.")
     return Settings(**values)
 
 

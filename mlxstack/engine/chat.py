@@ -48,7 +48,7 @@ REASONING_CLOSE = "</think>"            # closes the reasoning block a generatio
 
 
 class ChatEngine(PromptAssembly, TurnFinish):
-    def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
+    def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any, draft: Any = None) -> None:
         self.loaded = loaded
         self.renderer = renderer
         self.state = state          # engine/state.py: caches, counters, stores, cache layout
@@ -64,7 +64,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # is never sampled past it -- mlx-lm's detokenizers index their token map unchecked
         self.token_count = tokenizer_size(loaded.tokenizer)
         self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
-        self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)))
+        self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix

@@ -9,7 +9,9 @@ from typing import Any
 
 from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
 from ..pipeline.render import ChatRenderer
-from .chat import ChatEngine
+from ..models.loader import load_draft_model
+from .chat import ChatEngine, tokenizer_size
+from .draft_model import DraftModel
 from .state import EngineState
 
 log = logging.getLogger("mlxstack.engine")
@@ -36,7 +38,22 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     state = EngineState(settings, loaded.model_id, renderer.template_source, layout,
                         disk_namespace_parts=disk_namespace_parts(loaded, renderer, layout, settings, quant),
                         kv_quant=quant)
-    return engine_cls(loaded, renderer, state, settings)
+    if loaded.is_vlm:
+        engine = engine_cls(loaded, renderer, state, settings)
+    else:
+        engine = ChatEngine(loaded, renderer, state, settings, draft=draft_model(loaded, settings))
+    log.info("speculative decoding: %s", engine.speculation.describe())
+    return engine
+
+
+def draft_model(loaded: Any, settings: Any) -> DraftModel | None:
+    """DRAFT_MODEL loaded and checked against the target (models/loader.py), with its cache store."""
+    draft = load_draft_model(settings, loaded)
+    if draft is None:
+        return None
+    return DraftModel(draft.model, vocab=tokenizer_size(loaded.tokenizer) or 1 << 30,
+                      cost=draft.extra["cost"], step=settings.prefill_step_size,
+                      max_bytes=settings.draft_cache_max_bytes, name=draft.model_id)
 
 
 def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant | None:

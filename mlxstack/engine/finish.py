@@ -47,6 +47,8 @@ class TurnFinish:
         st = self.state
         prep, job = seq.prep, seq.job
         aborted = False
+        if seq.spec is not None:
+            seq.spec.drafter.close()          # a draft model's cache goes back to its store
         if seq.watchdog:
             aborted, seq.finish_reason = True, "length"
             st.counters.bump("watchdog_aborts")

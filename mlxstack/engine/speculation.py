@@ -10,7 +10,7 @@ A speculative step (engine/batch.py calls it when a row has a draft worth trying
 1. every row's pending token is read back and consumed (streamed, stop rules) -- as the plain step
    does, only before the forward instead of after it;
 2. each row proposes up to its budget of drafts (runtime/drafting.py: prompt lookup over the
-   prompt and the reply so far), capped by what its cache can take back (``LiveCache.room``: plain
+   prompt and the reply so far; engine/draft_model.py: a draft model's greedy tokens), capped by what its cache can take back (``LiveCache.room``: plain
    and quantised KV any amount, a sliding window until it rotates, recurrent state and chunked
    attention none) and by its token limit;
 3. ONE forward feeds ``[pending, d1..dk]`` for every row: the batch's slab rows padded to the
@@ -35,35 +35,43 @@ from typing import Any
 import mlx.core as mx
 
 from ..config import faults
-from ..runtime.drafting import DraftControl, NgramDrafter, accepted_prefix, best_width
+from ..runtime.drafting import Chained, DraftControl, NgramDrafter, accepted_prefix, best_width
 from ..runtime.generate import cache_arrays
 from ..runtime.mlx_stream import generation_stream
 from ..runtime.sampling import Sampler
+from .draft_model import DraftModel
 from .request import Sequence
 
-MODES = ("auto", "ngram")        # SPECULATIVE values that draft (off: never)
+MODES = ("auto", "ngram", "draft")        # SPECULATIVE values that draft (off: never)
 
 
 @dataclass(eq=False)
 class RowSpec:
-    """One request's drafter and draft-length control."""
-    drafter: NgramDrafter
+    """One request's drafter (prompt lookup, the draft model, or the one then the other) and
+    draft-length control."""
+    drafter: Any
     control: DraftControl
 
 
 class Speculation:
-    def __init__(self, settings: Any, vlm: bool = False) -> None:
+    def __init__(self, settings: Any, vlm: bool = False, draft: DraftModel | None = None) -> None:
         self.mode = settings.speculative
         self.max_draft = settings.spec_max_draft
         self.ngram = (settings.spec_ngram_min, settings.spec_ngram_max)
+        self.draft = draft if self.mode in ("auto", "draft") else None
+        self.lookup = self.mode in ("auto", "ngram")
         # a VLM decodes through its language model with multimodal RoPE positions kept per
         # request (engine/vlm_chat.py): drafts are not verified there yet
-        self.enabled = self.mode in MODES and self.max_draft > 0 and not vlm
+        self.enabled = (self.mode in MODES and self.max_draft > 0 and not vlm
+                        and (self.lookup or self.draft is not None))
 
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        return f"{self.mode}: prompt lookup, {self.ngram[0]}..{self.ngram[1]}-token suffixes, up to {self.max_draft} drafts a row"
+        parts = [f"prompt lookup ({self.ngram[0]}..{self.ngram[1]}-token suffixes)"] if self.lookup else []
+        if self.draft is not None:
+            parts.append(f"draft model {self.draft.name} (~{self.draft.cost:.2f} of a step per draft)")
+        return f"{self.mode}: {' then '.join(parts)}, up to {self.max_draft} drafts a row"
 
     def row(self, seq: Sequence) -> RowSpec | None:
         """The request's drafting state, or None when it never drafts (speculation off, or a
@@ -71,8 +79,11 @@ class Speculation:
         if not self.enabled or (seq.live.room() < 2 and not seq.live.replayable):
             return None
         lo, hi = self.ngram
-        return RowSpec(NgramDrafter(seq.prep.model_tokens, max_n=max(lo, hi), min_n=min(lo, hi)),
-                       DraftControl(self.max_draft))
+        tokens = seq.prep.model_tokens
+        lookup = NgramDrafter(tokens, max_n=max(lo, hi), min_n=min(lo, hi)) if self.lookup else None
+        model = self.draft.drafter(tokens) if self.draft is not None else None
+        drafter = Chained(lookup, model) if lookup and model else (lookup or model)
+        return RowSpec(drafter, DraftControl(self.max_draft))
 
 
 # One more token position through the model, per row, costs this fraction of a plain decode step
@@ -97,17 +108,17 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     rows = []
     for s in group.seqs:
         k = budgets.get(id(s), 0)
-        k = len(s.spec.drafter.propose(k)) if k > 0 else 0
-        rows.append((s, k, s.spec.control.rate if s.spec is not None else 0.0))
+        k, cost = s.spec.drafter.plan(k) if k > 0 else (0, 0.0)
+        rows.append((s, (k, s.spec.control.rate if s.spec is not None else 0.0, cost)))
     if group.slab is not None:
-        width = best_width([(k, rate) for _, k, rate in rows], COST_PER_POSITION)
-        for s, _, _ in rows:
+        width = best_width([r for _, r in rows], COST_PER_POSITION)
+        for s, _ in rows:
             if id(s) in budgets:
                 budgets[id(s)] = min(budgets[id(s)], width - 1)
         return width > 1
     any_row = False
-    for s, k, rate in rows:
-        width = best_width([(k, rate)], COST_PER_POSITION)
+    for s, r in rows:
+        width = best_width([r], COST_PER_POSITION)
         if id(s) in budgets:
             budgets[id(s)] = min(budgets[id(s)], width - 1)
         any_row |= width > 1

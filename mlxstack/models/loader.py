@@ -69,22 +69,27 @@ def resolve_model_path(settings: Settings, progress: Callable[[str], None] | Non
         finally:
             bar.close()
         return Path(path), embedded_model_name()
-    candidate = Path(settings.model_path).expanduser()
+    return local_model_folder(settings.model_path, "MODEL_PATH",
+                              "Leave MODEL_PATH empty to use the embedded SmolLM2 model.")
+
+
+def local_model_folder(value: str, variable: str, hint: str) -> tuple[Path, str]:
+    """(folder, name) for a local MLX folder or a Hugging Face repo id already in the local cache."""
+    candidate = Path(value).expanduser()
     if candidate.exists():
         if not (candidate / "config.json").exists():
-            raise ModelLoadError(f"MODEL_PATH={settings.model_path!r} has no config.json; point it at an MLX model folder.")
+            raise ModelLoadError(f"{variable}={value!r} has no config.json; point it at an MLX model folder.")
         return candidate, candidate.name
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(settings.model_path, local_files_only=True)
-        return Path(local), settings.model_path.rstrip("/").split("/")[-1]
+        local = snapshot_download(value, local_files_only=True)
+        return Path(local), value.rstrip("/").split("/")[-1]
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
         raise ModelLoadError(
-            f"MODEL_PATH={settings.model_path!r} is neither a local folder nor a cached Hugging Face repo "
+            f"{variable}={value!r} is neither a local folder nor a cached Hugging Face repo "
             f"({type(exc).__name__}). This machine is offline: download it elsewhere "
-            "(huggingface-cli download <repo>) or point MODEL_PATH at a local folder. "
-            "Leave MODEL_PATH empty to use the embedded SmolLM2 model."
+            f"(huggingface-cli download <repo>) or point {variable} at a local folder. {hint}"
         ) from None
 
 
@@ -107,6 +112,56 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
         model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
         family=detect_family(config, str(path), settings.model_family), context_length=context,
     )
+
+
+def load_draft_model(settings: Settings, target: LoadedModel, say: Callable[[str], None] | None = None) -> Any:
+    """The draft model for speculative decoding (``DRAFT_MODEL``), or None when none is asked for
+    (or speculation does not use one). Refused at start, with why, when its tokenizer is not the
+    target's: drafts are token ids, verified by the target as they are."""
+    if not settings.draft_model.strip() or settings.speculative not in ("auto", "draft") or target.is_vlm:
+        return None
+    say = say or (lambda msg: log.info(msg))
+    path, name = local_model_folder(settings.draft_model.strip(), "DRAFT_MODEL",
+                                    "Leave DRAFT_MODEL empty for prompt-lookup drafts only.")
+    config = json.loads((path / "config.json").read_text())
+    if is_vlm_config(config):
+        raise ModelLoadError(f"DRAFT_MODEL={settings.draft_model!r} is a vision-language model; a draft model "
+                             "must be a text model with the target's tokenizer.")
+    from mlx_lm import load as mlx_load
+    from mlx.utils import tree_flatten
+
+    model, tokenizer = mlx_load(str(path))
+    why = tokenizer_mismatch(target.tokenizer, tokenizer)
+    if why:
+        raise ModelLoadError(
+            f"DRAFT_MODEL={settings.draft_model!r} does not share the tokenizer of {target.model_id} ({why}); "
+            "drafts are token ids, so the draft model must use the same vocabulary -- pick a smaller model "
+            "of the same family, or leave DRAFT_MODEL empty.")
+    if settings.cpu_float32 and is_cpu_only():
+        upcast_for_cpu(model)
+
+    def params(m: Any) -> int:
+        return sum(v.size for _, v in tree_flatten(m.parameters()))
+
+    cost = params(model) / max(1, params(target.model))
+    say(f"draft model {name}: {params(model) / 1e6:.1f}M parameters, one draft token ~{cost:.2f} of a target step")
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
+                       family=detect_family(config, str(path)), context_length=target.context_length,
+                       extra={"cost": cost})
+
+
+def tokenizer_mismatch(target: Any, draft: Any) -> str:
+    """Why two tokenizers cannot share token ids ('' when they can): the same token -> id map."""
+    a = target.get_vocab() if hasattr(target, "get_vocab") else None
+    b = draft.get_vocab() if hasattr(draft, "get_vocab") else None
+    if a is None or b is None:
+        return "a tokenizer without a vocabulary to compare"
+    if len(a) != len(b):
+        return f"{len(b)} tokens vs {len(a)}"
+    differ = [t for t, i in a.items() if b.get(t) != i]
+    if differ:
+        return f"{len(differ)} tokens map to other ids, e.g. {differ[0]!r}"
+    return ""
 
 
 def hf_offline_env() -> None:

@@ -4,6 +4,7 @@ holds its own lock). Each value's size is given when it is put, measured once by
     lru = SizedLRU(max_entries=256, max_bytes=64 << 20)
     lru.put(key, value, size)     # False (nothing changed) when the value alone is over max_bytes
     lru.get(key)                  # the value (now most recently used), or None
+    lru.pop(key); lru.items()     # take one out; every (key, value), oldest first
 """
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ class SizedLRU(Generic[K, V]):
             _, (_, n) = self._items.popitem(last=False)
             self.nbytes -= n
         return True
+
+    def pop(self, key: K) -> V | None:
+        """Remove and return the value under ``key`` (None when absent)."""
+        item = self._items.pop(key, None)
+        if item is None:
+            return None
+        self.nbytes -= item[1]
+        return item[0]
+
+    def items(self) -> list[tuple[K, V]]:
+        """(key, value) pairs, least recently used first (a copy: safe to pop while iterating)."""
+        return [(k, v) for k, (v, _) in self._items.items()]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["NgramDrafter", "DraftControl", "accepted_prefix", "expected_accepted", "best_width"]
+__all__ = ["NgramDrafter", "Chained", "DraftControl", "accepted_prefix", "expected_accepted", "best_width"]
 
 
 def accepted_prefix(targets: Sequence[int], drafts: Sequence[int]) -> int:
@@ -49,19 +49,21 @@ def expected_accepted(rate: float, k: int) -> float:
     return total
 
 
-def best_width(rows: Sequence[tuple[int, float]], cost_per_position: float) -> int:
+def best_width(rows: Sequence[tuple], cost_per_position: float) -> int:
     """The forward width (1 + drafts per row) that maximises expected tokens per unit of step
     time for a batch whose rows could draft ``k`` tokens with acceptance ``rate`` each
-    (``rows``: one (k, rate) per row; rows that cannot draft count with k = 0). A step of width
-    w costs ``1 + cost_per_position * B * (w - 1)`` plain steps (each extra position is one more
-    token per row through the model). 1 means a plain step is best."""
+    (``rows``: one (k, rate) or (k, rate, draft_cost) per row; rows that cannot draft count with
+    k = 0). A step of width w costs ``1 + cost_per_position * B * (w - 1)`` plain steps (each
+    extra position is one more token per row through the model) plus, for a row whose drafts come
+    from a draft model, ``draft_cost`` plain steps per draft token. 1 means a plain step is best."""
     b = len(rows)
     if not b:
         return 1
     best, best_gain = 1, 1.0
-    for w in range(2, max((k for k, _ in rows), default=0) + 2):
-        tokens = b + sum(expected_accepted(rate, min(k, w - 1)) for k, rate in rows)
-        gain = tokens / b / (1.0 + cost_per_position * b * (w - 1))
+    for w in range(2, max((r[0] for r in rows), default=0) + 2):
+        tokens = b + sum(expected_accepted(r[1], min(r[0], w - 1)) for r in rows)
+        drafting = sum(r[2] * min(r[0], w - 1) for r in rows if len(r) > 2)
+        gain = tokens / b / (1.0 + cost_per_position * b * (w - 1) + drafting)
         if gain > best_gain * 1.02:          # a clear win only: a speculative step is not pipelined
             best, best_gain = w, gain
     return best
@@ -98,6 +100,13 @@ class NgramDrafter:
                     table[tuple(toks[e - n:e])] = e
         self._indexed = max(self._indexed, len(toks))
 
+    def plan(self, k: int) -> tuple[int, float]:
+        """(drafts ``propose(k)`` would return, cost of one in plain decode steps): a lookup is free."""
+        return len(self.propose(k)), 0.0
+
+    def close(self) -> None:
+        """Nothing to give back (the verbs every drafter answers)."""
+
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest recent match of the current suffix."""
         toks = self.tokens
@@ -110,6 +119,35 @@ class NgramDrafter:
             if start is not None:
                 return toks[start:start + k]
         return []
+
+
+class Chained:
+    """Drafts from ``first`` when it has any, else from ``then`` (prompt lookup first, the draft
+    model where the lookup finds nothing): the same verbs as each of them."""
+
+    __slots__ = ("first", "then")
+
+    def __init__(self, first: "NgramDrafter", then: object) -> None:
+        self.first, self.then = first, then
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.first.extend(tokens)
+        self.then.extend(tokens)            # type: ignore[attr-defined]
+
+    def plan(self, k: int) -> tuple[int, float]:
+        n, cost = self.first.plan(k)
+        return (n, cost) if n else self.then.plan(k)     # type: ignore[attr-defined]
+
+    def propose(self, k: int) -> list[int]:
+        return self.first.propose(k) or self.then.propose(k)     # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self.first.close()
+        self.then.close()                   # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)

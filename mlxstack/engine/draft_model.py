@@ -1,0 +1,151 @@
+"""Drafts from a smaller model of the same tokenizer (``DRAFT_MODEL``), with its own prompt cache.
+
+    draft = DraftModel(model, vocab=49152, cost=0.1, max_entries=8, max_bytes=1 << 30)
+    d = draft.drafter(prompt_tokens)      # per request: a ModelDrafter (same verbs as NgramDrafter)
+    d.extend(reply_tokens)                 # tokens as they are accepted
+    d.propose(4)                           # -> 4 greedy tokens of the draft model
+    d.close()                              # the row ended: its draft cache goes back to the store
+
+A row's draft cache holds the tokens the draft model has seen: the request's tokens and the drafts
+of the last step. Before drafting, it is cut back to where it agrees with the request's tokens
+(drafts the target did not keep go) and fed what it has not seen (the target's own next token,
+accepted drafts it had not fed); then the draft model decodes ``k`` tokens greedily, lazily, with
+one evaluation for all of them. Greedy drafts are deterministic, so the rejection rule that
+verifies prompt-lookup drafts (``Sampler.verify``) is exact for them as well.
+
+The store keeps the caches of rows that ended (least recently used first out, bounded by entries
+and bytes): a new request takes the one sharing the longest prefix with its prompt -- its own
+session's last turn, or another agent under the same system prompt -- so the draft model
+prefills only what is new, as the main model does with the prompt cache.
+"""
+from __future__ import annotations
+
+from itertools import count
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from ..pipeline.sized_lru import SizedLRU
+from ..runtime.mlx_stream import generation_stream
+
+__all__ = ["DraftModel", "ModelDrafter", "common_prefix"]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _nbytes(cache: list[Any]) -> int:
+    return sum(v.nbytes for layer in cache for _, v in tree_flatten(layer.state) if isinstance(v, mx.array))
+
+
+class DraftModel:
+    """A loaded draft model, what one of its draft tokens costs, and the store of its caches."""
+
+    def __init__(self, model: Any, vocab: int, cost: float, step: int = 512,
+                 max_entries: int = 8, max_bytes: int = 1 << 30, name: str = "") -> None:
+        self.model = model
+        self.vocab = int(vocab)               # drafts are argmaxes below this (a padded head never wins)
+        self.cost = float(cost)               # one draft token, in plain target decode steps (batch of 1)
+        self.step = int(step)                 # catch-up chunk (the draft's prefill step)
+        self.name = name
+        self.store: SizedLRU[int, tuple[list[Any], list[int]]] = SizedLRU(max_entries, max_bytes)
+        self._keys = count()
+        self.fed = 0                          # tokens fed to catch up (prompt prefill included)
+        self.drafted = 0                      # draft tokens decoded
+        self.reused = 0                       # tokens a row found in a stored cache
+
+    def drafter(self, tokens: Sequence[int]) -> "ModelDrafter":
+        """A row's drafter over ``tokens`` (its prompt), starting from the stored cache that shares
+        the longest prefix with them (taken out of the store: a cache has one owner at a time)."""
+        tokens = [int(t) for t in tokens]
+        best_key, best = None, 0
+        for key, (_, held) in self.store.items():
+            n = common_prefix(held, tokens)
+            if n > best:
+                best_key, best = key, n
+        if best_key is not None:
+            cache, held = self.store.pop(best_key)
+            self.reused += min(best, max(0, len(tokens) - 1))
+            return ModelDrafter(self, tokens, cache, held)
+        return ModelDrafter(self, tokens, make_prompt_cache(self.model), [])
+
+    def put_back(self, cache: list[Any], held: list[int]) -> None:
+        if held:
+            self.store.put(next(self._keys), (cache, held), _nbytes(cache))
+
+
+class ModelDrafter:
+    """One request's drafts from the draft model (``extend`` / ``plan`` / ``propose`` /
+    ``close``: the verbs of ``NgramDrafter``)."""
+
+    __slots__ = ("owner", "tokens", "cache", "held", "closed")
+
+    def __init__(self, owner: DraftModel, tokens: list[int], cache: list[Any], held: list[int]) -> None:
+        self.owner = owner
+        self.tokens = tokens        # the request's tokens: prompt, then the reply as it is accepted
+        self.cache = cache          # the draft model's cache ...
+        self.held = held            # ... and the tokens it holds (may end in drafts not kept)
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def plan(self, k: int) -> tuple[int, float]:
+        """(drafts ``propose(k)`` would return, cost of one in plain decode steps), without running
+        the model: it always has ``k``."""
+        return (max(0, k) if self.tokens else 0), self.owner.cost
+
+    def _sync(self) -> int:
+        """Cut the cache back to its agreement with ``tokens`` (keeping at least one token to feed)
+        and return where feeding starts."""
+        keep = min(common_prefix(self.held, self.tokens), len(self.tokens) - 1)
+        extra = len(self.held) - keep
+        if extra > 0:
+            if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, extra) == extra:
+                del self.held[keep:]
+            else:                       # a cache that cannot be cut (e.g. a rotated window): start over
+                self.cache, self.held, keep = make_prompt_cache(self.owner.model), [], 0
+        return keep
+
+    def propose(self, k: int) -> list[int]:
+        """``k`` greedy tokens of the draft model after the request's tokens."""
+        if k <= 0 or not self.tokens:
+            return []
+        owner, model = self.owner, self.owner.model
+        start = self._sync()
+        with mx.stream(generation_stream()):
+            pos = start
+            while len(self.tokens) - pos > owner.step:          # a long catch-up: chunks, evaluated
+                model(mx.array([self.tokens[pos:pos + owner.step]], dtype=mx.int32), cache=self.cache)
+                mx.eval([v for layer in self.cache for _, v in tree_flatten(layer.state)])
+                pos += owner.step
+            x = mx.array([self.tokens[pos:]], dtype=mx.int32)
+            drafts = []
+            for j in range(k):
+                logits = model(x, cache=self.cache)[:, -1, : owner.vocab]
+                tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+                drafts.append(tok)
+                if j + 1 < k:
+                    x = tok[None]
+            out = mx.concatenate(drafts).tolist()
+        owner.fed += len(self.tokens) - start
+        owner.drafted += k
+        self.held = self.tokens[:] + out[:-1]
+        return [int(t) for t in out]
+
+    def close(self) -> None:
+        """The request ended: its cache goes back to the store for the next turn."""
+        if not self.closed:
+            self.closed = True
+            self.owner.put_back(self.cache, self.held)
