@@ -12,7 +12,12 @@ over the batch), the ratio on/off (median of the per-round ratios), the acceptan
 proposed drafts, and the share of reply tokens that came from drafts), and whether every reply is
 identical with speculation off.
 
-    .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 160] [--max-draft 6]
+Then a draft model (``--draft-layers N``, 0 skips it): the embedded model's first N layers
+(scripts/make_draft_model.py) as DRAFT_MODEL with SPECULATIVE=draft, on copy and free, beside
+mlx_lm.server with and without ``--draft-model`` (the same draft, one stream at a time over HTTP,
+decode tok/s from the first streamed token to the last).
+
+    .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 160] [--max-draft 6] [--draft-layers 6]
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from mlxstack.config.settings import load_settings  # noqa: E402
 from mlxstack.engine.batch import batching_support  # noqa: E402
@@ -52,8 +58,8 @@ FREE = [
 ]
 
 
-def make(mode: str, max_draft: int):
-    env = {"MODEL_PATH": "", "SPECULATIVE": mode, "SPEC_MAX_DRAFT": str(max_draft), "DEFAULT_TEMPERATURE": "0",
+def make(mode: str, max_draft: int, draft: str = ""):
+    env = {"MODEL_PATH": "", "SPECULATIVE": mode, "DRAFT_MODEL": draft, "SPEC_MAX_DRAFT": str(max_draft), "DEFAULT_TEMPERATURE": "0",
            "DEFAULT_REPETITION_PENALTY": "1.0", "DEFAULT_THINKING": "false", "ENABLE_REQUEST_LOGGING": "false",
            "PROMPT_CACHE_MAX_ENTRIES_GLOBAL": "0", "DISK_CACHE_DIR": "off", "MLX_PORT": "0"}
     settings = load_settings(env=env)
@@ -86,6 +92,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--max-draft", type=int, default=6)
+    ap.add_argument("--draft-layers", type=int, default=6, help="draft model: the embedded model's first N layers (0: skip)")
+    ap.add_argument("--skip-ngram", action="store_true", help="only the draft-model section")
     args = ap.parse_args()
     if sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs
         from mlxstack.system.blas import reexec_with_blas
@@ -95,6 +103,58 @@ def main() -> None:
     print(f"speculation: {engines['auto'].speculation.describe()}")
     loads = {"copy": [[c] for c in COPY], "free": [[f] for f in FREE], "mix8": [COPY * 2 + FREE * 2],
              "copy8": [COPY * 4]}
+    if not args.skip_ngram:
+        compare(engines, loads, args.rounds, args.max_tokens, "auto")
+    if args.draft_layers:
+        draft_model_section(engines, args)
+
+
+def draft_model_section(engines: dict, args: argparse.Namespace) -> None:
+    import tempfile
+
+    from make_draft_model import prune
+    from probelib.servers import ServerProcess, embedded_model_path
+
+    folder = prune(embedded_model_path(), Path(tempfile.mkdtemp(prefix="draft-")) / f"first{args.draft_layers}",
+                   args.draft_layers)
+    engines = {"off": engines["off"], "draft": make("draft", args.max_draft, str(folder))}
+    print(f"\n## a draft model: the embedded model's first {args.draft_layers} layers\n"
+          f"speculation: {engines['draft'].speculation.describe()}")
+    loads = {"copy": [[c] for c in COPY], "free": [[f] for f in FREE]}
+    compare(engines, loads, args.rounds, args.max_tokens, "draft")
+    dm = engines["draft"].speculation.draft
+    print(f"draft model: {dm.drafted} tokens drafted, {dm.fed} fed to catch up")
+    # mlx_lm.server, the same draft, one stream at a time
+    from bench_concurrency import stream_chat
+
+    def decode_tps(base: str, convo: list[dict]) -> tuple[float, str]:
+        r = stream_chat(base, "default_model", convo, args.max_tokens)
+        n = int((r["usage"] or {}).get("completion_tokens") or len(r["stamps"]))
+        span = r["stamps"][-1] - r["stamps"][0] if len(r["stamps"]) > 1 else float("nan")
+        return (n - 1) / span, r["text"]
+
+    got: dict[str, dict[str, list[float]]] = {}
+    texts: dict[str, list[str]] = {}
+    for label, extra in (("plain", []), ("draft", ["--draft-model", str(folder), "--num-draft-tokens", "3"])):
+        with ServerProcess("mlx_lm", extra_args=extra) as srv:
+            srv.wait_ready(300)
+            decode_tps(srv.root, FREE[0])                      # warm-up
+            got[label] = {"copy": [], "free": []}
+            texts[label] = []
+            for _ in range(args.rounds):
+                for name, convos in (("copy", COPY), ("free", FREE)):
+                    for convo in convos:
+                        tps, text = decode_tps(srv.root, convo)
+                        got[label][name].append(tps)
+                        texts[label].append(text)
+    print("\nmlx_lm.server --draft-model (same draft, --num-draft-tokens 3), one stream:")
+    for name in ("copy", "free"):
+        off, on = statistics.median(got["plain"][name]), statistics.median(got["draft"][name])
+        print(f"  {name:5} plain {off:6.1f} tok/s  with draft {on:6.1f} tok/s  ratio {on / off:5.2f}x")
+    print(f"  replies identical with and without the draft: {texts['plain'] == texts['draft']}")
+
+
+def compare(engines: dict, loads: dict, rounds: int, max_tokens: int, on: str) -> None:
     for name, batches in loads.items():
         for convos in batches:          # warm-up (graph caches, allocator) outside the timings
             for eng in engines.values():
@@ -102,23 +162,23 @@ def main() -> None:
     print(f"{'load':6} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'accepted/proposed':>18} "
           f"{'from drafts':>12} {'identical':>10}")
     for name, batches in loads.items():
-        ratios, speeds = [], {"off": [], "auto": []}
+        ratios, speeds = [], {"off": [], on: []}
         proposed = accepted = tokens = 0
         identical = True
-        for r in range(args.rounds):
-            order = ("off", "auto") if r % 2 == 0 else ("auto", "off")
+        for r in range(rounds):
+            order = ("off", on) if r % 2 == 0 else (on, "off")
             for convos in batches:
                 got = {}
                 for mode in order:
-                    outs, tps = run(engines[mode], convos, args.max_tokens)
+                    outs, tps = run(engines[mode], convos, max_tokens)
                     got[mode] = (outs, tps)
                     speeds[mode].append(tps)
-                ratios.append(got["auto"][1] / got["off"][1])
-                identical &= [o.raw_text for o in got["auto"][0]] == [o.raw_text for o in got["off"][0]]
-                proposed += sum(o.timings["spec_proposed"] for o in got["auto"][0])
-                accepted += sum(o.timings["spec_accepted"] for o in got["auto"][0])
-                tokens += sum(o.completion_tokens for o in got["auto"][0])
-        print(f"{name:6} {statistics.median(speeds['off']):10.1f} {statistics.median(speeds['auto']):10.1f} "
+                ratios.append(got[on][1] / got["off"][1])
+                identical &= [o.raw_text for o in got[on][0]] == [o.raw_text for o in got["off"][0]]
+                proposed += sum(o.timings["spec_proposed"] for o in got[on][0])
+                accepted += sum(o.timings["spec_accepted"] for o in got[on][0])
+                tokens += sum(o.completion_tokens for o in got[on][0])
+        print(f"{name:6} {statistics.median(speeds['off']):10.1f} {statistics.median(speeds[on]):10.1f} "
               f"{statistics.median(ratios):6.2f}x {accepted:>8}/{proposed:<9} {accepted / max(1, tokens):11.0%} "
               f"{str(identical):>10}", flush=True)
 
