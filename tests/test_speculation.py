@@ -329,3 +329,55 @@ def test_speculation_off_never_drafts(embedded_model_path):
     assert out.timings["spec_proposed"] == 0
     assert eng.speculation.describe() == "off"
     assert not math.isnan(out.timings["decode_tok_s"])
+
+
+# ------------------------------------------------------------------ constrained rows
+def test_a_grammar_cuts_drafts_it_refuses_and_drafts_the_text_it_forces(embedded_model_path):
+    from mlxstack.constraints import GrammarCompiler, spec_for_request
+    from tests.test_sampling_constraints import PERSON
+
+    eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
+    compiler = GrammarCompiler.for_tokenizer(eng.loaded.tokenizer, stop_ids=eng.stop_ids)
+    grammar = compiler.compile(spec_for_request(response_format={
+        "type": "json_schema", "json_schema": {"schema": PERSON, "strict": True}}))
+    tok = compiler.tokenizer
+    row = grammar.new_row(eng.stop_ids, 49152)
+    good = tok.tokenize_str('{"name": "Bob", "age": 4')
+    assert row.fits(good) == len(good)
+    assert row.fits(tok.tokenize_str('{"nam": 3')) == 2            # '{"' fits, 'nam' does not
+    assert row.fits([]) == 0 and row.forced(0) == []
+    row.consume_prefix(tok.tokenize_str('{"name": "Bob", '))
+    assert tok.decode_str(row.forced(8)) == '"age": '               # the key the schema requires next
+    assert row.consumed == len(tok.tokenize_str('{"name": "Bob", '))   # fits / forced consume nothing
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_constrained_replies_with_drafts(embedded_model_path, temperature):
+    """A JSON-schema row beside a copying row: drafts are accepted on the constrained row (the keys
+    the grammar forces), the reply is valid, greedy replies are the ones SPECULATIVE=off gives and
+    a seeded sampled one is the same twice (rejection sampling draws differently from plain
+    sampling: same distribution, other samples)."""
+    import json
+
+    import jsonschema
+
+    from mlxstack.constraints import GrammarCompiler, spec_for_request
+    from tests.test_sampling_constraints import ASK, PERSON
+
+    on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+
+    def pair(eng, session):
+        compiler = GrammarCompiler.for_tokenizer(eng.loaded.tokenizer, stop_ids=eng.stop_ids)
+        grammar = compiler.compile(spec_for_request(response_format={
+            "type": "json_schema", "json_schema": {"schema": PERSON, "strict": True}}))
+        constrained, _ = job(ASK, max_tokens=80, session=session)
+        constrained.params = SamplingParams(temperature=temperature, max_tokens=80, grammar=grammar, seed=5)
+        return run_batched(eng, [constrained, job(COPY, max_tokens=40, session=session + "c")[0]])[0]
+
+    spec = pair(on, "j1")
+    jsonschema.validate(json.loads(spec[0].text), PERSON)
+    assert spec[0].timings["spec_accepted"] > 0
+    if temperature == 0.0:
+        assert [o.raw_text for o in spec] == [o.raw_text for o in pair(off, "j1")]
+    else:
+        assert [o.raw_text for o in pair(on, "j2")] == [o.raw_text for o in spec]

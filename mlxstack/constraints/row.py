@@ -137,6 +137,34 @@ class RowConstraint:
         if self.state == ENGAGED and self.matcher.is_stopped():
             self.state = FINISHED
 
+    # ------------------------------------------------------------------ drafts (speculative decoding)
+    def fits(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar would take from here, consuming nothing: drafts
+        past that are cut before the forward (they could only be rejected). Dormant: the stop
+        tokens a required stage forbids end them; ended: none fit."""
+        tokens = [int(t) for t in tokens]
+        if self.ended or not tokens:
+            return 0
+        if self.state == DORMANT:
+            if self.stages[0].require:
+                banned = set(self.stop_ids) | set(self.eos_ids)
+                return next((i for i, t in enumerate(tokens) if t in banned), len(tokens))
+            return len(tokens)
+        if any(t >= self.vocab for t in tokens):
+            tokens = tokens[:next(i for i, t in enumerate(tokens) if t >= self.vocab)]
+        stops = [i for i, t in enumerate(tokens) if t in self.stop_ids]
+        if stops:                       # a stop token ends the reply: verification decides it alone
+            tokens = tokens[:stops[0]]
+        return int(self.matcher.validate_tokens(tokens)) if tokens else 0
+
+    def forced(self, k: int) -> list[int]:
+        """Up to ``k`` tokens of the text the grammar forces next (``{"name": "`` of a schema, a
+        tool call's fixed keys): drafts the model is all but bound to accept (verification still
+        decides: it may prefer another tokenisation of the same text)."""
+        if k <= 0 or self.state != ENGAGED or self._trim_lead:
+            return []
+        return [int(t) for t in self.matcher.compute_ff_tokens()[:k] if int(t) < self.vocab]
+
     # ------------------------------------------------------------------ mask out
     def mask_words(self) -> np.ndarray | None:
         """The bitmask for the next token (int32, ``ceil(width / 32)`` words), or None when every

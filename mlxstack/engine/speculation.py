@@ -109,6 +109,9 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     for s in group.seqs:
         k = budgets.get(id(s), 0)
         k, cost = s.spec.drafter.plan(k) if k > 0 else (0, 0.0)
+        c = s.sampler.constraint if s.sampler is not None else None
+        if c is not None and budgets.get(id(s), 0) > 0 and not k:
+            k, cost = len(c.forced(budgets[id(s)])), 0.0
         rows.append((s, (k, s.spec.control.rate if s.spec is not None else 0.0, cost)))
     if group.slab is not None:
         width = best_width([r for _, r in rows], COST_PER_POSITION)
@@ -183,7 +186,8 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
     drafts: dict[int, list[int]] = {}
     for s in going:
         k = _row_limit(group, s, budgets.get(id(s), 0)) if s.spec is not None else 0
-        drafts[id(s)] = s.spec.drafter.propose(k) if k > 0 else []
+        drafts[id(s)] = (row_work(s, lambda s=s, k=k: propose(s, k)) or []) if k > 0 else []
+    going = [s for s in going if id(s) not in failed]
     width = 1 + max((len(d) for d in drafts.values()), default=0)
 
     # 3. one forward
@@ -297,6 +301,17 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
         counters.bump("spec_accepted", accepted)
 
     return group.settle_rows(seqs, failed, done)
+
+
+def propose(s: Sequence, k: int) -> list[int]:
+    """Row ``s``'s drafts: its drafter's, cut where its grammar would refuse them; a constrained row
+    whose drafter has none drafts the text its grammar forces next."""
+    drafts = s.spec.drafter.propose(k)
+    c = s.sampler.caught_up()
+    if c is None:
+        return drafts
+    drafts = drafts[:c.fits(drafts)]
+    return drafts or c.forced(k)
 
 
 def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[int, mx.array]:

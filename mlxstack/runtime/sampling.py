@@ -194,12 +194,19 @@ class Sampler:
             self._unread.append(t)
 
     # ------------------------------------------------------------------ grammar
-    def _constrain(self, logits: mx.array) -> mx.array:
-        """Advance the constraint past the accepted tokens, then mask ``logits``."""
-        if self._unread:
-            mx.async_eval(logits)            # the forward runs while we read the token and mask
+    def caught_up(self) -> Any:
+        """The constraint, past every accepted token (they are consumed lazily, at the next mask):
+        what drafts are checked against. None without a grammar."""
+        if self.constraint is not None and self._unread:
             for t in self._unread:
                 for tid in t.tolist():
                     self.constraint.consume(tid)
             self._unread.clear()
+        return self.constraint
+
+    def _constrain(self, logits: mx.array) -> mx.array:
+        """Advance the constraint past the accepted tokens, then mask ``logits``."""
+        if self._unread:
+            mx.async_eval(logits)            # the forward runs while we read the token and mask
+            self.caught_up()
         return apply_mask(logits, self.constraint.mask_words())
