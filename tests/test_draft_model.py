@@ -192,3 +192,29 @@ def test_draft_mode_needs_a_draft_model():
 def test_ngram_mode_leaves_the_draft_model_unloaded(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path, speculative="ngram", draft_model=str(tiny_dense_path)))
     assert eng.speculation.draft is None and "draft model" not in eng.speculation.describe()
+
+
+def test_one_request_at_a_time_still_drafts(tiny_dense_path):
+    """MAX_CONCURRENT_SEQUENCES=1 runs through a one-slot scheduler, whose decode group drafts:
+    a request over HTTP has drafts accepted, and its reply is the one SPECULATIVE=off gives."""
+    import json
+    import urllib.request
+
+    from tests.conftest import LiveServer
+
+    body = {"messages": LOOP, "max_tokens": 24, "temperature": 0}
+    server = LiveServer(engine_settings(tiny_dense_path, max_concurrent_sequences=1, speculative="draft",
+                                        draft_model=str(tiny_dense_path)))
+    try:
+        server.app.engine.speculation.draft.cost = 0.0
+        assert server.app.worker.scheduler is not None and server.app.worker.scheduler.max_sequences == 1
+        req = urllib.request.Request(server.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            text = json.loads(resp.read())["choices"][0]["message"]["content"]
+        counters = server.app.engine.state.counters
+        assert counters.get("spec_accepted") == counters.get("spec_proposed") > 0
+    finally:
+        server.close()
+    off = build_engine(engine_settings(tiny_dense_path, speculative="off"))
+    assert alone(off, job(LOOP, max_tokens=24, session="h")[0]).text == text

@@ -55,9 +55,12 @@ class App:
         self.worker.run_chat = engine.run
         engine.progress = self.worker.beat   # between prefill chunks and tokens: the stall watchdog
         n = self.settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
-        if n <= 1 or engine.loaded.is_vlm:
-            log.info("scheduling: one request at a time (%s)", "VLM" if engine.loaded.is_vlm else
-                     "MAX_CONCURRENT_SEQUENCES=1")
+        if engine.loaded.is_vlm:
+            log.info("scheduling: one request at a time (VLM)")
+            return
+        if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
+            self.worker.scheduler = Scheduler(engine, 1, self.settings.prefill_chunk_tokens, False)
+            log.info("scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
             return
         batching, why = batching_support(engine)
         self.worker.scheduler = Scheduler(engine, n, self.settings.prefill_chunk_tokens, batching)
