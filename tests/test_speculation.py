@@ -213,7 +213,7 @@ def test_greedy_parity_for_every_cache_kind(kind, tiny_kind_paths):
     assert [o.raw_text for o in spec2] == [o.raw_text for o in ref]
 
 
-REPLAYED = {"gemma3", "mamba2", "lfm2", "hybrid", "gpt_oss"}   # put back, then the kept tokens replayed
+REPLAYED = {"gemma3", "llama4", "mamba2", "lfm2", "hybrid", "gpt_oss"}   # put back, then the kept tokens replayed
 
 
 def oracle_drafts(monkeypatch, reference: list[int], every: int = 3):
@@ -256,8 +256,9 @@ def generated_ids(engine, messages, max_tokens, session):
 @pytest.mark.parametrize("kind", KINDS)
 def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths, monkeypatch):
     """One request at a time (a decode group of one on its own cache), drafts right,
-    partly right and wrong: caches that can be cut take rejected drafts back, recurrent / conv state
-    and rotated windows are put back and the kept tokens replayed, chunked attention never drafts.
+    partly right and wrong: caches that can be cut take rejected drafts back, recurrent / conv state,
+    rotated windows and chunked attention (past its first chunk: its front is trimmed as it goes)
+    are put back and the kept tokens replayed.
     The reply and the next turn's reuse are identical to SPECULATIVE=off."""
     on, off = engines(tiny_kind_paths(kind))
     b, ids = generated_ids(off, LOOP, 30, "l")
@@ -265,9 +266,6 @@ def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths
     oracle_drafts(monkeypatch, list(prompt) + ids)
     a = alone(on, job(LOOP, max_tokens=30, session="l")[0])
     assert a.raw_text == b.raw_text
-    if kind == "llama4":
-        assert a.timings["spec_proposed"] == 0
-        return
     assert 0 < a.timings["spec_accepted"] < a.timings["spec_proposed"], kind
     assert (on.state.counters.get("spec_replays") > 0) == (kind in REPLAYED), kind
     monkeypatch.undo()

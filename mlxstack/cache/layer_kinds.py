@@ -333,7 +333,7 @@ class ChunkedKind(CacheKind):
     depth d can be served only when that chunk start is still held."""
     name = "chunked"
     class_names = ("ChunkedKVCache",)
-    replayable = False         # a forward may drop the front of the chunk in place
+    replayable = True          # a forward rebinds a trimmed front and writes past the offset: mark / restore undo it
 
     def floor(self, layer: Any, depth: int) -> int:
         start, chunk = int(layer.start_position), int(layer.chunk_size)

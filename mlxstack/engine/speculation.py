@@ -10,9 +10,11 @@ A speculative step (engine/batch.py calls it when a row has a draft worth trying
 1. every row's pending token is read back and consumed (streamed, stop rules) -- as the plain step
    does, only before the forward instead of after it;
 2. each row proposes up to its budget of drafts (runtime/drafting.py: prompt lookup over the
-   prompt and the reply so far; engine/draft_model.py: a draft model's greedy tokens), capped by what its cache can take back (``LiveCache.room``: plain
-   and quantised KV any amount, a sliding window until it rotates, recurrent state and chunked
-   attention none) and by its token limit;
+   prompt and the reply so far; engine/draft_model.py: a draft model's greedy tokens; a grammar
+   cuts what it refuses and drafts the text it forces), capped by its token limit and by what its
+   cache can take back (``LiveCache.room``: plain and quantised KV any amount, a sliding window
+   until it rotates; recurrent state, a rotated window and chunked attention none -- those rows
+   are put back and replayed instead, alone);
 3. ONE forward feeds ``[pending, d1..dk]`` for every row: the batch's slab rows padded to the
    longest row (engine/batch_cache.py), or each row on its own cache;
 4. each row verifies its own drafts against its own sampler -- greedy: the model's argmax at each
@@ -75,7 +77,7 @@ class Speculation:
 
     def row(self, seq: Sequence) -> RowSpec | None:
         """The request's drafting state, or None when it never drafts (speculation off, or a
-        cache that can never take tokens back: recurrent state, chunked attention)."""
+        cache that can neither be cut nor put back and replayed)."""
         if not self.enabled or (seq.live.room() < 2 and not seq.live.replayable):
             return None
         lo, hi = self.ngram
