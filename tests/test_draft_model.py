@@ -141,6 +141,36 @@ def test_drafts_after_a_cut_or_a_reused_cache_equal_a_fresh_caches(tiny_dense_pa
     assert dm.fed - before == len(turn2) - shared
 
 
+def test_the_draft_model_catches_up_on_at_most_its_window(tiny_dense_path):
+    """DRAFT_WINDOW: a long prompt is drafted from its last ``window`` tokens (the drafts of that
+    window as a prompt), a turn that extends it reuses the cache past its skipped context, and a
+    row that fell further behind than the window starts over on the last ``window`` tokens."""
+    dm, tok = draft_of(tiny_dense_path, window=8)
+    unbounded = DraftModel(dm.model, vocab=dm.vocab, cost=0.1)
+    prompt = tok.encode("one two three four five six seven eight nine ten eleven twelve thirteen")
+    assert len(prompt) > 12
+    d = dm.drafter(prompt)
+    first = d.propose(3)
+    assert dm.fed == 8 and first == unbounded.drafter(prompt[-8:]).propose(3)
+    d.extend(first[:1] + [5])
+    assert d.propose(3) == unbounded.drafter(prompt[-8:] + first[:1] + [5]).propose(3)
+    assert dm.fed == 9                          # the target's own token only
+    held = list(d.held)
+    d.close()
+    turn2 = prompt + first[:1] + [5, 9, 10]
+    e = dm.drafter(turn2)
+    base = len(prompt) - 8
+    assert common_prefix(held, turn2) >= len(prompt) + 2     # the accepted draft and the target's token
+    assert dm.reused == common_prefix(held, turn2) - base     # what the cache holds of them
+    assert e.propose(2) == unbounded.drafter(turn2[base:]).propose(2)
+    assert dm.fed == 9 + len(turn2) - common_prefix(held, turn2)
+    far = list(range(200, 220))                 # 20 tokens behind: more than the window
+    e.extend(far)
+    fed = dm.fed
+    assert e.propose(2) == unbounded.drafter((turn2 + far)[-8:]).propose(2)
+    assert dm.fed == fed + 8
+
+
 def test_the_store_is_bounded_in_entries_and_bytes(tiny_dense_path):
     dm, tok = draft_of(tiny_dense_path, max_entries=2)
     drafters = [dm.drafter(tok.encode(text)) for text in ("alpha beta", "gamma delta", "epsilon")]
@@ -152,7 +182,7 @@ def test_the_store_is_bounded_in_entries_and_bytes(tiny_dense_path):
     drafters[1].close()
     drafters[2].close()                       # the oldest goes first
     prompts = [tok.encode("gamma delta"), tok.encode("epsilon")]
-    held = [h for _, (_, h) in dm.store.items()]
+    held = [h for _, (_, h, _) in dm.store.items()]
     assert [h[:len(p)] for h, p in zip(held, prompts)] == prompts and [len(h) for h in held] == [len(p) + 1 for p in prompts]
     small, _ = draft_of(tiny_dense_path, max_bytes=1)
     d = small.drafter(tok.encode("hello there"))

@@ -17,6 +17,12 @@ The store keeps the caches of rows that ended (least recently used first out, bo
 and bytes): a new request takes the one sharing the longest prefix with its prompt -- its own
 session's last turn, or another agent under the same system prompt -- so the draft model
 prefills only what is new, as the main model does with the prompt cache.
+
+The draft model sees at most the last ``window`` tokens when it starts (``DRAFT_WINDOW``): the
+catch-up runs inside the batch's decode step, so a 30k-token agent prompt must not stall every
+row for a draft prefill of 30k tokens. Its cache then starts at ``base`` (RoPE positions are
+relative: the drafts are those of the window as a prompt), and a catch-up longer than the window
+starts over on the last ``window`` tokens. Copies from far back are prompt lookup's job.
 """
 from __future__ import annotations
 
@@ -49,14 +55,16 @@ def _nbytes(cache: list[Any]) -> int:
 class DraftModel:
     """A loaded draft model, what one of its draft tokens costs, and the store of its caches."""
 
-    def __init__(self, model: Any, vocab: int, cost: float, step: int = 512,
+    def __init__(self, model: Any, vocab: int, cost: float, step: int = 512, window: int = 0,
                  max_entries: int = 8, max_bytes: int = 1 << 30, name: str = "") -> None:
         self.model = model
         self.vocab = int(vocab)               # drafts are argmaxes below this (a padded head never wins)
         self.cost = float(cost)               # one draft token, in plain target decode steps (batch of 1)
         self.step = int(step)                 # catch-up chunk (the draft's prefill step)
+        self.window = int(window)             # most tokens a catch-up feeds (0: no bound)
         self.name = name
-        self.store: SizedLRU[int, tuple[list[Any], list[int]]] = SizedLRU(max_entries, max_bytes)
+        # entries: (cache, held, base): the cache holds held[base:] (held[:base] is context it skipped)
+        self.store: SizedLRU[int, tuple[list[Any], list[int], int]] = SizedLRU(max_entries, max_bytes)
         self._keys = count()
         self.fed = 0                          # tokens fed to catch up (prompt prefill included)
         self.drafted = 0                      # draft tokens decoded
@@ -64,35 +72,37 @@ class DraftModel:
 
     def drafter(self, tokens: Sequence[int]) -> "ModelDrafter":
         """A row's drafter over ``tokens`` (its prompt), starting from the stored cache that shares
-        the longest prefix with them (taken out of the store: a cache has one owner at a time)."""
+        the longest prefix with them past its skipped context (taken out of the store: a cache has
+        one owner at a time)."""
         tokens = [int(t) for t in tokens]
         best_key, best = None, 0
-        for key, (_, held) in self.store.items():
+        for key, (_, held, base) in self.store.items():
             n = common_prefix(held, tokens)
-            if n > best:
-                best_key, best = key, n
+            if n > base and n - base > best:
+                best_key, best = key, n - base
         if best_key is not None:
-            cache, held = self.store.pop(best_key)
-            self.reused += min(best, max(0, len(tokens) - 1))
-            return ModelDrafter(self, tokens, cache, held)
-        return ModelDrafter(self, tokens, make_prompt_cache(self.model), [])
+            cache, held, base = self.store.pop(best_key)
+            self.reused += min(best, max(0, len(tokens) - 1 - base))
+            return ModelDrafter(self, tokens, cache, held, base)
+        return ModelDrafter(self, tokens, make_prompt_cache(self.model), [], 0)
 
-    def put_back(self, cache: list[Any], held: list[int]) -> None:
-        if held:
-            self.store.put(next(self._keys), (cache, held), _nbytes(cache))
+    def put_back(self, cache: list[Any], held: list[int], base: int) -> None:
+        if len(held) > base:
+            self.store.put(next(self._keys), (cache, held, base), _nbytes(cache))
 
 
 class ModelDrafter:
     """One request's drafts from the draft model (``extend`` / ``plan`` / ``propose`` /
     ``close``: the verbs of ``NgramDrafter``)."""
 
-    __slots__ = ("owner", "tokens", "cache", "held", "closed")
+    __slots__ = ("owner", "tokens", "cache", "held", "base", "closed")
 
-    def __init__(self, owner: DraftModel, tokens: list[int], cache: list[Any], held: list[int]) -> None:
+    def __init__(self, owner: DraftModel, tokens: list[int], cache: list[Any], held: list[int], base: int) -> None:
         self.owner = owner
         self.tokens = tokens        # the request's tokens: prompt, then the reply as it is accepted
-        self.cache = cache          # the draft model's cache ...
-        self.held = held            # ... and the tokens it holds (may end in drafts not kept)
+        self.cache = cache          # the draft model's cache: it holds held[base:] ...
+        self.held = held            # ... (may end in drafts not kept; held[:base] was skipped)
+        self.base = base
         self.closed = False
 
     def __len__(self) -> int:
@@ -107,16 +117,22 @@ class ModelDrafter:
         return (max(0, k) if self.tokens else 0), self.owner.cost
 
     def _sync(self) -> int:
-        """Cut the cache back to its agreement with ``tokens`` (keeping at least one token to feed)
-        and return where feeding starts."""
-        keep = min(common_prefix(self.held, self.tokens), len(self.tokens) - 1)
+        """Cut the cache back to its agreement with ``tokens`` (keeping at least one token to feed),
+        or start it over on the last ``window`` tokens (no agreement past its skipped context, a
+        catch-up longer than the window, a cache that cannot be cut); return where feeding starts."""
+        n = len(self.tokens)
+        keep = min(common_prefix(self.held, self.tokens), n - 1)
+        window = self.owner.window
+        fresh = bool(self.held) and keep <= self.base or window > 0 and n - max(keep, self.base) > window
         extra = len(self.held) - keep
-        if extra > 0:
-            if can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, extra) == extra:
+        if not fresh and extra > 0:
+            fresh = not (can_trim_prompt_cache(self.cache) and trim_prompt_cache(self.cache, extra) == extra)
+            if not fresh:
                 del self.held[keep:]
-            else:                       # a cache that cannot be cut (e.g. a rotated window): start over
-                self.cache, self.held, keep = make_prompt_cache(self.owner.model), [], 0
-        return keep
+        if fresh:
+            self.base = max(0, n - window) if window > 0 else 0
+            self.cache, self.held = make_prompt_cache(self.owner.model), self.tokens[:self.base]
+        return max(len(self.held), self.base)
 
     def propose(self, k: int) -> list[int]:
         """``k`` greedy tokens of the draft model after the request's tokens."""
@@ -148,4 +164,4 @@ class ModelDrafter:
         """The request ended: its cache goes back to the store for the next turn."""
         if not self.closed:
             self.closed = True
-            self.owner.put_back(self.cache, self.held)
+            self.owner.put_back(self.cache, self.held, self.base)

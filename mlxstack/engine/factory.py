@@ -52,7 +52,7 @@ def draft_model(loaded: Any, settings: Any) -> DraftModel | None:
     if draft is None:
         return None
     return DraftModel(draft.model, vocab=tokenizer_size(loaded.tokenizer) or 1 << 30,
-                      cost=draft.extra["cost"], step=settings.prefill_step_size,
+                      cost=draft.extra["cost"], step=settings.prefill_step_size, window=settings.draft_window,
                       max_bytes=settings.draft_cache_max_bytes, name=draft.model_id)
 
 
