@@ -244,6 +244,12 @@ def test_one_request_at_a_time_still_drafts(tiny_dense_path):
             text = json.loads(resp.read())["choices"][0]["message"]["content"]
         counters = server.app.engine.state.counters
         assert counters.get("spec_accepted") == counters.get("spec_proposed") > 0
+        with urllib.request.urlopen(server.base + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        draft = server.app.engine.speculation.draft
+        for name, value in (("tokens", draft.drafted), ("fed", draft.fed)):
+            key = f"mlxstack_draft_model_{name + '_' if name == 'fed' else ''}tokens_total"
+            assert f"{key} {float(value)}" in metrics and value > 0, key
     finally:
         server.close()
     off = build_engine(engine_settings(tiny_dense_path, speculative="off"))

@@ -56,8 +56,9 @@ class DraftModel:
     """A loaded draft model, what one of its draft tokens costs, and the store of its caches."""
 
     def __init__(self, model: Any, vocab: int, cost: float, step: int = 512, window: int = 0,
-                 max_entries: int = 8, max_bytes: int = 1 << 30, name: str = "") -> None:
+                 max_entries: int = 8, max_bytes: int = 1 << 30, name: str = "", counters: Any = None) -> None:
         self.model = model
+        self.counters = counters              # the engine's (draft_tokens / draft_fed / draft_reused)
         self.vocab = int(vocab)               # drafts are argmaxes below this (a padded head never wins)
         self.cost = float(cost)               # one draft token, in plain target decode steps (batch of 1)
         self.step = int(step)                 # catch-up chunk (the draft's prefill step)
@@ -82,9 +83,14 @@ class DraftModel:
                 best_key, best = key, n - base
         if best_key is not None:
             cache, held, base = self.store.pop(best_key)
-            self.reused += min(best, max(0, len(tokens) - 1 - base))
+            self._count("reused", min(best, max(0, len(tokens) - 1 - base)))
             return ModelDrafter(self, tokens, cache, held, base)
         return ModelDrafter(self, tokens, make_prompt_cache(self.model), [], 0)
+
+    def _count(self, what: str, n: int) -> None:
+        setattr(self, what, getattr(self, what) + n)
+        if self.counters is not None:
+            self.counters.bump(f"draft_{'tokens' if what == 'drafted' else what}", n)
 
     def put_back(self, cache: list[Any], held: list[int], base: int) -> None:
         if len(held) > base:
@@ -155,8 +161,8 @@ class ModelDrafter:
                 if j + 1 < k:
                     x = tok[None]
             out = mx.concatenate(drafts).tolist()
-        owner.fed += len(self.tokens) - start
-        owner.drafted += k
+        owner._count("fed", len(self.tokens) - start)
+        owner._count("drafted", k)
         self.held = self.tokens[:] + out[:-1]
         return [int(t) for t in out]
 

@@ -41,19 +41,19 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     if loaded.is_vlm:
         engine = engine_cls(loaded, renderer, state, settings)
     else:
-        engine = ChatEngine(loaded, renderer, state, settings, draft=draft_model(loaded, settings))
+        engine = ChatEngine(loaded, renderer, state, settings, draft=draft_model(loaded, settings, state.counters))
     log.info("speculative decoding: %s", engine.speculation.describe())
     return engine
 
 
-def draft_model(loaded: Any, settings: Any) -> DraftModel | None:
+def draft_model(loaded: Any, settings: Any, counters: Any = None) -> DraftModel | None:
     """DRAFT_MODEL loaded and checked against the target (models/loader.py), with its cache store."""
     draft = load_draft_model(settings, loaded)
     if draft is None:
         return None
     return DraftModel(draft.model, vocab=tokenizer_size(loaded.tokenizer) or 1 << 30,
                       cost=draft.extra["cost"], step=settings.prefill_step_size, window=settings.draft_window,
-                      max_bytes=settings.draft_cache_max_bytes, name=draft.model_id)
+                      max_bytes=settings.draft_cache_max_bytes, name=draft.model_id, counters=counters)
 
 
 def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant | None:

@@ -131,7 +131,15 @@ class EngineCollector(Collector):
         yield counter("mlxstack_store_failures", "Finished requests whose KV could not be stored (logged).",
                       "store_failures")
         yield counter("mlxstack_spec_proposed_tokens",
-                      "Draft tokens proposed by speculative decoding (prompt lookup), all rows.", "spec_proposed")
+                      "Draft tokens proposed by speculative decoding (prompt lookup, draft model, grammar), all rows.",
+                      "spec_proposed")
+        yield counter("mlxstack_draft_model_tokens", "Tokens the draft model (DRAFT_MODEL) decoded as drafts.",
+                      "draft_tokens")
+        yield counter("mlxstack_draft_model_fed_tokens",
+                      "Tokens the draft model was fed to catch up (its prompt prefill included; DRAFT_WINDOW bounds each).",
+                      "draft_fed")
+        yield counter("mlxstack_draft_model_reused_tokens",
+                      "Tokens a request found in the draft model's stored cache (not fed again).", "draft_reused")
         yield counter("mlxstack_spec_accepted_tokens",
                       "Draft tokens the model accepted (each saved one decode step for its row).", "spec_accepted")
         yield counter("mlxstack_spec_steps", "Decode steps that verified drafts (one forward for the batch).",
