@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
+from .kv_bytes import live_bytes
 from .worker import resolve
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -140,6 +141,14 @@ class Scheduler:
             for seq in ended:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
+        self.account()
+
+    def account(self) -> None:
+        """What the requests in flight hold in RAM (engine state's ``live_kv_bytes``: the
+        ``mlxstack_kv_bytes`` gauge adds the RAM cache tier), each array once; the draft model's
+        stored caches count too."""
+        draft = self.engine.speculation.draft
+        self.engine.state.live_kv_bytes = live_bytes(self) + (draft.store.nbytes if draft is not None else 0)
 
     def recover(self, exc: BaseException) -> int:
         """After an exception escaped ``step()``: the state cannot be trusted. Every request in
@@ -155,6 +164,7 @@ class Scheduler:
         self.group.take_failed()
         self._rr, self._short_last = -1, False
         self.recoveries += 1
+        self.engine.state.live_kv_bytes = 0
         n = sum(resolve(f, exc=err) for f in futures.values())
         self.failed += n
         return n

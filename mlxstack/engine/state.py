@@ -38,6 +38,7 @@ class EngineState:
                  kv_quant: KVQuant | None = None) -> None:
         self.settings = settings
         self.counters = CacheCounters()
+        self.live_kv_bytes = 0       # KV / state of the requests in flight (engine/kv_bytes.py; the scheduler sets it)
         budget = settings.prompt_cache_max_bytes or default_cache_budget()
         self.cache_budget = budget
         # A cache class we do not understand is never stored half-understood: prefix caching
@@ -172,6 +173,9 @@ class EngineState:
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
             "tokens": sum(e.depth for e in entries),
             "bytes": sum(e.nbytes for e in entries),
+            # resident KV / state: requests in flight (each array once) + the RAM cache tier
+            "live_kv_bytes": self.live_kv_bytes,
+            "kv_bytes": self.live_kv_bytes + sum(e.nbytes for e in entries),
             "quantized_bytes": sum(e.nbytes for e, payload in held
                                    if any(s.kind == "quantized" for s in getattr(payload, "layers", ()))),
             "budget_bytes": self.cache_budget,

@@ -113,6 +113,8 @@ class EngineCollector(Collector):
 
         gauges = (
             ("mlxstack_cache_bytes", "Bytes held by prompt cache entries.", "bytes"),
+            ("mlxstack_kv_bytes", "KV / state bytes resident in RAM: the requests in flight (a batch's slab, rows, "
+             "prompts in prefill, draft model caches; each array counted once) plus the RAM cache tier.", "kv_bytes"),
             ("mlxstack_cache_budget_bytes", "Prompt cache memory budget (PROMPT_CACHE_MAX_BYTES or derived).",
              "budget_bytes"),
             ("mlxstack_cache_entries", "Prompt cache entries (all pools).", "entries"),

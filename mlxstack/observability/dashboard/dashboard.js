@@ -181,6 +181,10 @@
     $("t-spec").textContent = proposed ? `${fmtInt(accepted)} / ${fmtInt(proposed)}` : "–";
     $("t-spec").title = proposed ? `${((100 * accepted) / proposed).toFixed(0)}% of draft tokens accepted ` +
       `(speculative decoding: each saved one decode step)` : "no drafts yet (SPECULATIVE)";
+    const kv = s.kv_bytes || 0, live = s.live_kv_bytes || 0;
+    $("t-kv").textContent = fmtBytes(kv);
+    $("t-kv").title = `in flight ${fmtBytes(live)} + cache tier ${fmtBytes(s.bytes || 0)} ` +
+      `(cache budget ${fmtBytes(s.budget_bytes || 0)})`;
     $("model").textContent = s.model || "";
   }
 

@@ -1,0 +1,61 @@
+"""KV / state bytes resident in RAM for the requests in flight, each array counted once.
+
+    n = resident_bytes([slab_layers, seq.live.layers, ...])   # unique mx arrays, allocated size
+    n = live_bytes(scheduler)                                  # every row, prefill and draft cache
+
+What the ``mlxstack_kv_bytes`` gauge adds to the RAM cache tier: a batch's slab (one array per
+layer for all of its rows: counted once, not once per row), the caches of rows that decode on
+their own, prompts being prefilled, snapshots taken during prefill, and the draft model's caches.
+An array is counted by its allocated size (a KV buffer grows in steps of 256 tokens), once however
+many caches refer to it -- a cache checked out of the prompt cache shares the entry's arrays until
+its first append.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import mlx.core as mx
+
+_CACHE_MODULES = ("mlx_lm.", "mlx_vlm.", "mlxstack.")
+
+
+def _collect(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
+    if obj is None or depth > 6:
+        return
+    if isinstance(obj, mx.array):
+        seen[id(obj)] = obj.nbytes
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect(x, seen, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect(x, seen, depth + 1)
+    elif type(obj).__module__.startswith(_CACHE_MODULES) and hasattr(obj, "__dict__") \
+            and not hasattr(obj, "parameters"):           # a cache object, never a model
+        for x in vars(obj).values():
+            _collect(x, seen, depth + 1)
+    elif hasattr(type(obj), "__slots__") and type(obj).__module__.startswith("mlxstack."):
+        for name in type(obj).__slots__:
+            _collect(getattr(obj, name, None), seen, depth + 1)
+
+
+def resident_bytes(objects: Iterable[Any]) -> int:
+    """Bytes of the distinct mx arrays reachable from ``objects`` (caches, lists of cache layers,
+    captured states), each counted once by its allocated size."""
+    seen: dict[int, int] = {}
+    for obj in objects:
+        _collect(obj, seen)
+    return sum(seen.values())
+
+
+def live_bytes(scheduler: Any) -> int:
+    """Everything the scheduler's requests hold right now (the decode group's slab and rows,
+    prompts in prefill with their snapshots, the rows' draft model caches), each array once."""
+    group = scheduler.group
+    objects: list[Any] = [group.slab]
+    for seq in list(group.seqs) + list(scheduler.prefilling):
+        objects.append(seq.live.layers)
+        objects.append(seq.snapshots)
+        drafter = getattr(seq.spec, "drafter", None)
+        objects.append(getattr(getattr(drafter, "then", drafter), "cache", None))
+    return resident_bytes(objects)
