@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from mlxstack.config.settings import SettingsError
-from mlxstack.engine.draft_model import DraftModel, common_prefix
+from mlxstack.cache.lcp import lcp
+from mlxstack.engine.draft_model import DraftModel
 from mlxstack.models.loaded import ModelLoadError
 from mlxstack.models.loader import tokenizer_mismatch
 from mlxstack.runtime.drafting import Chained
@@ -132,7 +133,7 @@ def test_drafts_after_a_cut_or_a_reused_cache_equal_a_fresh_caches(tiny_dense_pa
     # the next turn: a longer prompt sharing the first turn's tokens reuses them
     turn2 = prompt + first[:2] + [7] + tok.encode(" and again")
     held = dm.store.items()[0][1][1]
-    shared = common_prefix(held, turn2)
+    shared = lcp(held, turn2)
     before = dm.fed
     e = dm.drafter(turn2)
     assert len(dm.store) == 0 and dm.reused == shared
@@ -160,10 +161,10 @@ def test_the_draft_model_catches_up_on_at_most_its_window(tiny_dense_path):
     turn2 = prompt + first[:1] + [5, 9, 10]
     e = dm.drafter(turn2)
     base = len(prompt) - 8
-    assert common_prefix(held, turn2) >= len(prompt) + 2     # the accepted draft and the target's token
-    assert dm.reused == common_prefix(held, turn2) - base     # what the cache holds of them
+    assert lcp(held, turn2) >= len(prompt) + 2     # the accepted draft and the target's token
+    assert dm.reused == lcp(held, turn2) - base     # what the cache holds of them
     assert e.propose(2) == unbounded.drafter(turn2[base:]).propose(2)
-    assert dm.fed == 9 + len(turn2) - common_prefix(held, turn2)
+    assert dm.fed == 9 + len(turn2) - lcp(held, turn2)
     far = list(range(200, 220))                 # 20 tokens behind: more than the window
     e.extend(far)
     fed = dm.fed

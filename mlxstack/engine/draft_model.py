@@ -33,23 +33,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..cache.lcp import lcp
 from ..pipeline.sized_lru import SizedLRU
 from ..runtime.mlx_stream import generation_stream
+from .kv_bytes import resident_bytes
 
-__all__ = ["DraftModel", "ModelDrafter", "common_prefix"]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _nbytes(cache: list[Any]) -> int:
-    return sum(v.nbytes for layer in cache for _, v in tree_flatten(layer.state) if isinstance(v, mx.array))
+__all__ = ["DraftModel", "ModelDrafter"]
 
 
 class DraftModel:
@@ -78,7 +67,7 @@ class DraftModel:
         tokens = [int(t) for t in tokens]
         best_key, best = None, 0
         for key, (_, held, base) in self.store.items():
-            n = common_prefix(held, tokens)
+            n = lcp(held, tokens)
             if n > base and n - base > best:
                 best_key, best = key, n - base
         if best_key is not None:
@@ -94,7 +83,7 @@ class DraftModel:
 
     def put_back(self, cache: list[Any], held: list[int], base: int) -> None:
         if len(held) > base:
-            self.store.put(next(self._keys), (cache, held, base), _nbytes(cache))
+            self.store.put(next(self._keys), (cache, held, base), resident_bytes([cache]))
 
 
 class ModelDrafter:
@@ -127,7 +116,7 @@ class ModelDrafter:
         or start it over on the last ``window`` tokens (no agreement past its skipped context, a
         catch-up longer than the window, a cache that cannot be cut); return where feeding starts."""
         n = len(self.tokens)
-        keep = min(common_prefix(self.held, self.tokens), n - 1)
+        keep = min(lcp(self.held, self.tokens), n - 1)
         window = self.owner.window
         fresh = bool(self.held) and keep <= self.base or window > 0 and n - max(keep, self.base) > window
         extra = len(self.held) - keep

@@ -12,6 +12,7 @@ from ..pipeline.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
 from .draft_model import DraftModel
+from .speculation import DRAFT_MODEL_MODES
 from .state import EngineState
 
 log = logging.getLogger("mlxstack.engine")
@@ -47,10 +48,11 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
 
 
 def draft_model(loaded: Any, settings: Any, counters: Any = None) -> DraftModel | None:
-    """DRAFT_MODEL loaded and checked against the target (models/loader.py), with its cache store."""
-    draft = load_draft_model(settings, loaded)
-    if draft is None:
+    """DRAFT_MODEL loaded and checked against the target (models/loader.py), with its cache store;
+    None when none is set or the SPECULATIVE mode does not draft with one."""
+    if not settings.draft_model.strip() or settings.speculative not in DRAFT_MODEL_MODES:
         return None
+    draft = load_draft_model(settings, loaded)
     return DraftModel(draft.model, vocab=tokenizer_size(loaded.tokenizer) or 1 << 30,
                       cost=draft.extra["cost"], step=settings.prefill_step_size, window=settings.draft_window,
                       max_bytes=settings.draft_cache_max_bytes, name=draft.model_id, counters=counters)

@@ -45,6 +45,7 @@ from .draft_model import DraftModel
 from .request import Sequence
 
 MODES = ("auto", "ngram", "draft")        # SPECULATIVE values that draft (off: never)
+DRAFT_MODEL_MODES = ("auto", "draft")     # ... with the draft model, when DRAFT_MODEL is set
 
 
 @dataclass(eq=False)
@@ -60,7 +61,7 @@ class Speculation:
         self.mode = settings.speculative
         self.max_draft = settings.spec_max_draft
         self.ngram = (settings.spec_ngram_min, settings.spec_ngram_max)
-        self.draft = draft if self.mode in ("auto", "draft") else None
+        self.draft = draft if self.mode in DRAFT_MODEL_MODES else None
         self.lookup = self.mode in ("auto", "ngram")
         # a VLM decodes through its language model with multimodal RoPE positions kept per
         # request (engine/vlm_chat.py): drafts are not verified there yet
@@ -110,10 +111,7 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     rows = []
     for s in group.seqs:
         k = budgets.get(id(s), 0)
-        k, cost = s.spec.drafter.plan(k) if k > 0 else (0, 0.0)
-        c = s.sampler.constraint if s.sampler is not None else None
-        if c is not None and budgets.get(id(s), 0) > 0 and not k:
-            k, cost = len(c.forced(budgets[id(s)])), 0.0
+        k, cost = plan(s, k) if k > 0 else (0, 0.0)
         rows.append((s, (k, s.spec.control.rate if s.spec is not None else 0.0, cost)))
     if group.slab is not None:
         width = best_width([r for _, r in rows], COST_PER_POSITION)
@@ -303,6 +301,17 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
         counters.bump("spec_accepted", accepted)
 
     return group.settle_rows(seqs, failed, done)
+
+
+def plan(s: Sequence, k: int) -> tuple[int, float]:
+    """(drafts ``propose(s, k)`` is expected to give, cost of one in plain steps), without drafting:
+    the drafter's, else the text a constrained row's grammar forces (free). The grammar has not
+    seen the pending token yet: an estimate, as the drafter's is."""
+    n, cost = s.spec.drafter.plan(k)
+    c = s.sampler.constraint
+    if c is not None and not n:
+        return len(c.forced(k)), 0.0
+    return n, cost
 
 
 def propose(s: Sequence, k: int) -> list[int]:

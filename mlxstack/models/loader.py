@@ -115,11 +115,9 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
 
 
 def load_draft_model(settings: Settings, target: LoadedModel, say: Callable[[str], None] | None = None) -> Any:
-    """The draft model for speculative decoding (``DRAFT_MODEL``), or None when none is asked for
-    (or speculation does not use one). Refused at start, with why, when its tokenizer is not the
-    target's: drafts are token ids, verified by the target as they are."""
-    if not settings.draft_model.strip() or settings.speculative not in ("auto", "draft") or target.is_vlm:
-        return None
+    """The draft model for speculative decoding (``DRAFT_MODEL``; engine/factory.py decides whether
+    one is used). Refused at start, with why, when its tokenizer is not the target's: drafts are
+    token ids, verified by the target as they are."""
     say = say or (lambda msg: log.info(msg))
     path, name = local_model_folder(settings.draft_model.strip(), "DRAFT_MODEL",
                                     "Leave DRAFT_MODEL empty for prompt-lookup drafts only.")
@@ -143,8 +141,9 @@ def load_draft_model(settings: Settings, target: LoadedModel, say: Callable[[str
     def params(m: Any) -> int:
         return sum(v.size for _, v in tree_flatten(m.parameters()))
 
-    cost = params(model) / max(1, params(target.model))
-    say(f"draft model {name}: {params(model) / 1e6:.1f}M parameters, one draft token ~{cost:.2f} of a target step")
+    n = params(model)
+    cost = n / max(1, params(target.model))
+    say(f"draft model {name}: {n / 1e6:.1f}M parameters, one draft token ~{cost:.2f} of a target step")
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
                        family=detect_family(config, str(path)), context_length=target.context_length,
                        extra={"cost": cost})
