@@ -54,7 +54,9 @@ def run(n: int, system: str, max_tokens: int) -> dict:
         peak = max(peak, engine.state.live_kv_bytes)
     outs = [f.result() for f in futures]
     stats = engine.state.stats()
-    return {"prompt": outs[0].prompt_tokens, "peak_live": peak, "tier": stats["bytes"], "after": stats["kv_bytes"]}
+    return {"prompt": outs[0].prompt_tokens, "peak_live": peak, "tier": stats["tier_kv_bytes"],
+            "tier_entries": stats["bytes"], "after": stats["kv_bytes"], "shared": sched.shared_prefills,
+            "texts": [o.text for o in outs]}
 
 
 def main() -> None:
@@ -72,10 +74,12 @@ def main() -> None:
     many = run(args.sessions, system, args.max_tokens)
     mib = 2 ** 20
     print(f"prompt ~{one['prompt']} tokens (shared system prompt), {args.max_tokens} tokens each")
-    print(f"{'sessions':>8} {'peak in flight MiB':>19} {'cache tier after MiB':>21} {'peak + tier / one':>18}")
+    print(f"{'sessions':>8} {'peak in flight MiB':>19} {'cache tier after MiB':>21} {'(entries summed)':>17} "
+          f"{'peak + tier / one':>18} {'shared prefills':>16}")
     for label, r in (("1", one), (str(args.sessions), many)):
-        print(f"{label:>8} {r['peak_live'] / mib:19.1f} {r['tier'] / mib:21.1f} "
-              f"{(r['peak_live'] + r['tier']) / (one['peak_live'] + one['tier']):17.2f}x")
+        print(f"{label:>8} {r['peak_live'] / mib:19.1f} {r['tier'] / mib:21.1f} {r['tier_entries'] / mib:17.1f} "
+              f"{(r['peak_live'] + r['tier']) / (one['peak_live'] + one['tier']):17.2f}x {r['shared']:16d}")
+    print(f"first session's reply identical to the single run's: {many['texts'][0] == one['texts'][0]}")
 
 
 if __name__ == "__main__":

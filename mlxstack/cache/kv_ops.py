@@ -26,13 +26,18 @@ class LiveCache:
     """The caches one request writes into, how many tokens they hold, and the KV quantisation
     policy (KV_BITS): plain KV layers become ``QuantizedKVCache`` at exactly ``quant.start``."""
 
-    __slots__ = ("layers", "depth", "quant", "quantized")
+    __slots__ = ("layers", "depth", "quant", "quantized", "roots")
 
-    def __init__(self, layers: list[Any], depth: int = 0, quant: KVQuant | None = None) -> None:
+    def __init__(self, layers: list[Any], depth: int = 0, quant: KVQuant | None = None,
+                 roots: list[Any] | None = None) -> None:
         self.layers = layers
         self.depth = depth
         self.quant = quant
         self.quantized = quant is None or any(kind_of(c) is KINDS["quantized"] for c in layers)
+        # per layer: None, or (keys, values, n) -- this layer's first n tokens ARE the first n of
+        # those arrays, held by a stored entry or another request (a hit's entry, a shared
+        # prefill): a capture stores them by reference and copies only what follows
+        self.roots: list[Any] = roots if roots is not None else [None] * len(layers)
 
     def advance(self, n: int) -> None:
         self.depth += n
@@ -68,6 +73,12 @@ class LiveCache:
         for layer in self.layers:
             kind_of(layer).cut(layer, self.depth, depth)
         self.depth = depth
+        self.roots = [r if r is None or r[2] <= depth else (r[0], r[1], depth) for r in self.roots]
+
+    def root_of(self, i: int) -> Any:
+        """Layer ``i``'s shared root (keys, values, n), while the layer is plain KV."""
+        r = self.roots[i] if i < len(self.roots) else None
+        return r if r is not None and kind_of(self.layers[i]) is KINDS["kv"] else None
 
     def room(self) -> int:
         """Tokens one forward may add and still be cut back to any depth in between (the
@@ -133,11 +144,13 @@ def capture(live: LiveCache, depth: int | None = None) -> KVState:
     if depth != live.depth and not floor <= depth <= live.depth:
         raise ValueError(f"cannot capture a cache at {live.depth} (floor {floor}) at depth {depth}")
     layers = []
-    for layer in live.layers:
+    for i, layer in enumerate(live.layers):
         kind = kind_of(layer)
         if kind is None:
             raise TypeError(f"unsupported cache layer type {type(layer).__name__}")
-        layers.append(kind.capture(layer, depth, live.quant))
+        root = live.root_of(i)
+        layers.append(kind.capture_rooted(layer, depth, root) if root is not None
+                      else kind.capture(layer, depth, live.quant))
     eval_state(layers)
     state_floor = max((s.floor for s in layers), default=0)
     return KVState(tuple(layers), depth, min(state_floor, depth), sum(s.nbytes for s in layers))
@@ -148,7 +161,9 @@ def checkout(state: KVState, depth: int | None = None, quant: KVQuant | None = N
     depth = state.depth if depth is None else depth
     if not state.can_serve(depth):
         raise ValueError(f"state at {state.depth} (floor {state.floor}) cannot serve depth {depth}")
-    live = LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth, quant)
+    kv = KINDS["kv"]
+    roots = [kv.root(s, depth) if s.kind == kv.name else None for s in state.layers]
+    live = LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth, quant, roots)
     if quant is not None:
         live.maybe_quantize()   # a full-precision entry checked out at or past the start
     return live

@@ -101,6 +101,20 @@ def _cut_tokens(a: Any, n: int) -> Any:
     return a[..., :n, :]
 
 
+def _joined(root: Any, tail: Any, p: int, depth: int, room: bool) -> Any:
+    """``root[:p] + tail[:depth - p]`` along the token axis; with ``room`` the buffer has 256 more
+    positions (a KVCache appends there in place; its ``offset`` says what is valid)."""
+    parts = [root[..., :p, :], tail[..., :depth - p, :]]
+    if room:
+        parts.append(mx.zeros((*tail.shape[:-2], 256, tail.shape[-1]), dtype=tail.dtype))
+    return mx.concatenate(parts, axis=-2)
+
+
+def rooted(state: LayerState) -> bool:
+    """A plain-KV state whose first tokens are a shared root (KVKind.capture_rooted)."""
+    return state.kind == "kv" and len(state.arrays) == 4
+
+
 def _plain_state(cls: type, keys: Any, values: Any, depth: int) -> LayerState:
     """A full-precision ``KVCache`` state of the first ``depth`` tokens of ``keys`` / ``values``."""
     return LayerState(KVKind.name, cls, (_cut_tokens(keys, depth), _cut_tokens(values, depth)), (), depth, 0)
@@ -193,11 +207,53 @@ class KVKind(CacheKind):
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls()
-        k, v = state.arrays
+        k, v = self.whole(state, depth)
         if k is not None:
-            c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
+            c.keys, c.values = k, v
             c.offset = depth
         return c
+
+    # ---- a shared root: the first ``prefix`` tokens held once for every entry that reuses them
+    def capture_rooted(self, layer: Any, depth: int, root: tuple[Any, Any, int]) -> LayerState:
+        """Like ``capture``, but the first ``p`` tokens are ``root`` (arrays another entry or
+        request holds: the same objects, never copied) and only ``[p, depth)`` is copied out.
+        Slots: (tail keys, tail values, root keys, root values); param ``prefix`` = p."""
+        rk, rv, p = root
+        if layer.keys is None:
+            return self.capture(layer, depth)
+        if depth <= p:                   # all of it is root: the root's own objects, nothing copied
+            empty = lambda a: a[..., :0, :]  # noqa: E731
+            return LayerState(self.name, type(layer), (empty(rk), empty(rv), rk, rv), (("prefix", depth),), depth, 0)
+        tail = lambda a: mx.contiguous(a[..., p:depth, :])  # noqa: E731 - a copy: the live buffer is not kept
+        return LayerState(self.name, type(layer), (tail(layer.keys), tail(layer.values), rk, rv),
+                          (("prefix", p),), depth, 0)
+
+    def whole(self, state: LayerState, depth: int, room: bool = True) -> tuple[Any, Any]:
+        """The state's keys / values cut to ``depth`` as new array objects (a rooted state past
+        its root: root + tail, one copy -- with ``room``, 256 positions to append in place)."""
+        if not rooted(state):
+            k, v = state.arrays
+            return (None, None) if k is None else (_cut_tokens(k, depth), _cut_tokens(v, depth))
+        k, v, rk, rv = state.arrays
+        p = state.param("prefix")
+        if depth <= p:
+            return _cut_tokens(rk, depth), _cut_tokens(rv, depth)
+        return _joined(rk, k, p, depth, room), _joined(rv, v, p, depth, room)
+
+    def root(self, state: LayerState, depth: int) -> tuple[Any, Any, int] | None:
+        """What a cache checked out of ``state`` at ``depth`` shares with it: (keys, values, n) --
+        its first n tokens are the first n of these arrays (the objects themselves)."""
+        if state.arrays[0] is None or depth <= 0:
+            return None
+        if not rooted(state):
+            return state.arrays[0], state.arrays[1], depth
+        return state.arrays[2], state.arrays[3], min(depth, state.param("prefix"))
+
+    def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
+        if rooted(state):               # on disk a rooted state is one plain state (the root inlined)
+            k, v = self.whole(state, state.depth, room=False)
+            return super().dump(LayerState(self.name, state.cls, (k, v), (), state.depth, 0))
+        return super().dump(state)
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
         layer.offset = target

@@ -44,10 +44,12 @@ from ..config import faults
 from ..runtime.mlx_stream import generation_stream
 from .batch_cache import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
 from .chat import ChatEngine, Sequence
+from .shared_prefix import shared_prefix_ok
 from .speculation import spec_budgets, speculative_step, wants_step
 
 log = logging.getLogger("mlxstack.batch")
 
+MIN_SHARED = 256      # a prefix this long (tokens) that rows share is held once in the slab
 COMPACT_SLACK = 256   # drop unused leading columns once every active row has this much padding
 BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form
 
@@ -91,6 +93,7 @@ class DecodeGroup:
         self._failed: list[tuple[Sequence, BaseException]] = []   # rows that failed in step()
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
+        self.min_shared = MIN_SHARED if shared_prefix_ok(engine) else 1 << 62
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -109,25 +112,27 @@ class DecodeGroup:
         self.resets += 1
         return lost
 
-    def _snapshot(self) -> tuple:
+    def _snapshot(self, touched: list[Sequence] = ()) -> tuple:
         """The group's bookkeeping and every slab layer's arrays (references): what a join or a
         leave changes. Slab writes outside the members' rows (a joiner's free row) need no undo;
         growing or compacting a slab assigns new arrays, so the old references are the old state."""
         kv = None
         if self.slab is not None:
             kv = [(i, self.slab[i], (self.slab[i].keys, self.slab[i].values, self.slab[i].offset,
-                                     self.slab[i].left_padding, self.slab[i]._idx, list(self.slab[i].gap)))
+                                     self.slab[i].left_padding, self.slab[i]._idx, list(self.slab[i].gap),
+                                     self.slab[i].prefix, list(self.slab[i].shares)))
                   for i in self.kv_idx]
+        owners = list(self.seqs) + [t for t in touched if all(t is not s for s in self.seqs)]
         return (list(self.seqs), dict(self.row), self.rows, None if self.slab is None else list(self.slab), kv,
-                [list(s.live.layers) for s in self.seqs])
+                [(s, list(s.live.layers)) for s in owners])
 
     def _restore(self, snap: tuple) -> None:
         seqs, row, rows, slab, kv, layers = snap
         self.seqs, self.row, self.rows, self.slab = seqs, row, rows, slab
-        for i, layer, (keys, values, offset, left_padding, idx, gap) in kv or []:
+        for i, layer, (keys, values, offset, left_padding, idx, gap, prefix, shares) in kv or []:
             layer.keys, layer.values, layer.offset, layer.left_padding, layer._idx = keys, values, offset, left_padding, idx
-            layer.gap = gap
-        for s, own in zip(seqs, layers):
+            layer.gap, layer.prefix, layer.shares, layer._rows_mask = gap, prefix, shares, None
+        for s, own in layers:
             s.live.layers = own
         self._check()
 
@@ -145,7 +150,7 @@ class DecodeGroup:
     def _atomic(self, touched: list[Sequence], change: Callable[[], None]) -> None:
         """Run a join or a leave; on failure put the group back as it was and re-raise (only
         ``touched`` fail). A rollback that fails drops the batch: GroupReset."""
-        snap = self._snapshot()
+        snap = self._snapshot(touched)
         try:
             change()
         except Exception as exc:
@@ -180,11 +185,12 @@ class DecodeGroup:
         self._make_room(1, seq.live.layers)
         faults.hit("slab_join", seq.job.request_id)
         row = self._free_rows()[0]
-        self._place_own(row, seq.live.layers)
+        self._place_own(row, seq)
         self.row[id(seq)] = row
         states[id(seq)] = [seq.live.layers[i] for i in self.other_idx]
         self.seqs = self.seqs + [seq]
         self._merge_other(states)
+        self._release(seq)
 
     def adopt(self, seqs: list[Sequence], layers: list[Any], members: list[int]) -> None:
         """Add sequences prefilled together (engine/batch_prefill.py, plain-KV models): row
@@ -198,10 +204,12 @@ class DecodeGroup:
             self._make_room(len(seqs), seqs[0].live.layers)
             faults.hit("slab_join", _ids(seqs))
             rows = self._free_rows()[:len(seqs)]
-            place_batch_rows(self.slab, rows, layers, members)
+            place_batch_rows(self.slab, rows, layers, members, [s.live.roots for s in seqs], self.min_shared)
             for seq, row in zip(seqs, rows):
                 self.row[id(seq)] = row
             self.seqs = self.seqs + list(seqs)
+            for seq in seqs:
+                self._release(seq)
 
         self._atomic(list(seqs), join)
 
@@ -209,8 +217,19 @@ class DecodeGroup:
         taken = set(self.row.values())
         return [r for r in range(self.rows) if r not in taken] if self.slab else []
 
-    def _place_own(self, row: int, layers: list[Any]) -> None:
-        place_own_layers([self.slab[i] for i in self.kv_idx], row, [layers[i] for i in self.kv_idx])
+    def _place_own(self, row: int, seq: Sequence) -> None:
+        layers, roots = seq.live.layers, seq.live.roots
+        place_own_layers([self.slab[i] for i in self.kv_idx], row, [layers[i] for i in self.kv_idx],
+                         [roots[i] if i < len(roots) else None for i in self.kv_idx], self.min_shared)
+
+    def _release(self, seq: Sequence) -> None:
+        """A member's own KV layers are in its slab row now: drop them (the row is its KV until it
+        leaves and ``take`` hands a copy back), so a batch does not hold every sequence twice."""
+        if self.slab is not None and self.kv_idx:
+            layers = list(seq.live.layers)
+            for i in self.kv_idx:
+                layers[i] = type(layers[i])()
+            seq.live.layers = layers
 
     def _make_room(self, joining: int, layers: list[Any]) -> None:
         """A batch with at least ``joining`` free rows (built from a group of one on its own
@@ -221,8 +240,9 @@ class DecodeGroup:
             self.slab = [SlabKVCache.empty(self.rows) if i in self.kv_idx else None for i in range(len(layers))]
             if self.seqs:                                   # the one member so far: row 0
                 only = self.seqs[0]
-                self._place_own(0, only.live.layers)
+                self._place_own(0, only)
                 self.row[id(only)] = 0
+                self._release(only)
         elif need > self.rows:
             self._rebuild(_pow2(need), self.seqs)
 

@@ -36,6 +36,12 @@ class SlabKVCache(BatchKVCache):
         # takes rejected drafts back from one row, not from all): 0 everywhere is mlx-lm's layout
         self.gap: list[int] = [0] * len(left_padding)
         self._ends: list[int] | None = None   # rows' ends before the rewinds settle() applies
+        # one prefix held once for the rows that share it (cascade attention: models/
+        # shared_attention.py): (keys, values, n) -- the first n positions of those arrays, the
+        # very objects a stored entry or a shared prefill holds; a sharing row keeps only its tail
+        self.prefix: tuple[mx.array, mx.array, int] | None = None
+        self.shares: list[bool] = [False] * len(left_padding)
+        self._rows_mask: mx.array | None = None
 
     @classmethod
     def empty(cls, rows: int) -> "SlabKVCache":
@@ -111,6 +117,33 @@ class SlabKVCache(BatchKVCache):
         start = mx.minimum(self.left_padding, ends)[:, None, None, None]
         return (cols <= query) & (cols >= start)
 
+    # ------------------------------------------------------------------ a shared prefix
+    def shared_prefix(self) -> tuple[mx.array, mx.array, mx.array, bool] | None:
+        """For the attention hook: (prefix keys, values, which rows see it, False: the model's
+        mask covers the slab's columns only), or None when no row shares a prefix."""
+        if self.prefix is None or not any(self.shares):
+            return None
+        rk, rv, n = self.prefix
+        if self._rows_mask is None:
+            self._rows_mask = mx.array(self.shares)
+        return rk[..., :n, :], rv[..., :n, :], self._rows_mask, False
+
+    def _share(self, root: tuple[mx.array, mx.array, int] | None, min_shared: int) -> int:
+        """How many leading tokens a sequence with ``root`` leaves to the slab's prefix (0: none;
+        the first root of at least ``min_shared`` tokens becomes the prefix)."""
+        if root is None or root[2] < max(1, min_shared) or root[0].shape[0] != 1:
+            return 0
+        if self.prefix is None:
+            self.prefix = root
+            return root[2]
+        rk, rv, n = self.prefix
+        return n if root[0] is rk and root[1] is rv and root[2] >= n else 0
+
+    def _set_share(self, row: int, on: bool) -> None:
+        if self.shares[row] != on:
+            self.shares[row] = on
+            self._rows_mask = None
+
     @property
     def rows(self) -> int:
         return int(self.offset.shape[0])
@@ -120,19 +153,29 @@ class SlabKVCache(BatchKVCache):
         self.keys = mx.zeros((rows, heads, cap, k_dim), dtype=dtype)
         self.values = mx.zeros((rows, heads, cap, v_dim), dtype=dtype)
 
-    def place(self, row: int, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+    def place(self, row: int, keys: mx.array | None, values: mx.array | None, length: int,
+              root: tuple[mx.array, mx.array, int] | None = None, min_shared: int = 0) -> None:
         """Write one sequence's K/V (``[1, heads, >= length, dim]``, the first ``length``
-        positions valid) into ``row``, right-aligned at the shared index."""
+        positions valid) into ``row``, right-aligned at the shared index. With ``root`` (the
+        sequence's first tokens are those arrays': ``LiveCache.roots``) that is the slab's prefix,
+        only what follows the prefix is written."""
         if length < 1 or keys is None:
             raise ValueError("a decoding sequence holds at least its prompt")
-        keys, values = keys[..., :length, :], values[..., :length, :]
+        skip = self._share(root, min_shared) if length > 1 else 0
+        skip = min(skip, length - 1)                 # the row keeps at least one column of its own
+        self._write(row, keys[..., skip:length, :], values[..., skip:length, :], length - skip, length)
+        self._set_share(row, skip > 0)
+
+    def _write(self, row: int, keys: mx.array, values: mx.array, length: int, total: int) -> None:
+        """Write ``length`` positions of K/V as ``row``'s columns; the row holds ``total`` tokens
+        (its RoPE offset: ``length`` plus the shared prefix it sees)."""
         if self.keys is None:
             self._alloc(self.rows, keys.shape[1], length, keys.shape[3], values.shape[3], keys.dtype)
             self._idx = length
             # rows nobody holds attend over zeros (finite): a fully masked row would turn to NaN,
             # and NaN left behind in a row poisons whoever is placed there next (0 * NaN)
             self.left_padding = mx.zeros((self.rows,), dtype=mx.int32)
-            self.offset = mx.full((self.rows,), length, dtype=mx.int32)
+            self.offset = mx.full((self.rows,), total, dtype=mx.int32)
         elif length > self._idx:                      # every row moves right once
             shift = length - self._idx
             old_k, old_v, old_idx = self.keys, self.values, self._idx
@@ -145,7 +188,7 @@ class SlabKVCache(BatchKVCache):
         self.keys[row:row + 1, :, start:self._idx, :] = keys
         self.values[row:row + 1, :, start:self._idx, :] = values
         self.left_padding[row] = start
-        self.offset[row] = length
+        self.offset[row] = total
         self.gap[row] = 0
 
     def take(self, row: int) -> KVCache:
@@ -154,13 +197,20 @@ class SlabKVCache(BatchKVCache):
         start = int(self.left_padding[row].item())
         end = self._idx - self.gap[row]
         if self.keys is not None and start < end:
-            cache.keys = mx.contiguous(self.keys[row:row + 1, :, start:end, :])
-            cache.values = mx.contiguous(self.values[row:row + 1, :, start:end, :])
-            cache.offset = end - start
+            k, v = self.keys[row:row + 1, :, start:end, :], self.values[row:row + 1, :, start:end, :]
+            if self.shares[row]:                      # the prefix in front, room to append
+                rk, rv, n = self.prefix
+                pad = lambda a: mx.zeros((1, a.shape[1], KVCache.step, a.shape[3]), dtype=a.dtype)  # noqa: E731
+                cache.keys = mx.concatenate([rk[..., :n, :], k, pad(k)], axis=2)
+                cache.values = mx.concatenate([rv[..., :n, :], v, pad(v)], axis=2)
+                cache.offset = n + end - start
+            else:
+                cache.keys, cache.values = mx.contiguous(k), mx.contiguous(v)
+                cache.offset = end - start
         return cache
 
     def row_view(self, row: int) -> tuple[mx.array | None, mx.array | None, int]:
-        """``row``'s valid K/V as views (for placing it into another slab without a copy)."""
+        """``row``'s own columns as views (for placing it into another slab without a copy)."""
         if self.keys is None:
             return None, None, 0
         start = int(self.left_padding[row].item())
@@ -188,29 +238,40 @@ class SlabKVCache(BatchKVCache):
         0..len(keep)-1): to grow when full, or to shrink when most rows are free."""
         new = SlabKVCache.empty(rows)
         views = [self.row_view(r) for r in keep]
+        shared = [self.shares[r] for r in keep]
+        if any(shared):
+            new.prefix = self.prefix
         longest = max((n for _, _, n in views), default=0)
         if longest:
             # the longest first: one allocation, every other row lands without a shift
             order = sorted(range(len(views)), key=lambda i: -views[i][2])
+            n_prefix = self.prefix[2] if any(shared) else 0
             for i in order:
-                new.place(i, *views[i])
+                k, v, n = views[i]
+                new._write(i, k, v, n, n + (n_prefix if shared[i] else 0))
+                new._set_share(i, shared[i])
         return new
 
 
-def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_layers: list[Any], members: list[int]) -> None:
-    """Copy rows ``members`` of mlx-lm ``BatchKVCache`` layers (a batched prefill) into ``rows``."""
-    for slab, batch in zip(slab_layers, batch_layers):
+def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_layers: list[Any], members: list[int],
+                     roots: list[list[Any]] | None = None, min_shared: int = 0) -> None:
+    """Copy rows ``members`` of mlx-lm ``BatchKVCache`` layers (a batched prefill) into ``rows``
+    (``roots[j]``: member j's roots, one per layer, for the slab's shared prefix)."""
+    for li, (slab, batch) in enumerate(zip(slab_layers, batch_layers)):
         mx.eval(batch.left_padding)
         pads = batch.left_padding.tolist()
-        for row, i in zip(rows, members):
+        for j, (row, i) in enumerate(zip(rows, members)):
             slab.place(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
-                           batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i])
+                       batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i],
+                       roots[j][li] if roots else None, min_shared)
 
 
-def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache]) -> None:
-    """Copy a sequence's own KVCache layers into ``row``."""
-    for slab, own in zip(slab_layers, own_layers):
-        slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0)
+def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache],
+                     roots: list[Any] | None = None, min_shared: int = 0) -> None:
+    """Copy a sequence's own KVCache layers into ``row`` (``roots``: theirs, one per layer)."""
+    for li, (slab, own) in enumerate(zip(slab_layers, own_layers)):
+        slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0,
+                   roots[li] if roots else None, min_shared)
 
 
 def is_row_layer(layer: Any) -> bool:
@@ -225,12 +286,14 @@ def merge_layer(caches: list[Any]) -> Any:
     return type(caches[0]).merge(caches)
 
 
-def stack_layers(rows: list[list[Any]]) -> list[Any]:
-    """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers)."""
+def stack_layers(rows: list[list[Any]], roots: list[list[Any]] | None = None, min_shared: int = 0) -> list[Any]:
+    """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers;
+    ``roots[i]`` its roots, for a shared prefix of at least ``min_shared`` tokens)."""
     kv = [i for i, layer in enumerate(rows[0]) if is_row_layer(layer)]
     out = [SlabKVCache.empty(len(rows)) if i in kv else merge_layer([layers[i] for layers in rows])
            for i in range(len(rows[0]))]
     for r, layers in enumerate(rows):
-        place_own_layers([out[i] for i in kv], r, [layers[i] for i in kv])
+        place_own_layers([out[i] for i in kv], r, [layers[i] for i in kv],
+                         [roots[r][i] for i in kv] if roots else None, min_shared)
     return out
 

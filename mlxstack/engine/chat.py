@@ -343,7 +343,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             seq.prefill_aborted = True
             return True
         end = min(n - 1, seq.pos + max(1, budget))
-        stop_at = min([k for k in seq.checkpoints if seq.pos < k <= end], default=end)
+        stop_at = min([k for k in (*seq.checkpoints, *seq.stops) if seq.pos < k <= end], default=end)
         faults.hit("prefill_chunk", seq.job.request_id)
         if stop_at > seq.pos:
             feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size)

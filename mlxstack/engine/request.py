@@ -145,3 +145,6 @@ class Sequence:
     batch_sizes: list[int] = field(default_factory=list)
     closed: list[int] | None = None   # the turn was closed in the KV already: what it holds after the prompt
     spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)
+    stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
+    follows: Any = None               # (leader Sequence, depth): waits to take the leader's first tokens
+    shared_prefill: int = 0           # prompt tokens taken from another request's prefill (not computed)

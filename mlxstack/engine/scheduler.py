@@ -39,6 +39,7 @@ from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
 from .kv_bytes import live_bytes
+from .shared_prefill import fork, plan_follow, ready
 from .worker import resolve
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -78,6 +79,7 @@ class Scheduler:
         self.closed_together = 0      # turns closed in a shared forward with others
         self.failed = 0               # requests failed by the scheduler (not by their own finish)
         self.recoveries = 0           # times the whole state was thrown away (recover)
+        self.shared_prefills = 0      # requests that took a common prompt prefix from another's prefill
 
     @property
     def active(self) -> int:
@@ -99,7 +101,31 @@ class Scheduler:
             return
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
+        if self.group.dense and self.group.min_shared < (1 << 62):
+            plan = plan_follow(seq, self.prefilling, self.group.min_shared)
+            if plan is not None:
+                seq.follows = plan
+                plan[0].stops.append(plan[1])
         self.prefilling.append(seq)
+        self._forks()
+
+    def _forks(self) -> None:
+        """Waiting requests whose leader's prefill reached the shared depth take its KV; those
+        whose leader left (failed, abandoned) prefill on their own."""
+        for seq in self.prefilling:
+            if seq.follows is None:
+                continue
+            leader = seq.follows[0]
+            if all(leader is not s for s in self.prefilling):
+                seq.follows = None
+            elif ready(seq):
+                try:
+                    fork(seq, self.engine.state.kv_quant)
+                    self.shared_prefills += 1
+                    self.engine.state.counters.bump("shared_prefill_tokens", seq.shared_prefill)
+                except Exception:  # noqa: BLE001 - it prefills on its own
+                    log.exception("request %s could not take its shared prefix", seq.job.request_id)
+                    seq.follows = None
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
@@ -117,6 +143,7 @@ class Scheduler:
                 self._drop_prefilling(i)
                 self._fail(seq, exc)
                 done = False
+            self._forks()                 # before it joins the batch (its own layers go to a row)
             if done:
                 self._drop_prefilling(i)
                 self._prefilled(seq)
@@ -179,12 +206,15 @@ class Scheduler:
         the chunk goes before a longer one (a side request during a long cold prompt waits at most
         one chunk), but never twice in a row while a longer one waits; otherwise round-robin."""
         if not self._short_last:
-            i = shortest_fitting([remaining(s) for s in self.prefilling], self.prefill_budget)
+            i = shortest_fitting([0 if s.follows else remaining(s) for s in self.prefilling], self.prefill_budget)
             if i is not None:
                 self._short_last = True
                 return i
         self._short_last = False
-        self._rr = next_round_robin(len(self.prefilling), self._rr)
+        for _ in range(len(self.prefilling)):      # a request waiting for its leader is skipped
+            self._rr = next_round_robin(len(self.prefilling), self._rr)
+            if self.prefilling[self._rr].follows is None:
+                break
         return self._rr
 
     def _drop_prefilling(self, i: int) -> None:
@@ -227,8 +257,8 @@ class Scheduler:
         with decode batching; a long prompt still waiting gets the next step)."""
         if not self.group.dense or len(self.prefilling) < 2:
             return []
-        cands = [s for s in self.prefilling
-                 if not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
+        cands = [s for s in self.prefilling if s.follows is None
+                 and not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
         chosen = [cands[i] for i in choose_short([remaining(s) for s in cands], self.prefill_budget)]
         if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):
             return []

@@ -20,6 +20,7 @@ from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
+from .kv_bytes import resident_bytes
 from ..cache.layer_kinds import CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
@@ -163,6 +164,7 @@ class EngineState:
         counters = self.counters.snapshot()
         with self.rows_lock:
             rows = list(self.rows)
+        tier = resident_bytes(payload for _, payload in held)
         return {
             "enabled": pc.enabled,
             "cache_layout": self.layout.describe(),
@@ -175,7 +177,10 @@ class EngineState:
             "bytes": sum(e.nbytes for e in entries),
             # resident KV / state: requests in flight (each array once) + the RAM cache tier
             "live_kv_bytes": self.live_kv_bytes,
-            "kv_bytes": self.live_kv_bytes + sum(e.nbytes for e in entries),
+            # the tier's arrays each counted once: entries that share a root (a prefix another
+            # entry holds: cache/layer_kinds.py KVKind.capture_rooted) hold it once between them
+            "tier_kv_bytes": tier,
+            "kv_bytes": self.live_kv_bytes + tier,
             "quantized_bytes": sum(e.nbytes for e, payload in held
                                    if any(s.kind == "quantized" for s in getattr(payload, "layers", ()))),
             "budget_bytes": self.cache_budget,

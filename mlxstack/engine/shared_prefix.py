@@ -1,0 +1,68 @@
+"""Whether a loaded model may attend a shared prefix held once (cascade attention).
+
+    if shared_prefix_ok(engine): ...     # rows of a decode batch that share a root keep only tails
+
+A slab whose rows share a prefix (engine/batch_cache.py ``SlabKVCache.prefix``) relies on the
+model calling mlx-lm's ``scaled_dot_product_attention`` with the cache it updated
+(models/shared_attention.py routes that call through the cascade). A model that attends some other
+way would silently ignore the prefix, so this is checked once per engine with the real model: two
+sequences that share a prefix, stepped together with the prefix held once, must give the logits
+each gives on its own cache. Any difference or error: the prefix is never shared (rows hold
+their whole sequences, as before).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache.kv_ops import capture, checkout
+from ..models.shared_attention import install
+from ..runtime.generate import feed
+
+log = logging.getLogger("mlxstack.shared_prefix")
+
+
+def shared_prefix_ok(engine: Any) -> bool:
+    """Checked once per engine (the answer is kept on it)."""
+    known = getattr(engine, "_shared_prefix_ok", None)
+    if known is None:
+        known = _check(engine)
+        engine._shared_prefix_ok = known
+        if known:
+            log.info("shared prefixes: rows of a decode batch that share a cached prefix hold it once")
+    return known
+
+
+def _check(engine: Any) -> bool:
+    from .batch_cache import stack_layers
+
+    if engine.loaded.is_vlm or engine.state.kv_quant is not None:
+        return False
+    install()
+    model = engine.loaded.model
+    try:
+        base = engine.new_cache()
+        feed(model, base, list(range(100, 106)), 16)
+        root = capture(base)
+
+        def lives() -> list[Any]:
+            out = []
+            for tail in ([7, 8, 9], [11, 12, 13, 14, 15]):
+                live = checkout(root, root.depth)
+                feed(model, live, tail, 16)
+                out.append(live)
+            return out
+
+        nxt = mx.array([[21], [22]], dtype=mx.int32)
+        alone = [model(nxt[i:i + 1], cache=lv.layers)[:, -1, :] for i, lv in enumerate(lives())]
+        rows = lives()
+        batch = stack_layers([lv.layers for lv in rows], [lv.roots for lv in rows], 1)
+        if not any(getattr(layer, "shared_prefix", lambda: None)() is not None for layer in batch):
+            return False
+        together = model(nxt, cache=batch)[:, -1, :]
+        return all(mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2))
+    except Exception as exc:  # noqa: BLE001 - any failure: never share
+        log.info("shared prefixes off: %s: %s", type(exc).__name__, exc)
+        return False

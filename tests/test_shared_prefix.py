@@ -1,0 +1,196 @@
+"""One copy of a shared prefix (issue 20): cascade attention, rooted cache entries, a decode
+slab whose rows share a prefix, and requests that arrive together prefilling it once."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import mlx.core as mx
+import pytest
+
+from mlxstack.cache.kv_ops import capture, checkout, dump_state, load_state
+from mlxstack.cache.layer_kinds import KINDS, rooted
+from mlxstack.engine.batch import batching_support
+from mlxstack.engine.batch_cache import SlabKVCache
+from mlxstack.engine.kv_bytes import resident_bytes
+from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.shared_prefix import shared_prefix_ok
+from mlxstack.models.shared_attention import Part, attend_parts
+from mlxstack.runtime.generate import feed
+from tests.conftest import build_engine, engine_settings
+from tests.test_engine import job
+
+SYSTEM = "You are a careful sub-agent. Read the files first, change little, test every change. " * 14
+
+
+# ------------------------------------------------------------------------------ the attention
+def _full(pk, tk, B):
+    return mx.concatenate([mx.broadcast_to(pk, (B, *pk.shape[1:])), tk], axis=2)
+
+
+@pytest.mark.parametrize("L", [1, 5])
+def test_cascade_equals_attention_over_the_concatenation(L):
+    mx.random.seed(3)
+    B, Hq, Hkv, D, P, T = 4, 6, 2, 16, 37, 9
+    q = mx.random.normal((B, Hq, L, D))
+    pk, pv = mx.random.normal((1, Hkv, P, D)), mx.random.normal((1, Hkv, P, D))
+    tk, tv = mx.random.normal((B, Hkv, T, D)), mx.random.normal((B, Hkv, T, D))
+    sinks = mx.random.normal((Hq,))
+    # the causal rule over the tail; row 2 does not see the prefix at all
+    rows = mx.array([True, True, False, True])
+    qpos = mx.arange(T - L, T)[:, None]
+    tail_mask = mx.broadcast_to((qpos >= mx.arange(T)[None])[None, None], (B, 1, L, T))
+    full_mask = mx.concatenate([mx.broadcast_to(rows.reshape(B, 1, 1, 1), (B, 1, L, P)), tail_mask], axis=-1)
+    for s in (None, sinks):
+        ref = mx.fast.scaled_dot_product_attention(q, _full(pk, tk, B), _full(pv, tv, B), scale=0.25,
+                                                   mask=full_mask, sinks=s)
+        out = attend_parts(q, [Part(pk, pv, rows=rows), Part(tk, tv, "causal" if L > 1 else None)], 0.25, s)
+        assert out.shape == ref.shape
+        assert mx.abs(out - ref).max().item() < 1e-5
+
+
+def test_cascade_one_row_with_a_full_mask_split_at_the_prefix():
+    from mlxstack.models.shared_attention import split_mask
+
+    mx.random.seed(4)
+    Hq, Hkv, D, P, T, L = 4, 4, 8, 12, 6, 6
+    q = mx.random.normal((1, Hq, L, D))
+    pk, pv = mx.random.normal((1, Hkv, P, D)), mx.random.normal((1, Hkv, P, D))
+    tk, tv = mx.random.normal((1, Hkv, T, D)), mx.random.normal((1, Hkv, T, D))
+    mask = mx.arange(P, P + L)[:, None] >= mx.arange(P + T)[None]          # a causal array mask
+    ref = mx.fast.scaled_dot_product_attention(q, mx.concatenate([pk, tk], 2), mx.concatenate([pv, tv], 2),
+                                               scale=0.3, mask=mask)
+    pm, tm = split_mask(mask, P)
+    out = attend_parts(q, [Part(pk, pv, pm), Part(tk, tv, tm)], 0.3)
+    assert mx.abs(out - ref).max().item() < 1e-5
+
+
+# ------------------------------------------------------------------------------ rooted entries
+@pytest.fixture(scope="module")
+def dense_engine(tiny_dense_path):
+    return build_engine(engine_settings(tiny_dense_path))
+
+
+def test_a_hit_stores_only_what_follows_its_root(dense_engine):
+    eng = dense_engine
+    model = eng.loaded.model
+    first = eng.new_cache()
+    feed(model, first, list(range(100, 140)), 16)
+    entry = capture(first)                                    # a cold turn's entry: plain
+    assert not any(rooted(s) for s in entry.layers)
+    live = checkout(entry, 30)                                # a hit at 30 of its 40 tokens
+    assert all(r is not None and r[0] is s.arrays[0] and r[2] == 30 for r, s in zip(live.roots, entry.layers))
+    feed(model, live, list(range(200, 210)), 16)
+    second = capture(live)
+    for s, e in zip(second.layers, entry.layers):
+        assert rooted(s) and s.arrays[2] is e.arrays[0] and s.param("prefix") == 30
+        assert s.arrays[0].shape[2] == 10                     # only the 10 new tokens were copied
+    # the tier counts the shared root once
+    apart = sum(resident_bytes([x]) for x in (entry, second))
+    assert resident_bytes([entry, second]) == apart - sum(s.arrays[2].nbytes + s.arrays[3].nbytes
+                                                          for s in second.layers)
+    # what it serves is exactly the plain cache's tokens, at every depth, and on disk it is plain
+    plain = capture(live).layers
+    for depth in (7, 30, 35, 40):
+        a = checkout(second, depth)
+        assert a.depth == depth
+        for la, lb in zip(a.layers, live.layers):
+            assert la.offset == depth
+            assert mx.array_equal(la.keys[..., :depth, :], lb.keys[..., :depth, :]).item()
+            assert mx.array_equal(la.values[..., :depth, :], lb.values[..., :depth, :]).item()
+    arrays, meta = dump_state(second)
+    back = load_state(arrays, meta)
+    assert not any(rooted(s) for s in back.layers)
+    for s, p in zip(back.layers, plain):
+        k, _ = KINDS["kv"].whole(p, p.depth, room=False)
+        assert mx.array_equal(s.arrays[0], k).item()
+    # a checkout of the rooted entry shares the ROOT (the first entry's arrays), not its copy
+    third = checkout(second, 40)
+    assert all(r[0] is e.arrays[0] and r[2] == 30 for r, e in zip(third.roots, entry.layers))
+
+
+# ------------------------------------------------------------------------------ the slab
+def test_slab_rows_share_one_prefix_and_take_gives_the_whole_sequence(dense_engine):
+    eng = dense_engine
+    assert shared_prefix_ok(eng)
+    model = eng.loaded.model
+    base = eng.new_cache()
+    feed(model, base, list(range(100, 120)), 16)
+    root = capture(base)
+    lives = []
+    for tail in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        live = checkout(root, 20)
+        feed(model, live, tail, 16)
+        lives.append(live)
+    slab = SlabKVCache.empty(4)
+    for r, live in enumerate(lives):
+        layer = live.layers[0]
+        slab.place(r, layer.keys, layer.values, layer.offset, live.roots[0], 16)
+    assert slab.shares == [True, True, False, False] and slab.prefix[2] == 20
+    assert slab.keys.shape[2] >= 5 and slab._idx == 5                   # tails only: 3 and 5 columns
+    assert slab.offset.tolist()[:2] == [23, 25]                          # RoPE positions count the prefix
+    for r, live in enumerate(lives):
+        back = slab.take(r)
+        assert back.offset == live.layers[0].offset
+        assert mx.array_equal(back.keys[..., :back.offset, :], live.layers[0].keys[..., :back.offset, :]).item()
+    # a root shorter than the minimum is not shared
+    other = SlabKVCache.empty(2)
+    layer = lives[0].layers[0]
+    other.place(0, layer.keys, layer.values, layer.offset, lives[0].roots[0], 64)
+    assert other.shares == [False, False] and other.prefix is None
+
+
+# ------------------------------------------------------------------------------ arriving together
+def _messages(i):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {i}: look at module {i}."}]
+
+
+def _run(engine, jobs):
+    sched = Scheduler(engine, 8, 128, batching=batching_support(engine)[0])
+    futures, shares = [], []
+    for j in jobs:
+        f = Future()
+        f.set_running_or_notify_cancel()
+        sched.admit(j, f)
+        futures.append(f)
+    while not sched.idle():
+        sched.step()
+        if sched.group.slab:
+            shares.append(sum(sched.group.slab[0].shares))
+    return [f.result() for f in futures], sched, shares
+
+
+def test_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_path):
+    alone = build_engine(engine_settings(tiny_dense_path))
+    solo = [alone.run(job(_messages(i), max_tokens=8, session=f"a{i}")[0]) for i in range(3)]
+    eng = build_engine(engine_settings(tiny_dense_path))
+    outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=8, session=f"b{i}")[0] for i in range(3)])
+    assert [o.text for o in outs] == [o.text for o in solo]              # token for token
+    assert sched.shared_prefills == 2
+    n = outs[0].prompt_tokens
+    shared = eng.state.counters.snapshot()["shared_prefill_tokens"]
+    assert [o.cached_tokens for o in outs[1:]] == [shared // 2] * 2 and shared // 2 >= n - 20
+    assert max(shares) == 3                                              # every row held the prefix once
+    stats = eng.state.stats()
+    assert stats["tier_kv_bytes"] < stats["bytes"] * 0.5                 # the entries share it too
+
+
+def test_a_follower_whose_leader_fails_prefills_on_its_own(tiny_dense_path):
+    from mlxstack.config import faults
+
+    eng = build_engine(engine_settings(tiny_dense_path))
+    alone = build_engine(engine_settings(tiny_dense_path))
+    expect = alone.run(job(_messages(1), max_tokens=6, session="c1")[0]).text
+    j0, _ = job(_messages(0), max_tokens=6, session="d0")
+    j0.request_id = "leader"
+    j1, _ = job(_messages(1), max_tokens=6, session="d1")
+    with faults.injected("prefill_chunk@leader"):
+        sched = Scheduler(eng, 8, 128, batching=True)
+        f0, f1 = Future(), Future()
+        for f, j in ((f0, j0), (f1, j1)):
+            f.set_running_or_notify_cancel()
+            sched.admit(j, f)
+        assert sched.prefilling[1].follows is not None
+        while not sched.idle():
+            sched.step()
+    assert f0.exception() is not None
+    assert f1.result().text == expect and sched.shared_prefills == 0
