@@ -20,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import mlx.core as mx  # noqa: E402
+
 from mlxstack.config.settings import load_settings  # noqa: E402
 from mlxstack.engine.batch import batching_support  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
@@ -38,6 +40,11 @@ def run(n: int, system: str, max_tokens: int) -> dict:
     settings = load_settings(env=env)
     engine = make_engine(load_model(settings), settings)
     sched = Scheduler(engine, max(8, n), 512, batching=batching_support(engine)[0])
+    # the MLX allocator's own view (every buffer, activations included, transients within a step
+    # too): what the process really held on top of the loaded model
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
     futures = []
     for i in range(n):
         job = ChatJob(request_id=f"k{i}", messages=[{"role": "system", "content": system},
@@ -53,10 +60,12 @@ def run(n: int, system: str, max_tokens: int) -> dict:
         sched.step()
         peak = max(peak, engine.state.live_kv_bytes)
     outs = [f.result() for f in futures]
+    mx.synchronize()
+    alloc_peak, alloc_after = mx.get_peak_memory() - base, mx.get_active_memory() - base
     stats = engine.state.stats()
     return {"prompt": outs[0].prompt_tokens, "peak_live": peak, "tier": stats["tier_kv_bytes"],
             "tier_entries": stats["bytes"], "after": stats["kv_bytes"], "shared": sched.shared_prefills,
-            "texts": [o.text for o in outs]}
+            "texts": [o.text for o in outs], "alloc_peak": alloc_peak, "alloc_after": alloc_after}
 
 
 def main() -> None:
@@ -79,6 +88,10 @@ def main() -> None:
     for label, r in (("1", one), (str(args.sessions), many)):
         print(f"{label:>8} {r['peak_live'] / mib:19.1f} {r['tier'] / mib:21.1f} {r['tier_entries'] / mib:17.1f} "
               f"{(r['peak_live'] + r['tier']) / (one['peak_live'] + one['tier']):17.2f}x {r['shared']:16d}")
+    print(f"MLX allocator, on top of the loaded model: peak {many['alloc_peak'] / mib:.1f} MiB for "
+          f"{args.sessions} vs {one['alloc_peak'] / mib:.1f} MiB for 1 = {many['alloc_peak'] / one['alloc_peak']:.2f}x; "
+          f"held after {many['alloc_after'] / mib:.1f} vs {one['alloc_after'] / mib:.1f} MiB "
+          f"= {many['alloc_after'] / one['alloc_after']:.2f}x")
     print(f"first session's reply identical to the single run's: {many['texts'][0] == one['texts'][0]}")
 
 

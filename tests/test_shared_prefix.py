@@ -9,6 +9,9 @@ import pytest
 
 from mlxstack.cache.kv_ops import capture, checkout, dump_state, load_state
 from mlxstack.cache.layer_kinds import KINDS, rooted
+from mlx_lm.models.cache import KVCache
+
+from mlxstack.cache.prefixed_kv import PrefixedKVCache
 from mlxstack.engine.batch import batching_support
 from mlxstack.engine.batch_cache import SlabKVCache
 from mlxstack.engine.kv_bytes import resident_bytes
@@ -129,14 +132,68 @@ def test_slab_rows_share_one_prefix_and_take_gives_the_whole_sequence(dense_engi
     assert slab.keys.shape[2] >= 5 and slab._idx == 5                   # tails only: 3 and 5 columns
     assert slab.offset.tolist()[:2] == [23, 25]                          # RoPE positions count the prefix
     for r, live in enumerate(lives):
-        back = slab.take(r)
-        assert back.offset == live.layers[0].offset
-        assert mx.array_equal(back.keys[..., :back.offset, :], live.layers[0].keys[..., :back.offset, :]).item()
+        whole = slab.take(r, whole=True)
+        assert type(whole) is KVCache and whole.offset == live.layers[0].offset
+        assert mx.array_equal(whole.keys[..., :whole.offset, :], live.layers[0].keys[..., :whole.offset, :]).item()
+        back = slab.take(r)                              # the prefix by reference, the tail copied
+        assert type(back) is PrefixedKVCache and back.prefix[0] is live.roots[0][0] and back.offset == whole.offset
+        assert back.keys.shape[2] >= back.offset - 20
+        again = back.whole()
+        assert mx.array_equal(again.keys, whole.keys[..., :whole.offset, :]).item()
     # a root shorter than the minimum is not shared
     other = SlabKVCache.empty(2)
     layer = lives[0].layers[0]
     other.place(0, layer.keys, layer.values, layer.offset, lives[0].roots[0], 64)
     assert other.shares == [False, False] and other.prefix is None
+
+
+def test_a_row_handed_back_with_its_prefix_by_reference_decodes_stores_and_cuts_exactly(dense_engine):
+    """A PrefixedKVCache (what a finished row of a sharing batch becomes): a forward on it gives
+    the logits of the same tokens on one plain buffer; captured, it is a rooted plain-KV state
+    (the prefix by reference); cut back into the prefix, it serves the shorter depth."""
+    from mlxstack.cache.kv_ops import LiveCache
+
+    eng = dense_engine
+    model = eng.loaded.model
+    plain = eng.new_cache()
+    feed(model, plain, list(range(100, 130)), 16)
+    entry = capture(plain)
+    lives = []
+    for _ in range(2):
+        live = checkout(entry, 24)
+        feed(model, live, [5, 6, 7], 16)
+        lives.append(live)
+    slab = SlabKVCache.empty(2)
+    for r, live in enumerate(lives):
+        slab.place(r, live.layers[0].keys, live.layers[0].values, 27, live.roots[0], 8)
+    layers = []
+    for li in range(len(lives[0].layers)):
+        s2 = SlabKVCache.empty(2)
+        for r, live in enumerate(lives):
+            lay = live.layers[li]
+            s2.place(r, lay.keys, lay.values, 27, live.roots[li], 8)
+        layers.append(s2.take(0))
+    assert all(type(x) is PrefixedKVCache for x in layers)
+    pre = LiveCache(layers, 27)
+    ref = checkout(entry, 24)
+    feed(model, ref, [5, 6, 7], 16)
+    nxt = mx.array([[9, 10, 11]], dtype=mx.int32)
+    a = model(nxt, cache=pre.layers)
+    b = model(nxt, cache=ref.layers)
+    assert mx.abs(a - b).max().item() < 1e-4
+    pre.advance(3)
+    ref.advance(3)
+    assert mx.argmax(a[0, -1]).item() == mx.argmax(b[0, -1]).item()
+    state = capture(pre)
+    assert all(rooted(x) and x.arrays[2] is e.arrays[0] and x.param("prefix") == 24
+               for x, e in zip(state.layers, entry.layers))
+    back = checkout(state, 30)
+    for x, y in zip(back.layers, pre.layers):
+        assert mx.array_equal(x.keys[..., :30, :], y.whole().keys).item()
+    pre.cut(20)                                            # into the prefix
+    assert all(x.offset == 20 and x.prefix[2] == 20 and x.keys is None for x in pre.layers)
+    short = capture(pre)
+    assert short.depth == 20 and all(x.arrays[2] is e.arrays[0] for x, e in zip(short.layers, entry.layers))
 
 
 # ------------------------------------------------------------------------------ arriving together

@@ -495,8 +495,52 @@ class ListKind(CacheKind):
         return LayerState(self.name, cls, (), (), int(meta["depth"]), int(meta["floor"]), tuple(children))
 
 
+class PrefixedKind(CacheKind):
+    """``PrefixedKVCache`` (cache/prefixed_kv.py): a plain KV layer whose first tokens are a prefix
+    held by reference (a row handed back by a decode batch whose rows share one). Any depth; it is
+    stored as a rooted plain-KV state (the prefix by reference, the tail copied), so every entry,
+    checkout and disk file is the plain kind's."""
+    name = "prefixed"
+    class_names = ("PrefixedKVCache",)
+    always_trimmable = True
+
+    def matches(self, layer: Any) -> bool:
+        cls = type(layer)
+        return cls.__name__ in self.class_names and cls.__module__ == "mlxstack.cache.prefixed_kv"
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return 0
+
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
+        from mlx_lm.models.cache import KVCache
+
+        rk, rv, n = layer.prefix if layer.prefix else (None, None, 0)
+        if not n:
+            k, v = layer.tail(depth)
+            return _plain_state(KVCache, k, v, depth) if k is not None else LayerState("kv", KVCache, (None, None), (), 0, 0)
+        if depth <= n:
+            empty = lambda a: a[..., :0, :]  # noqa: E731
+            return LayerState("kv", KVCache, (empty(rk), empty(rv), rk, rv), (("prefix", depth),), depth, 0)
+        tk, tv = layer.tail(depth)
+        return LayerState("kv", KVCache, (mx.contiguous(tk), mx.contiguous(tv), rk, rv), (("prefix", n),), depth, 0)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        raise TypeError("a prefixed layer is stored as a plain KV state")
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        n = layer.n_prefix
+        if target >= n:
+            layer.offset = target
+        else:                       # into the prefix: a shorter prefix, no tail
+            rk, rv, _ = layer.prefix
+            layer.prefix, layer.keys, layer.values, layer.offset = (rk, rv, target), None, None, target
+
+    def room(self, layer: Any, depth: int) -> int:
+        return UNBOUNDED
+
+
 KINDS: dict[str, CacheKind] = {k.name: k for k in (KVKind(), QuantizedKind(), RotatingKind(), ChunkedKind(),
-                                                   ArraysKind(), ListKind())}
+                                                   ArraysKind(), ListKind(), PrefixedKind())}
 
 
 def kind_of(layer: Any) -> CacheKind | None:

@@ -297,8 +297,9 @@ class DecodeGroup:
         for seq in back:
             row = freed[id(seq)] if id(seq) in freed else self.row.pop(id(seq))
             layers: list[Any] = [None] * len(self.slab)
+            alone = all(seq is not g for g in gone)      # goes on decoding on its own cache
             for i in self.kv_idx:
-                layers[i] = self.slab[i].take(row)
+                layers[i] = self.slab[i].take(row, whole=alone)
             for j, i in enumerate(self.other_idx):
                 layers[i] = states[id(seq)][j]
             seq.live.layers = layers

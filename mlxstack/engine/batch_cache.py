@@ -26,6 +26,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..cache.prefixed_kv import PrefixedKVCache
+
+
+SHARED_STEP = 64   # columns a slab whose rows share a prefix grows by (its rows hold only tails)
+
 
 class SlabKVCache(BatchKVCache):
     step = 256
@@ -135,6 +140,7 @@ class SlabKVCache(BatchKVCache):
             return 0
         if self.prefix is None:
             self.prefix = root
+            self.step = SHARED_STEP       # rows hold short tails: grow them in smaller steps
             return root[2]
         rk, rv, n = self.prefix
         return n if root[0] is rk and root[1] is rv and root[2] >= n else 0
@@ -161,8 +167,11 @@ class SlabKVCache(BatchKVCache):
         only what follows the prefix is written."""
         if length < 1 or keys is None:
             raise ValueError("a decoding sequence holds at least its prompt")
-        skip = self._share(root, min_shared) if length > 1 else 0
-        skip = min(skip, length - 1)                 # the row keeps at least one column of its own
+        skip = self._share(root, min_shared)
+        if skip > length:
+            raise ValueError(f"a root of {skip} tokens in front of a sequence of {length}")
+        # a sharing row's tail may be empty: every forward appends its next token there, and it
+        # always sees the prefix, so it is never fully masked
         self._write(row, keys[..., skip:length, :], values[..., skip:length, :], length - skip, length)
         self._set_share(row, skip > 0)
 
@@ -191,16 +200,21 @@ class SlabKVCache(BatchKVCache):
         self.offset[row] = total
         self.gap[row] = 0
 
-    def take(self, row: int) -> KVCache:
-        """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it)."""
+    def take(self, row: int, whole: bool = False) -> Any:
+        """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it). A row
+        that shares the slab's prefix comes out as a ``PrefixedKVCache`` (the prefix by reference,
+        its tail copied) unless ``whole`` (one buffer: a row that goes on decoding alone)."""
         cache = KVCache()
         start = int(self.left_padding[row].item())
         end = self._idx - self.gap[row]
-        if self.keys is not None and start < end:
+        if self.keys is not None and (start < end or self.shares[row]):
             k, v = self.keys[row:row + 1, :, start:end, :], self.values[row:row + 1, :, start:end, :]
+            pad = lambda a: mx.zeros((1, a.shape[1], KVCache.step, a.shape[3]), dtype=a.dtype)  # noqa: E731
+            if self.shares[row] and not whole:
+                return PrefixedKVCache(self.prefix, mx.concatenate([k, pad(k)], axis=2),
+                                       mx.concatenate([v, pad(v)], axis=2), end - start)
             if self.shares[row]:                      # the prefix in front, room to append
                 rk, rv, n = self.prefix
-                pad = lambda a: mx.zeros((1, a.shape[1], KVCache.step, a.shape[3]), dtype=a.dtype)  # noqa: E731
                 cache.keys = mx.concatenate([rk[..., :n, :], k, pad(k)], axis=2)
                 cache.values = mx.concatenate([rv[..., :n, :], v, pad(v)], axis=2)
                 cache.offset = n + end - start
@@ -208,6 +222,11 @@ class SlabKVCache(BatchKVCache):
                 cache.keys, cache.values = mx.contiguous(k), mx.contiguous(v)
                 cache.offset = end - start
         return cache
+
+    def extract(self, idx: int) -> Any:
+        """mlx-lm's name for taking one row out (a batched prefill's rows): the whole sequence,
+        the shared prefix included (by reference)."""
+        return self.take(idx)
 
     def row_view(self, row: int) -> tuple[mx.array | None, mx.array | None, int]:
         """``row``'s own columns as views (for placing it into another slab without a copy)."""
@@ -240,9 +259,9 @@ class SlabKVCache(BatchKVCache):
         views = [self.row_view(r) for r in keep]
         shared = [self.shares[r] for r in keep]
         if any(shared):
-            new.prefix = self.prefix
+            new.prefix, new.step = self.prefix, self.step
         longest = max((n for _, _, n in views), default=0)
-        if longest:
+        if longest or any(shared):
             # the longest first: one allocation, every other row lands without a shift
             order = sorted(range(len(views)), key=lambda i: -views[i][2])
             n_prefix = self.prefix[2] if any(shared) else 0
@@ -261,24 +280,52 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
         mx.eval(batch.left_padding)
         pads = batch.left_padding.tolist()
         for j, (row, i) in enumerate(zip(rows, members)):
+            root = roots[j][li] if roots else None
+            if getattr(batch, "shares", None) and batch.shares[i]:
+                # the batch held this row's prefix once: its tail moves as a tail when the slab
+                # shares the same prefix, else the row is written whole
+                n = batch.prefix[2]
+                if slab.prefix is None or slab.prefix[0] is batch.prefix[0] and slab.prefix[2] == n:
+                    slab._share(batch.prefix, 1)
+                    slab._write(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
+                                batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i],
+                                n + batch._idx - pads[i])
+                    slab._set_share(row, True)
+                    continue
+                whole = batch.take(i)
+                slab.place(row, whole.keys, whole.values, whole.offset, root, min_shared)
+                continue
             slab.place(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
                        batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i],
-                       roots[j][li] if roots else None, min_shared)
+                       root, min_shared)
 
 
 def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache],
                      roots: list[Any] | None = None, min_shared: int = 0) -> None:
     """Copy a sequence's own KVCache layers into ``row`` (``roots``: theirs, one per layer)."""
     for li, (slab, own) in enumerate(zip(slab_layers, own_layers)):
-        slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0,
-                   roots[li] if roots else None, min_shared)
+        root = roots[li] if roots else None
+        if isinstance(own, PrefixedKVCache):
+            n = own.n_prefix
+            if n and (slab.prefix is None or slab.prefix[0] is own.prefix[0] and slab.prefix[2] == n):
+                slab._share(own.prefix, 1)
+                tk, tv = own.tail()
+                t = own.offset - n
+                if tk is None:
+                    tk, tv = own.prefix[0][..., :0, :], own.prefix[1][..., :0, :]
+                slab._write(row, tk, tv, t, own.offset)
+                slab._set_share(row, True)
+                continue
+            own = own.whole()
+        slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0, root, min_shared)
 
 
 def is_row_layer(layer: Any) -> bool:
-    """A plain ``KVCache`` layer: held as a row of a SlabKVCache (joins and leaves in place).
+    """A plain ``KVCache`` layer (or one whose prefix is held by reference, ``PrefixedKVCache``):
+    held as a row of a SlabKVCache (joins and leaves in place).
     Every other batchable kind (``RotatingKVCache``, ``ArraysCache``) is batched by mlx-lm's own
     ``merge`` / ``extract`` (BatchRotatingKVCache, a batched ArraysCache)."""
-    return type(layer) is KVCache
+    return type(layer) is KVCache or type(layer) is PrefixedKVCache
 
 
 def merge_layer(caches: list[Any]) -> Any:

@@ -71,18 +71,27 @@ def _forward_padded(model: Any, layers: list[Any], rows: list[list[int]]) -> Non
     mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
 
 
-def _merged(lives: list[Any]) -> list[Any]:
-    """One mlx-lm BatchKVCache per layer holding every LiveCache's KV (left-padded, in order)."""
+def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
+    """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
+    ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
+    once (engine/batch_cache.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
+    prefixed = any(type(layer).__name__ == "PrefixedKVCache" for lv in lives for layer in lv.layers)
+    if prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
+            and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
+        from .batch_cache import stack_layers
+
+        return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives],
+                            min_shared if min_shared is not None else 1 << 62)
     from mlx_lm.models.cache import BatchKVCache
 
     return [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(len(lives[0].layers))]
 
 
-def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
+def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> None:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
     layers (a copy of its row) and its depth advances by what it was fed."""
     with mx.stream(generation_stream()):
-        layers = _merged(lives)
+        layers = _merged(lives, min_shared)
         _forward_padded(model, layers, rows)
         own = [[layer.extract(i) for layer in layers] for i in range(len(lives))]
         mx.eval([x for row in own for c in row for x in (c.keys, c.values)])
@@ -91,14 +100,14 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]]) -> None:
         lv.advance(len(r))
 
 
-def prefill_together(model: Any, seqs: list[Sequence]) -> list[Any]:
-    """Feed every sequence's remaining prompt but its last token; return the BatchKVCache layers
-    (rows in ``seqs`` order)."""
+def prefill_together(model: Any, seqs: list[Sequence], min_shared: int | None = None) -> list[Any]:
+    """Feed every sequence's remaining prompt but its last token; return the batched layers
+    (rows in ``seqs`` order; with ``min_shared`` a prefix they share is held once)."""
     for s in seqs:
         if s.pos < 0:
             s.pos = s.start
     faults.hit("prefill_batch", ",".join(s.job.request_id for s in seqs))
-    layers = _merged([s.live for s in seqs])
+    layers = _merged([s.live for s in seqs], min_shared)
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
     with mx.stream(generation_stream()):
         _forward_padded(model, layers, heads)

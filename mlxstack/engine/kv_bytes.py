@@ -16,11 +16,30 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
+from ..cache.kv_ops import LiveCache
+
 _CACHE_MODULES = ("mlx_lm.", "mlx_vlm.", "mlxstack.")
+
+
+def _unwritten_view(layer: Any, root: Any) -> bool:
+    """A plain KV layer still holding the view of its root it was given (a checkout or a fork,
+    before its first append: KVCache grows by concatenating into a new buffer, so a layer whose
+    buffer is exactly its root's first n tokens has not copied them). Its memory is the root's."""
+    keys = getattr(layer, "keys", None)
+    return root is not None and keys is not None and keys.shape[-2] == root[2] == getattr(layer, "offset", -1)
 
 
 def _collect(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
     if obj is None or depth > 6:
+        return
+    if isinstance(obj, LiveCache):
+        roots = obj.roots
+        for i, layer in enumerate(obj.layers):
+            root = roots[i] if i < len(roots) else None
+            if _unwritten_view(layer, root):
+                _collect(root[:2], seen, depth + 1)
+            else:
+                _collect(layer, seen, depth + 1)
         return
     if isinstance(obj, mx.array):
         seen[id(obj)] = obj.nbytes
@@ -54,7 +73,7 @@ def live_bytes(scheduler: Any) -> int:
     group = scheduler.group
     objects: list[Any] = [group.slab]
     for seq in list(group.seqs) + list(scheduler.prefilling):
-        objects.append(seq.live.layers)
+        objects.append(seq.live)
         objects.append(seq.snapshots)
         drafter = getattr(seq.spec, "drafter", None)
         objects.append(getattr(getattr(drafter, "then", drafter), "cache", None))

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cache.kv_ops import LiveCache
 from ..cache.lcp import lcp
+from ..cache.prefixed_kv import PrefixedKVCache
 from .request import Sequence
 
 
@@ -45,7 +46,8 @@ def plan_follow(seq: Sequence, prefilling: list[Sequence], min_tokens: int) -> t
 def _can_reach(leader: Sequence, depth: int) -> bool:
     """The leader still holds (or will hold) exactly its first ``depth`` tokens in plain KV."""
     at = leader.start if leader.pos < 0 else leader.pos
-    return at <= depth or all(type(layer) is KVCache for layer in leader.live.layers)
+    return at <= depth or all(type(layer) is KVCache or type(layer) is PrefixedKVCache and layer.n_prefix >= depth
+                              for layer in leader.live.layers)
 
 
 def ready(follower: Sequence) -> bool:
@@ -64,10 +66,12 @@ def fork(follower: Sequence, quant: Any) -> None:
         else:
             rk, rv = layer.keys[..., :depth, :], layer.values[..., :depth, :]
             leader.live.roots[i] = (rk, rv, depth)
+            if type(layer) is KVCache and layer.offset == depth:
+                # the leader goes on with the prefix by reference too: its next append writes a
+                # tail, instead of copying its whole buffer away from the followers' view of it
+                leader.live.layers[i] = PrefixedKVCache((rk, rv, depth))
         roots.append((rk, rv, depth))
-        own = KVCache()
-        own.keys, own.values, own.offset = rk[..., :depth, :], rv[..., :depth, :], depth
-        layers.append(own)
+        layers.append(PrefixedKVCache((rk, rv, depth)))
     follower.live = LiveCache(layers, depth, quant, roots)
     follower.shared_prefill = depth - follower.start
     follower.start = depth
