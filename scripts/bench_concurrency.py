@@ -154,13 +154,20 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--skip-fifo", action="store_true", help="leave out ours with MAX_CONCURRENT_SEQUENCES=1")
+    ap.add_argument("--compare-shared", action="store_true",
+                    help="add ours batched with SHARED_PREFIX_MIN_TOKENS=0 (every row its own copy of the prompt)")
     ap.add_argument("--system-repeat", type=int, default=1,
                     help="repeat the ~150-token system prompt (10: ~1.6k-token agent contexts)")
     args = ap.parse_args()
     common = {"DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0", "ENABLE_REQUEST_LOGGING": "false",
               "DISK_CACHE_DIR": "off", "PREFILL_CHUNK_TOKENS": str(args.chunk), "MAX_QUEUED_REQUESTS": "64"}
-    servers = [("ours batched", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions))}),
-               ("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"})]
+    servers = [("ours batched", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions))})]
+    if args.compare_shared:
+        servers.append(("ours unshared", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
+                                                  "SHARED_PREFIX_MIN_TOKENS": "0"}))
+    if not args.skip_fifo:
+        servers.append(("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"}))
     if not args.skip_mlx_lm:
         servers.append(("mlx_lm.server", "mlx_lm", {}))
     rows, texts, rows_inter = [], {}, []
@@ -179,13 +186,18 @@ def main() -> int:
                 rows_inter.append({"server": label, **inter})
     print("\n## concurrent agent sessions (embedded model, greedy, warm turns)\n")
     print(table(rows))
+    labels = {r["server"] for r in rows}
     for col in ("agg_decode_tok_s", "agg_turn_tok_s"):
-        base = {r["sessions"]: r[col] for r in rows if r["server"] == "ours FIFO"}
         batched = {r["sessions"]: r[col] for r in rows if r["server"] == "ours batched"}
-        print(f"\n{col}, batched / FIFO: " + ", ".join(
-            f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
-    same = all(texts[("ours batched", n)] == texts[("ours FIFO", n)] for n in args.sessions)
-    print(f"batched replies identical to FIFO replies (greedy): {same}")
+        for other in ("ours FIFO", "ours unshared", "mlx_lm.server"):
+            base = {r["sessions"]: r[col] for r in rows if r["server"] == other}
+            if base:
+                print(f"\n{col}, batched / {other}: " + ", ".join(
+                    f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
+    for other in ("ours FIFO", "ours unshared"):
+        if other in labels:
+            same = all(texts[("ours batched", n)] == texts[(other, n)] for n in args.sessions)
+            print(f"batched replies identical to {other} replies (greedy): {same}")
     print("\n## a short request during a long cold prefill\n")
     print(table(rows_inter))
     return 0

@@ -251,3 +251,13 @@ def test_a_follower_whose_leader_fails_prefills_on_its_own(tiny_dense_path):
             sched.step()
     assert f0.exception() is not None
     assert f1.result().text == expect and sched.shared_prefills == 0
+
+
+def test_shared_prefix_min_tokens_zero_keeps_every_copy_and_the_same_replies(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=0))
+    outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=8, session=f"z{i}")[0] for i in range(3)])
+    on = build_engine(engine_settings(tiny_dense_path))
+    outs_on, sched_on, _ = _run(on, [job(_messages(i), max_tokens=8, session=f"y{i}")[0] for i in range(3)])
+    assert sched.shared_prefills == 0 and not any(shares) and sched.group.min_shared == 1 << 62
+    assert sched_on.shared_prefills == 2
+    assert [o.text for o in outs] == [o.text for o in outs_on]

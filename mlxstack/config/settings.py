@@ -57,6 +57,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("PROXY_STARTUP_TIMEOUT_SECONDS", "float", 120.0, "How long to wait for LiteLLM to report ready.", minimum=1, group="network"),
     Spec("PROXY_REQUEST_TIMEOUT_SECONDS", "float", 3600.0, "LiteLLM timeout / stream_timeout towards the MLX server (long prefills).", minimum=1, group="network"),
     Spec("MAX_CONCURRENT_SEQUENCES", "int", 0, "Requests in flight at once (continuous batching: decode steps batched into one forward pass, prefill chunks interleaved). 0 = auto (8); 1 = one request at a time, FIFO.", minimum=0, group="network"),
+    Spec("SHARED_PREFIX_MIN_TOKENS", "int", 256, "Requests in flight that share at least this many prompt tokens hold them once: requests arriving together prefill them once, rows of the decode batch keep only their own tails and attend the shared prefix by cascade attention (checked per model at load). 0 = off (every request in flight holds its own copy; cache entries still store a hit's reused prefix by reference).", minimum=0, group="network"),
     Spec("PREFILL_CHUNK_TOKENS", "int", 512, "Prefill tokens one sequence gets per scheduler step while others decode (bounds how long a long prompt holds the other streams).", minimum=16, group="network"),
     Spec("MAX_QUEUED_REQUESTS", "int", 16, "Requests waiting for the inference worker; beyond it → 503 + Retry-After.", minimum=1, group="network"),
     Spec("MAX_REQUEST_BYTES", "int", 64 * 1024 * 1024, "Largest accepted request body (413 above).", minimum=1024, group="network"),

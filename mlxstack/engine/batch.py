@@ -49,7 +49,7 @@ from .speculation import spec_budgets, speculative_step, wants_step
 
 log = logging.getLogger("mlxstack.batch")
 
-MIN_SHARED = 256      # a prefix this long (tokens) that rows share is held once in the slab
+MIN_SHARED = 256      # default SHARED_PREFIX_MIN_TOKENS: a prefix this long that rows share is held once
 COMPACT_SLACK = 256   # drop unused leading columns once every active row has this much padding
 BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form
 
@@ -93,7 +93,8 @@ class DecodeGroup:
         self._failed: list[tuple[Sequence, BaseException]] = []   # rows that failed in step()
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
-        self.min_shared = MIN_SHARED if shared_prefix_ok(engine) else 1 << 62
+        want = getattr(engine.settings, "shared_prefix_min_tokens", MIN_SHARED)
+        self.min_shared = max(1, want) if want > 0 and batching and shared_prefix_ok(engine) else 1 << 62
 
     def __len__(self) -> int:
         return len(self.seqs)
