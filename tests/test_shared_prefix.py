@@ -258,6 +258,33 @@ def test_shared_prefix_min_tokens_zero_keeps_every_copy_and_the_same_replies(tin
     outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=8, session=f"z{i}")[0] for i in range(3)])
     on = build_engine(engine_settings(tiny_dense_path))
     outs_on, sched_on, _ = _run(on, [job(_messages(i), max_tokens=8, session=f"y{i}")[0] for i in range(3)])
-    assert sched.shared_prefills == 0 and not any(shares) and sched.group.min_shared == 1 << 62
+    assert sched.shared_prefills == 0 and not any(shares) and sched.group.min_shared is None
     assert sched_on.shared_prefills == 2
     assert [o.text for o in outs] == [o.text for o in outs_on]
+
+
+def test_a_batch_row_on_another_prefix_than_the_slabs_is_placed_whole(dense_engine):
+    from mlxstack.engine.batch_cache import place_batch_rows, stack_layers
+
+    eng = dense_engine
+    model = eng.loaded.model
+    roots, lives = [], []
+    for start in (100, 300):                                 # two different prefixes of 12 tokens
+        base = eng.new_cache()
+        feed(model, base, list(range(start, start + 12)), 16)
+        root = capture(base)
+        live = checkout(root, 12)
+        feed(model, live, [1, 2, 3], 16)
+        roots.append(root)
+        lives.append(live)
+    batch = stack_layers([lives[0].layers], [lives[0].roots], 8)      # holds prefix A once
+    assert batch[0].shares[0]
+    slab = [SlabKVCache.empty(2) for _ in batch]
+    for li, s in enumerate(slab):                                      # the slab's prefix is B
+        s.place(0, lives[1].layers[li].keys, lives[1].layers[li].values, 15, lives[1].roots[li], 8)
+    place_batch_rows(slab, [1], batch, [0], [lives[0].roots], 8)
+    for li, s in enumerate(slab):
+        assert s.shares == [True, False]
+        back = s.take(1)
+        assert back.offset == 15
+        assert mx.array_equal(back.keys[..., :15, :], lives[0].layers[li].keys[..., :15, :]).item()

@@ -110,6 +110,15 @@ def _joined(root: Any, tail: Any, p: int, depth: int, room: bool) -> Any:
     return mx.concatenate(parts, axis=-2)
 
 
+def _rooted_state(cls: type, root: tuple[Any, Any, int], depth: int, tail: tuple[Any, Any] | None) -> LayerState:
+    """A plain-KV state whose first ``p`` tokens are ``root``'s arrays (the objects, by reference)
+    and the rest ``tail`` (copied by the caller); with ``depth <= p`` it is all root."""
+    rk, rv, p = root
+    if depth <= p:
+        return LayerState(KVKind.name, cls, (rk[..., :0, :], rv[..., :0, :], rk, rv), (("prefix", depth),), depth, 0)
+    return LayerState(KVKind.name, cls, (tail[0], tail[1], rk, rv), (("prefix", p),), depth, 0)
+
+
 def rooted(state: LayerState) -> bool:
     """A plain-KV state whose first tokens are a shared root (KVKind.capture_rooted)."""
     return state.kind == "kv" and len(state.arrays) == 4
@@ -218,15 +227,11 @@ class KVKind(CacheKind):
         """Like ``capture``, but the first ``p`` tokens are ``root`` (arrays another entry or
         request holds: the same objects, never copied) and only ``[p, depth)`` is copied out.
         Slots: (tail keys, tail values, root keys, root values); param ``prefix`` = p."""
-        rk, rv, p = root
         if layer.keys is None:
             return self.capture(layer, depth)
-        if depth <= p:                   # all of it is root: the root's own objects, nothing copied
-            empty = lambda a: a[..., :0, :]  # noqa: E731
-            return LayerState(self.name, type(layer), (empty(rk), empty(rv), rk, rv), (("prefix", depth),), depth, 0)
+        p = root[2]
         tail = lambda a: mx.contiguous(a[..., p:depth, :])  # noqa: E731 - a copy: the live buffer is not kept
-        return LayerState(self.name, type(layer), (tail(layer.keys), tail(layer.values), rk, rv),
-                          (("prefix", p),), depth, 0)
+        return _rooted_state(type(layer), root, depth, (tail(layer.keys), tail(layer.values)) if depth > p else None)
 
     def whole(self, state: LayerState, depth: int, room: bool = True) -> tuple[Any, Any]:
         """The state's keys / values cut to ``depth`` as new array objects (a rooted state past
@@ -514,15 +519,11 @@ class PrefixedKind(CacheKind):
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         from mlx_lm.models.cache import KVCache
 
-        rk, rv, n = layer.prefix if layer.prefix else (None, None, 0)
-        if not n:
+        if not layer.n_prefix:
             k, v = layer.tail(depth)
             return _plain_state(KVCache, k, v, depth) if k is not None else LayerState("kv", KVCache, (None, None), (), 0, 0)
-        if depth <= n:
-            empty = lambda a: a[..., :0, :]  # noqa: E731
-            return LayerState("kv", KVCache, (empty(rk), empty(rv), rk, rv), (("prefix", depth),), depth, 0)
-        tk, tv = layer.tail(depth)
-        return LayerState("kv", KVCache, (mx.contiguous(tk), mx.contiguous(tv), rk, rv), (("prefix", n),), depth, 0)
+        tail = layer.tail(depth) if depth > layer.n_prefix else None
+        return _rooted_state(KVCache, layer.prefix, depth, tail and (mx.contiguous(tail[0]), mx.contiguous(tail[1])))
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         raise TypeError("a prefixed layer is stored as a plain KV state")

@@ -94,7 +94,8 @@ class DecodeGroup:
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
         want = getattr(engine.settings, "shared_prefix_min_tokens", MIN_SHARED)
-        self.min_shared = max(1, want) if want > 0 and batching and shared_prefix_ok(engine) else 1 << 62
+        # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
+        self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -133,10 +133,10 @@ class SlabKVCache(BatchKVCache):
             self._rows_mask = mx.array(self.shares)
         return rk[..., :n, :], rv[..., :n, :], self._rows_mask, False
 
-    def _share(self, root: tuple[mx.array, mx.array, int] | None, min_shared: int) -> int:
+    def _share(self, root: tuple[mx.array, mx.array, int] | None, min_shared: int | None) -> int:
         """How many leading tokens a sequence with ``root`` leaves to the slab's prefix (0: none;
-        the first root of at least ``min_shared`` tokens becomes the prefix)."""
-        if root is None or root[2] < max(1, min_shared) or root[0].shape[0] != 1:
+        the first root of at least ``min_shared`` tokens becomes the prefix; None: never)."""
+        if root is None or min_shared is None or root[2] < max(1, min_shared) or root[0].shape[0] != 1:
             return 0
         if self.prefix is None:
             self.prefix = root
@@ -144,6 +144,20 @@ class SlabKVCache(BatchKVCache):
             return root[2]
         rk, rv, n = self.prefix
         return n if root[0] is rk and root[1] is rv and root[2] >= n else 0
+
+    def place_tail(self, row: int, prefix: tuple[mx.array, mx.array, int], keys: mx.array, values: mx.array,
+                   length: int) -> bool:
+        """Write a sequence that is ``prefix`` (held elsewhere, by reference) followed by ``length``
+        positions of K/V as a row that shares the slab's prefix -- when ``prefix`` is the slab's
+        (the same objects and length; it becomes the slab's if it has none). False: it is not, and
+        nothing was written (the caller places the whole sequence)."""
+        n = prefix[2]
+        if self.prefix is not None and not (self.prefix[0] is prefix[0] and self.prefix[2] == n):
+            return False
+        self._share(prefix, 1)
+        self._write(row, keys, values, length, n + length)
+        self._set_share(row, True)
+        return True
 
     def _set_share(self, row: int, on: bool) -> None:
         if self.shares[row] != on:
@@ -160,7 +174,7 @@ class SlabKVCache(BatchKVCache):
         self.values = mx.zeros((rows, heads, cap, v_dim), dtype=dtype)
 
     def place(self, row: int, keys: mx.array | None, values: mx.array | None, length: int,
-              root: tuple[mx.array, mx.array, int] | None = None, min_shared: int = 0) -> None:
+              root: tuple[mx.array, mx.array, int] | None = None, min_shared: int | None = None) -> None:
         """Write one sequence's K/V (``[1, heads, >= length, dim]``, the first ``length``
         positions valid) into ``row``, right-aligned at the shared index. With ``root`` (the
         sequence's first tokens are those arrays': ``LiveCache.roots``) that is the slab's prefix,
@@ -264,16 +278,14 @@ class SlabKVCache(BatchKVCache):
         if longest or any(shared):
             # the longest first: one allocation, every other row lands without a shift
             order = sorted(range(len(views)), key=lambda i: -views[i][2])
-            n_prefix = self.prefix[2] if any(shared) else 0
             for i in order:
-                k, v, n = views[i]
-                new._write(i, k, v, n, n + (n_prefix if shared[i] else 0))
-                new._set_share(i, shared[i])
+                if not (shared[i] and new.place_tail(i, self.prefix, *views[i])):
+                    new._write(i, *views[i], views[i][2])
         return new
 
 
 def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_layers: list[Any], members: list[int],
-                     roots: list[list[Any]] | None = None, min_shared: int = 0) -> None:
+                     roots: list[list[Any]] | None = None, min_shared: int | None = None) -> None:
     """Copy rows ``members`` of mlx-lm ``BatchKVCache`` layers (a batched prefill) into ``rows``
     (``roots[j]``: member j's roots, one per layer, for the slab's shared prefix)."""
     for li, (slab, batch) in enumerate(zip(slab_layers, batch_layers)):
@@ -281,41 +293,29 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
         pads = batch.left_padding.tolist()
         for j, (row, i) in enumerate(zip(rows, members)):
             root = roots[j][li] if roots else None
+            k, v = batch.keys[i:i + 1, :, pads[i]:batch._idx, :], batch.values[i:i + 1, :, pads[i]:batch._idx, :]
             if getattr(batch, "shares", None) and batch.shares[i]:
                 # the batch held this row's prefix once: its tail moves as a tail when the slab
                 # shares the same prefix, else the row is written whole
-                n = batch.prefix[2]
-                if slab.prefix is None or slab.prefix[0] is batch.prefix[0] and slab.prefix[2] == n:
-                    slab._share(batch.prefix, 1)
-                    slab._write(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
-                                batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i],
-                                n + batch._idx - pads[i])
-                    slab._set_share(row, True)
-                    continue
-                whole = batch.take(i)
-                slab.place(row, whole.keys, whole.values, whole.offset, root, min_shared)
+                if not slab.place_tail(row, batch.prefix, k, v, batch._idx - pads[i]):
+                    whole = batch.take(i, whole=True)
+                    slab.place(row, whole.keys, whole.values, whole.offset, root, min_shared)
                 continue
-            slab.place(row, batch.keys[i:i + 1, :, pads[i]:batch._idx, :],
-                       batch.values[i:i + 1, :, pads[i]:batch._idx, :], batch._idx - pads[i],
-                       root, min_shared)
+            slab.place(row, k, v, batch._idx - pads[i], root, min_shared)
 
 
 def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache],
-                     roots: list[Any] | None = None, min_shared: int = 0) -> None:
+                     roots: list[Any] | None = None, min_shared: int | None = None) -> None:
     """Copy a sequence's own KVCache layers into ``row`` (``roots``: theirs, one per layer)."""
     for li, (slab, own) in enumerate(zip(slab_layers, own_layers)):
         root = roots[li] if roots else None
         if isinstance(own, PrefixedKVCache):
-            n = own.n_prefix
-            if n and (slab.prefix is None or slab.prefix[0] is own.prefix[0] and slab.prefix[2] == n):
-                slab._share(own.prefix, 1)
+            if own.n_prefix:
                 tk, tv = own.tail()
-                t = own.offset - n
-                if tk is None:
+                if tk is None:                         # nothing past the prefix yet
                     tk, tv = own.prefix[0][..., :0, :], own.prefix[1][..., :0, :]
-                slab._write(row, tk, tv, t, own.offset)
-                slab._set_share(row, True)
-                continue
+                if slab.place_tail(row, own.prefix, tk, tv, own.offset - own.n_prefix):
+                    continue
             own = own.whole()
         slab.place(row, own.keys, own.values, own.offset if own.keys is not None else 0, root, min_shared)
 
@@ -333,7 +333,8 @@ def merge_layer(caches: list[Any]) -> Any:
     return type(caches[0]).merge(caches)
 
 
-def stack_layers(rows: list[list[Any]], roots: list[list[Any]] | None = None, min_shared: int = 0) -> list[Any]:
+def stack_layers(rows: list[list[Any]], roots: list[list[Any]] | None = None,
+                 min_shared: int | None = None) -> list[Any]:
     """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers;
     ``roots[i]`` its roots, for a shared prefix of at least ``min_shared`` tokens)."""
     kv = [i for i, layer in enumerate(rows[0]) if is_row_layer(layer)]

@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cache.prefixed_kv import PrefixedKVCache
 from ..config import faults
 from ..runtime.mlx_stream import generation_stream
 from .request import Sequence
@@ -75,13 +76,12 @@ def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
     """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
     ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
     once (engine/batch_cache.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
-    prefixed = any(type(layer).__name__ == "PrefixedKVCache" for lv in lives for layer in lv.layers)
+    prefixed = any(isinstance(layer, PrefixedKVCache) for lv in lives for layer in lv.layers)
     if prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
             and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
         from .batch_cache import stack_layers
 
-        return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives],
-                            min_shared if min_shared is not None else 1 << 62)
+        return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives], min_shared)
     from mlx_lm.models.cache import BatchKVCache
 
     return [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(len(lives[0].layers))]

@@ -101,17 +101,13 @@ class Scheduler:
             return
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
-        if self.group.dense and self._min_shared() is not None:
+        if self.group.dense and self.group.min_shared is not None:
             plan = plan_follow(seq, self.prefilling, self.group.min_shared)
             if plan is not None:
                 seq.follows = plan
                 plan[0].stops.append(plan[1])
         self.prefilling.append(seq)
         self._forks()
-
-    def _min_shared(self) -> int | None:
-        """Shortest root the batched forwards hold once (None: this model never shares)."""
-        return self.group.min_shared if self.group.min_shared < (1 << 62) else None
 
     def _forks(self) -> None:
         """Waiting requests whose leader's prefill reached the shared depth take its KV; those
@@ -248,7 +244,7 @@ class Scheduler:
         if len(plans) < 2:
             return   # finish() feeds a lone closer itself (plan_close only cut what it had to)
         try:
-            feed_together(eng.decode_model, [s.live for s, _, _ in plans], [f for _, _, f in plans], self._min_shared())
+            feed_together(eng.decode_model, [s.live for s, _, _ in plans], [f for _, _, f in plans], self.group.min_shared)
         except Exception:  # noqa: BLE001 - nothing was advanced: finish() closes each alone
             log.exception("closing %d turns together failed; closing them one by one", len(plans))
             return
@@ -275,7 +271,7 @@ class Scheduler:
             self.prefilling.remove(s)
         self._rr = -1
         try:
-            layers = prefill_together(self.engine.loaded.model, seqs, self._min_shared())
+            layers = prefill_together(self.engine.loaded.model, seqs, self.group.min_shared)
         except Exception as exc:  # noqa: BLE001 - the forward failed: fail its members
             for s in seqs:
                 self._fail(s, exc)
