@@ -43,6 +43,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "harmony", "generic"), group="model"),
     Spec("MODEL_CACHE_DIR", "str", "", "Where the embedded model is converted to MLX once. Empty = ~/.cache/mlxstack.", group="model"),
     Spec("CPU_FLOAT32", "bool", True, "On CPU-only MLX, dequantize/upcast weights to float32 (BLAS-friendly, much faster prefill).", group="model"),
+    Spec("CPU_KERNELS", "choice", "auto", "Attention and SiLU on MLX's CPU backend with an exp that is not a libm call per element (models/fast_math.py; within 1.2e-7 of mx.exp). auto: on where MLX computes on the CPU and that exp measures faster at load (x86 wheels); on / off: always / never (off: mlx-lm's own functions, bit for bit).", choices=("auto", "on", "off"), group="model"),
     Spec("BLAS_PRELOAD", "str", "auto", "Linux: optimised BLAS to LD_PRELOAD into the MLX server (auto | off | /path/libopenblas.so).", group="model"),
     Spec("PREFILL_STEP_SIZE", "int", 512, "Tokens per prefill chunk.", minimum=1, group="model"),
     Spec("MAX_KV_SIZE", "int", 0, "Context window in tokens (prompt + reply). 0 = the model's own (max_position_embeddings / max_seq_len / tokenizer model_max_length); a longer prompt gets 400 context_length_exceeded.", minimum=0, group="model"),

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..config.settings import Settings
 from .context import context_window
+from .cpu_kernels import install_cpu_kernels
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 from .vlm_loader import is_vlm_config, load_vlm
@@ -99,13 +100,17 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     path, name = resolve_model_path(settings, progress)
     config = json.loads((path / "config.json").read_text())
     if is_vlm_config(config):
-        return load_vlm(path, name, config, settings)
+        vlm = load_vlm(path, name, config, settings)
+        install_cpu_kernels(settings.cpu_kernels)
+        return vlm
     say(f"loading {name} from {path}")
     from mlx_lm import load as mlx_load
 
     model, tokenizer = mlx_load(str(path))
     if settings.cpu_float32 and is_cpu_only() and upcast_for_cpu(model):
         say("CPU: weights upcast to float32 for BLAS prefill")
+    if install_cpu_kernels(settings.cpu_kernels):
+        say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)")
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(

@@ -40,8 +40,8 @@ class Part:
     rows: Optional[mx.array] = None
 
 
-def _masked(scores: mx.array, mask: Any, L: int, T: int) -> mx.array:
-    """``scores`` [B, Hkv, rep, L, T] with ``mask`` applied."""
+def _masked(scores: mx.array, mask: Any, L: int, T: int, heads_first: bool = False) -> mx.array:
+    """``scores`` [B, Hkv, rep, L, T] (``heads_first``: [Hkv, B, rep, L, T]) with ``mask`` applied."""
     if mask is None:
         return scores
     if isinstance(mask, str):
@@ -51,10 +51,14 @@ def _masked(scores: mx.array, mask: Any, L: int, T: int) -> mx.array:
             return scores
         q = mx.arange(T - L, T)[:, None]
         return mx.where(q >= mx.arange(T)[None], scores, _NEG_INF)
-    if mask.ndim == 4:                                  # [B|1, H|1, L, T] -> [B|1, H|1 -> groups]
-        b, h = mask.shape[0], mask.shape[1]
+    if mask.ndim == 4:                                  # [B|1, H|1, L|1, T] -> [B|1, H|1 -> groups]
+        b, h, lm, tm = mask.shape
         rep = scores.shape[2]
-        mask = mask.reshape(b, 1, 1, L, T) if h == 1 else mask.reshape(b, h // rep, rep, L, T)
+        if h == 1:
+            mask = mask.reshape(1, b, 1, lm, tm) if heads_first else mask.reshape(b, 1, 1, lm, tm)
+        else:
+            mask = mask.reshape(b, h // rep, rep, lm, tm)
+            mask = mask.transpose(1, 0, 2, 3, 4) if heads_first else mask
     if mask.dtype == mx.bool_:
         return mx.where(mask, scores, _NEG_INF)
     return scores + mask.astype(scores.dtype)
@@ -64,33 +68,76 @@ def _f32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
-def _weights(scores: mx.array, may_be_empty: bool) -> tuple[mx.array, mx.array]:
-    """(exp(scores - lse), lse); with ``may_be_empty`` a fully masked row gives 0 and -inf."""
-    lse = mx.logsumexp(scores, axis=-1, keepdims=True)
-    if may_be_empty:
-        return mx.exp(scores - mx.where(mx.isinf(lse), 0.0, lse)), lse
-    return mx.exp(scores - lse), lse
+_exp = mx.exp     # the exp over scores: models/fast_math.fast_exp where it measures faster
+_plain = False    # attend caches without a shared prefix here too (models/cpu_kernels.py: a CPU)
 
 
-def _attend_one(q5: mx.array, part: Part) -> tuple[mx.array, mx.array]:
-    """q5 [B, Hkv, rep, L, D] (already scaled) against one part -> (out [B, Hkv, rep, L, Dv], lse)."""
+def use_fast_exp(on: bool) -> None:
+    """Attention here with ``fast_exp`` and for every float cache (on), or with ``mx.exp`` and
+    mlx-lm's own attention for caches without a shared prefix (off)."""
+    global _exp, _plain
+    from .fast_math import fast_exp
+
+    _exp, _plain = (fast_exp, True) if on else (mx.exp, False)
+
+
+@dataclass
+class _Partial:
+    """One part's softmax pieces: unnormalised output ``sum_j exp(s_j - m) v_j``, its denominator
+    ``sum_j exp(s_j - m)`` and the max ``m`` (-inf where every key of the part is masked)."""
+    out: mx.array
+    den: mx.array
+    top: mx.array
+
+
+def _exp_scores(scores: mx.array, may_be_empty: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """(exp(scores - max), their sum, max): ONE exp per score (the cost of attention on a CPU)."""
+    top = scores.max(axis=-1, keepdims=True)
+    shift = mx.where(mx.isinf(top), 0.0, top) if may_be_empty else top
+    e = _exp(scores - shift)
+    return e, e.sum(axis=-1, keepdims=True), top
+
+
+def _scores_per_head(q5: mx.array, keys: mx.array) -> mx.array:
+    """[Hkv, B * rep * L, T]: every query of KV head h against ``keys[0, h]``. One product per
+    head on a single-index view (``keys`` is often cut from a longer buffer): MLX's CPU matmul
+    copies an operand it cannot hand to BLAS as it is, and a batched product over a strided view,
+    or a view of a view, is one (measured: 3-4x slower at 2k keys)."""
+    B, Hkv, rep, L, D = q5.shape
+    return mx.stack([q5[:, h].reshape(B * rep * L, D) @ keys[0, h].T for h in range(Hkv)])
+
+
+def _values_per_head(e: mx.array, values: mx.array) -> mx.array:
+    """[Hkv, rows, Dv]: ``e[h] @ values[0, h]`` per head (as above)."""
+    return mx.stack([e[h] @ values[0, h] for h in range(e.shape[0])])
+
+
+def _batch_first(a: mx.array) -> mx.array:
+    """[Hkv, B, ...] -> [B, Hkv, ...] (a reshape when B == 1: a transpose would leave a strided
+    array, and every elementwise op on one takes MLX's slow generic loop)."""
+    return a.reshape(a.shape[1], a.shape[0], *a.shape[2:]) if a.shape[1] == 1 else a.transpose(1, 0, 2, 3, 4)
+
+
+def _attend_one(q5: mx.array, part: Part) -> _Partial:
+    """q5 [B, Hkv, rep, L, D] (already scaled) against one part."""
     B, Hkv, rep, L, D = q5.shape
     k, v = part.keys, part.values
     T = k.shape[2]
-    if k.shape[0] == 1 and B > 1:
-        # one copy for every row: all rows' queries against it in one product per KV head
-        qf = q5.transpose(1, 0, 2, 3, 4).reshape(Hkv, B * rep * L, D)
-        scores = _f32(qf @ k[0].swapaxes(-1, -2)).reshape(Hkv, B, rep, L, T).transpose(1, 0, 2, 3, 4)
+    if k.shape[0] == 1:
+        # one copy for every row (or one row): every query of a head group in one product, the
+        # scores kept heads-first (contiguous) through the softmax
+        scores = _f32(_scores_per_head(q5, k)).reshape(Hkv, B, rep, L, T)
         if part.rows is not None:
-            scores = mx.where(part.rows.reshape(B, 1, 1, 1, 1), scores, _NEG_INF)
-        scores = _masked(scores, part.mask, L, T)
-        probs, lse = _weights(scores, part.rows is not None or part.mask is not None)
-        pf = probs.astype(v.dtype).transpose(1, 0, 2, 3, 4).reshape(Hkv, B * rep * L, T)
-        out = (pf @ v[0]).reshape(Hkv, B, rep, L, v.shape[-1]).transpose(1, 0, 2, 3, 4)
-        return out, lse
-    scores = _masked(_f32(q5 @ k[:, :, None].swapaxes(-1, -2)), part.mask, L, T)     # [B, Hkv, rep, L, T]
-    probs, lse = _weights(scores, not (part.mask is None or isinstance(part.mask, str)))
-    return probs.astype(v.dtype) @ v[:, :, None], lse
+            scores = mx.where(part.rows.reshape(1, B, 1, 1, 1), scores, _NEG_INF)
+        scores = _masked(scores, part.mask, L, T, heads_first=True)
+        e, den, top = _exp_scores(scores, part.rows is not None or not (part.mask is None or isinstance(part.mask, str)))
+        out = _values_per_head(e.astype(v.dtype).reshape(Hkv, B * rep * L, T), v).reshape(Hkv, B, rep, L, v.shape[-1])
+        return _Partial(_batch_first(out), _batch_first(den), _batch_first(top))
+    qf = q5.reshape(B, Hkv, rep * L, D)              # a head group's queries in one product
+    scores = _masked(_f32(qf @ k.swapaxes(-1, -2)).reshape(B, Hkv, rep, L, T), part.mask, L, T)
+    e, den, top = _exp_scores(scores, not (part.mask is None or isinstance(part.mask, str)))
+    out = (e.astype(v.dtype).reshape(B, Hkv, rep * L, T) @ v).reshape(B, Hkv, rep, L, v.shape[-1])
+    return _Partial(out, den, top)
 
 
 def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Optional[mx.array] = None) -> mx.array:
@@ -101,16 +148,48 @@ def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Opti
     rep = Hq // Hkv
     q5 = (queries * mx.array(scale, queries.dtype)).reshape(B, Hkv, rep, L, D)
     outs = [_attend_one(q5, p) for p in parts]
-    total = outs[0][1]
-    for _, lse in outs[1:]:
-        total = mx.logaddexp(total, lse)
-    if sinks is not None:
-        total = mx.logaddexp(total, _f32(sinks).reshape(1, Hkv, rep, 1, 1))
-    out = None
-    for o, lse in outs:
-        term = _f32(o) * mx.exp(lse - total)
-        out = term if out is None else out + term
-    return out.astype(queries.dtype).reshape(B, Hq, L, -1)
+    sink = None if sinks is None else _f32(sinks).reshape(1, Hkv, rep, 1, 1)
+    if len(outs) == 1 and sink is None:
+        only = outs[0]                               # a fully masked query (a free slab row) gives 0
+        den = mx.where(only.den > 0, only.den, 1.0)
+        return (_f32(only.out) / den).astype(queries.dtype).reshape(B, Hq, L, -1)
+    top = outs[0].top                                # the merge: every part rescaled to the overall max
+    for o in outs[1:]:
+        top = mx.maximum(top, o.top)
+    if sink is not None:
+        top = mx.maximum(top, sink)
+    num, den = None, None
+    for o in outs:
+        w = mx.exp(o.top - top)                      # [.., L, 1]: exact exp, few elements
+        term, d = _f32(o.out) * w, o.den * w
+        num, den = (term, d) if num is None else (num + term, den + d)
+    if sink is not None:
+        den = den + mx.exp(sink - top)
+    return (num / den).astype(queries.dtype).reshape(B, Hq, L, -1)
+
+
+BLOCK_SCORES = 1 << 17   # scores per query block of a long prefill (~0.5 MB: stays in cache)
+
+
+def attend_blocked(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                   sinks: Optional[mx.array] = None) -> mx.array:
+    """``attend_parts`` over one part, a long prefill in query blocks: each block's scores fit in
+    cache (MLX's CPU ops over a multi-MB array run 3-4x slower per element, measured), and with a
+    causal mask a block attends only the keys up to its last query (about half the scores of a
+    cold prefill are never computed). The same softmax per query, so the same result."""
+    B, Hq, L, D = queries.shape
+    T = keys.shape[2]
+    block = max(16, BLOCK_SCORES // max(1, Hq * T))
+    if B != 1 or L <= block or not (mask is None or isinstance(mask, str)):
+        return attend_parts(queries, [Part(keys, values, mask)], scale, sinks)
+    causal = mask == "causal"
+    outs = []
+    for start in range(0, L, block):
+        end = min(L, start + block)
+        upto = T - L + end if causal else T
+        outs.append(attend_parts(queries[:, :, start:end], [Part(keys[..., :upto, :], values[..., :upto, :], mask)],
+                                 scale, sinks))
+    return mx.concatenate(outs, axis=2)
 
 
 # ------------------------------------------------------------------------------ the model hook
@@ -131,6 +210,8 @@ def sdpa_with_prefix(original: Any) -> Any:
         shared = getattr(cache, "shared_prefix", None)
         prefix = shared() if shared is not None else None
         if prefix is None:
+            if _plain and not isinstance(keys, (tuple, list)):
+                return attend_blocked(queries, keys, values, scale, mask, sinks)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         pk, pv, rows, full_mask = prefix
         pmask, tail_mask = split_mask(mask, pk.shape[2]) if full_mask else (None, mask)

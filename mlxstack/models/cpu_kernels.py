@@ -1,0 +1,35 @@
+"""Attention and SiLU on MLX's CPU backend without its scalar ``exp`` (models/fast_math.py).
+
+    install_cpu_kernels("auto")   # after a model is loaded: on where fast_exp measures faster
+
+On: every mlx-lm / mlx-vlm model module's ``scaled_dot_product_attention`` goes through
+models/shared_attention.py for float caches (decode, prefill, speculation's verification: one
+exp per score, grouped-query products without repeating the KV heads), and ``swiglu`` (the MLP
+of Llama, Qwen, Mistral... families) through ``fast_swiglu``. Quantised KV caches keep mlx-lm's
+attention. Off (or on a GPU): mlx-lm's own functions, untouched.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import shared_attention
+from .fast_math import fast_swiglu, wanted
+
+
+def install_cpu_kernels(mode: str) -> bool:
+    """``mode``: "auto" (on where the CPU's exp is the slow one, measured), "on", "off".
+    Returns whether they are on. Idempotent; call again after loading another model module."""
+    on = mode == "on" or (mode == "auto" and wanted())
+    shared_attention.install()
+    shared_attention.use_fast_exp(on)
+    from mlx_lm.models import activations
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(("mlx_lm.models.", "mlx_vlm.models.")) or mod is None or mod is activations:
+            continue
+        fn = getattr(mod, "swiglu", None)
+        if fn is activations.swiglu and on:
+            mod.swiglu = fast_swiglu
+        elif fn is fast_swiglu and not on:
+            mod.swiglu = activations.swiglu
+    return on
