@@ -157,6 +157,8 @@ def main() -> int:
     ap.add_argument("--skip-fifo", action="store_true", help="leave out ours with MAX_CONCURRENT_SEQUENCES=1")
     ap.add_argument("--compare-shared", action="store_true",
                     help="add ours batched with SHARED_PREFIX_MIN_TOKENS=0 (every row its own copy of the prompt)")
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="add ours batched with CPU_KERNELS=off (MLX's own exp / attention / SiLU)")
     ap.add_argument("--system-repeat", type=int, default=1,
                     help="repeat the ~150-token system prompt (10: ~1.6k-token agent contexts)")
     args = ap.parse_args()
@@ -166,6 +168,9 @@ def main() -> int:
     if args.compare_shared:
         servers.append(("ours unshared", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
                                                   "SHARED_PREFIX_MIN_TOKENS": "0"}))
+    if args.compare_kernels:
+        servers.append(("ours kernels off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
+                                                     "CPU_KERNELS": "off"}))
     if not args.skip_fifo:
         servers.append(("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"}))
     if not args.skip_mlx_lm:
@@ -189,12 +194,12 @@ def main() -> int:
     labels = {r["server"] for r in rows}
     for col in ("agg_decode_tok_s", "agg_turn_tok_s"):
         batched = {r["sessions"]: r[col] for r in rows if r["server"] == "ours batched"}
-        for other in ("ours FIFO", "ours unshared", "mlx_lm.server"):
+        for other in ("ours FIFO", "ours unshared", "ours kernels off", "mlx_lm.server"):
             base = {r["sessions"]: r[col] for r in rows if r["server"] == other}
             if base:
                 print(f"\n{col}, batched / {other}: " + ", ".join(
                     f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
-    for other in ("ours FIFO", "ours unshared"):
+    for other in ("ours FIFO", "ours unshared", "ours kernels off"):
         if other in labels:
             same = all(texts[("ours batched", n)] == texts[(other, n)] for n in args.sessions)
             print(f"batched replies identical to {other} replies (greedy): {same}")
