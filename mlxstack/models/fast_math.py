@@ -17,6 +17,8 @@ relative of ``mx.exp`` (measured: tests/test_fast_math.py). Arguments below ~-88
 """
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 # Cephes' 2**f polynomial for f in [-0.5, 0.5] (the coefficients MLX's own CPU exp uses)
@@ -42,18 +44,29 @@ def _parts(x: mx.array) -> tuple[mx.array, mx.array]:
     return u, p
 
 
-try:   # one fused loop per call; shapeless: a new length (every decode step) compiles nothing
-    _compiled = mx.compile(_parts, shapeless=True)
-    mx.eval(_compiled(mx.zeros((2,))))
-except Exception:  # noqa: BLE001 - no compiler at hand: the same arithmetic op by op (~1.5x slower)
-    _compiled = _parts
+_kernel: Any = None
+
+
+def _parts_fn() -> Any:
+    """``_parts`` compiled into one loop (shapeless: a new length, every decode step, compiles
+    nothing), built on first use -- not at import, where a GPU machine would pay for a CPU kernel
+    it never runs. Without a compiler at hand: the same arithmetic op by op (~1.5x slower)."""
+    global _kernel
+    if _kernel is None:
+        try:
+            compiled = mx.compile(_parts, shapeless=True)
+            mx.eval(compiled(mx.zeros((2,))))
+            _kernel = compiled
+        except Exception:  # noqa: BLE001
+            _kernel = _parts
+    return _kernel
 
 
 def fast_exp(x: mx.array) -> mx.array:
     """exp(x) for float32 ``x`` <= 88 (other float dtypes are computed in float32 and cast back);
     0 below ~-88."""
     dtype = x.dtype
-    u, p = _compiled(x if dtype == mx.float32 else x.astype(mx.float32))
+    u, p = _parts_fn()(x if dtype == mx.float32 else x.astype(mx.float32))
     out = mx.view((mx.view(u, mx.int32) - _BIAS) << 23, mx.float32) * p
     return out if dtype == mx.float32 else out.astype(dtype)
 
