@@ -32,11 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     from .system.blas import reexec_with_blas
 
     reexec_with_blas(settings, ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rank = os.environ.get("MLX_RANK") if settings.distributed != "off" else None
+    tag = f"[rank {rank}] " if rank not in (None, "0") else ""
+    logging.basicConfig(level=settings.log_level, format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
     hf_offline_env()
     from .api.app import App, make_server
 
+    if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:
+        return _launch_hosts(settings, argv)
+    if rank not in (None, "0"):
+        return _follow(App(settings), int(rank))
     app = App(settings)
+    ranks = _local_ranks(settings, app)
     try:
         server = make_server(app, settings.mlx_host, settings.mlx_port, listen_fd=inherited_listen_fd(os.environ))
     except SettingsError as exc:
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         app.close()
+        if ranks is not None:
+            ranks.stop()
         logging.getLogger("mlxstack").info("MLX server stopped")
         logging.shutdown()
         sys.stdout.flush()
@@ -86,6 +95,69 @@ def main(argv: list[str] | None = None) -> int:
         # process at interpreter exit ("terminate called without an active exception").
         os._exit(exit_code)
     return exit_code
+
+
+def _rank_died(what: str) -> None:
+    """A rank of a distributed group cannot go on alone: exit now (the launcher restarts the group)."""
+    logging.getLogger("mlxstack").critical("%s; this rank exits so the launcher restarts every rank", what)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _local_ranks(settings, app):  # noqa: ANN001, ANN202
+    """DISTRIBUTED with local ranks: this process is rank 0; the others start once the model's
+    files exist (launcher/ranks.py). None without DISTRIBUTED."""
+    if settings.distributed == "off":
+        return None
+    app.worker.on_death = lambda exc: _rank_died(f"the inference thread died ({type(exc).__name__}: {exc})")
+    if not settings.distributed_local_ranks:
+        return None          # rank 0 of mlx.launch's group (DISTRIBUTED_HOSTS)
+    from .launcher.ranks import LocalRanks, serve_command
+
+    ranks = LocalRanks(settings.distributed_local_ranks, serve_command())
+    ranks.claim()
+    app.files_ready = lambda: ranks.start(lambda r, code: _rank_died(f"rank {r} exited with status {code}"))
+    return ranks
+
+
+def _follow(app, rank: int) -> int:  # noqa: ANN001
+    """A follower rank: no HTTP; load this rank's part, then run what rank 0 broadcasts until it
+    says stop (engine/lockstep.py)."""
+    log = logging.getLogger("mlxstack")
+    signal.signal(signal.SIGTERM, lambda *_a: os._exit(0))
+    app.worker.on_death = lambda exc: _rank_died(f"rank {rank} stopped: {type(exc).__name__}: {exc}")
+    loading = app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
+    exc = loading.exception()
+    if exc is not None:
+        print(f"{LOAD_FAILED_MARKER} {app.load_error or exc}", file=sys.stderr, flush=True)
+        os._exit(EXIT_MODEL_LOAD_FAILED)
+    log.info("rank %d ready: following rank 0", rank)
+    app.worker._thread.join()
+    log.info("rank %d stopped", rank)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
+    """DISTRIBUTED_HOSTS: become mlx.launch over the hostfile's machines (rank 0 runs here)."""
+    from pathlib import Path
+
+    from .config.settings import REPO_ROOT
+    from .launcher.ranks import launch_command
+    from .models.sharding import backend_for
+
+    hostfile = Path(settings.distributed_hosts).expanduser()
+    if not hostfile.is_absolute():
+        hostfile = REPO_ROOT / hostfile
+    if not hostfile.exists():
+        print(f"configuration error: DISTRIBUTED_HOSTS={settings.distributed_hosts!r}: no such hostfile", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    cmd = launch_command(sys.executable, str(hostfile), backend_for(settings),
+                         ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
+    logging.getLogger("mlxstack").info("starting the ranks: %s", " ".join(cmd))
+    os.execv(cmd[0], cmd)
+    return 0
 
 
 if __name__ == "__main__":

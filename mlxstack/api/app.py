@@ -1,6 +1,7 @@
 """The application object: owns the worker, the loaded model, the engine and the routes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -44,6 +45,8 @@ class App:
         from .image_fetch import is_public_address
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
+        self.files_ready: Callable[[], None] | None = None   # serve.py: start the other local ranks
+        self.lockstep: Any = None           # engine/lockstep.py when DISTRIBUTED is on
 
     # ------------------------------------------------------------------ lifecycle
     def _attach_scheduler(self, engine: Any) -> None:
@@ -73,7 +76,22 @@ class App:
 
         jobs = load_warm_jobs(self.settings.warm_prompts, self.settings, self.vocab_size)
 
-        def run(job: Any) -> None:
+        for i, job in enumerate(jobs):
+            try:
+                self.worker.submit(self._warm_call(i, job))
+            except Exception:  # noqa: BLE001 - queue full: the rest is skipped
+                log.warning("warm-up queue full: %d warm prompts skipped", len(jobs))
+                break
+
+    def _warm_call(self, index: int, job: Any = None) -> Callable[[], None]:
+        """Warm prompt ``index`` as a worker call; with several ranks it carries ``replica``, so
+        every rank runs it at the same turn (each rank builds the same jobs from WARM_PROMPTS)."""
+        if job is None:
+            from .warm_prompts import load_warm_jobs
+
+            job = load_warm_jobs(self.settings.warm_prompts, self.settings, self.vocab_size)[index]
+
+        def run() -> None:
             try:
                 out = self.engine.run(job)
                 log.info("warm prompt %s: %d tokens prefilled (%d were cached)", job.request_id,
@@ -81,12 +99,8 @@ class App:
             except Exception as exc:  # noqa: BLE001 - a warm-up must never take the server down
                 log.warning("warm prompt %s failed: %s", job.request_id, exc)
 
-        for job in jobs:
-            try:
-                self.worker.submit(lambda j=job: run(j))
-            except Exception:  # noqa: BLE001 - queue full: the rest is skipped
-                log.warning("warm-up queue full: %d warm prompts skipped", len(jobs))
-                break
+        run.replica = ("warm", index)  # type: ignore[attr-defined]
+        return run
 
     def close(self) -> None:
         """Stop the worker after its current job, then flush the engine's disk writes."""
@@ -108,7 +122,7 @@ class App:
         from ..models.loader import load_model
 
         try:
-            loaded = load_model(self.settings, progress)
+            loaded = load_model(self.settings, progress, files_ready=self.files_ready)
             engine = make_engine(loaded, self.settings)
             state = engine.state
             self.loaded, self.state = loaded, state
@@ -124,12 +138,33 @@ class App:
                      self.model_id, self.family, loaded.context_length, state.cache_budget / 2**30,
                      state.counters.correctness())
             self._attach_scheduler(engine)
-            if self.settings.warm_prompts:
+            if "group" in loaded.extra:
+                self._begin_lockstep(loaded.extra["group"], engine)
+            if self.settings.warm_prompts and (self.lockstep is None or self.lockstep.leader):
                 self._queue_warm_prompts()
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
             raise
+
+    def _begin_lockstep(self, group: Any, engine: Any) -> None:
+        """Several ranks: every rank's engine reads rank 0's clock, keeps the tightest rank's cache
+        budget, and takes its work from rank 0's records from the next worker turn on."""
+        from ..engine.lockstep import Lockstep
+
+        compile_grammar = self.structured.compiler.compile if self.structured is not None else None
+        lock = Lockstep(group, compile_grammar, replicas={"warm": self._warm_call})
+        state = engine.state
+        engine.clock = lock.clock
+        for store in (state.prompt_cache, state.turns, state.sessions):
+            store.clock = lock.clock
+        budget = lock.agree_min(state.cache_budget // max(1, self.settings.distributed_local_ranks))
+        state.cache_budget = budget
+        state.prompt_cache.config = dataclasses.replace(state.prompt_cache.config, max_bytes=budget)
+        self.lockstep = lock
+        self.worker.lockstep = lock
+        log.info("rank %d of %d in lockstep (%s parallel); KV cache budget %.2f GiB per rank", lock.rank, lock.size,
+                 self.settings.distributed, budget / 2**30)
 
     def _structured(self, loaded: Any, engine: Any) -> Any:
         """The grammar compiler for this model (structured output, tool_choice): built once here."""

@@ -74,6 +74,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("MLX_RESTART_WINDOW_SECONDS", "float", 600.0, "Crash-loop window for MLX_MAX_RESTARTS.", minimum=1, group="network"),
     Spec("INFERENCE_STALL_SECONDS", "float", 600.0, "The MLX server's /health answers 503 (status error, with the reason) when its inference thread made no progress -- no scheduler step, prefill chunk or token -- for this long while requests wait or run; a dead inference thread is reported at once. Generous: one step is one prefill chunk or one decode token (0 = report only a dead thread).", minimum=0, group="network"),
     Spec("MLX_UNHEALTHY_RESTART_SECONDS", "float", 30.0, "The launcher stops and restarts (with the crash backoff and MLX_MAX_RESTARTS) a ready MLX server whose /health reports an error -- inference thread dead or stalled -- for this long (0 = never; a server that does not answer /health is not counted).", minimum=0, group="network"),
+    # --- distributed (one model across several processes / machines) -------------
+    Spec("DISTRIBUTED", "choice", "off", "Serve one model from several ranks with MLX's own distributed engine (mlx.core.distributed): tensor = every layer's heads split over the ranks (mlx-lm's model.shard; needs a fast link), pipeline = the layers split over the ranks (model.model.pipeline; saves memory per machine). Rank 0 answers HTTP and runs the scheduler, the cache index and the sessions; every step is broadcast so all ranks run the same forwards. off = one process.", choices=("off", "tensor", "pipeline"), group="distributed"),
+    Spec("DISTRIBUTED_LOCAL_RANKS", "int", 0, "With DISTRIBUTED on: run this many ranks on this machine (ring backend over 127.0.0.1; tests, large NUMA boxes). 0 = use DISTRIBUTED_HOSTS.", minimum=0, group="distributed"),
+    Spec("DISTRIBUTED_HOSTS", "str", "", "With DISTRIBUTED on and no local ranks: a hostfile in mlx.launch's JSON format (one entry per rank: ssh host and IPs; rank 0 is this machine) -- the ranks are started with mlx.launch. Relative paths are under the repo.", group="distributed"),
+    Spec("DISTRIBUTED_BACKEND", "choice", "any", "Transport between ranks: ring (TCP, any machines), jaccl (RDMA over Thunderbolt 5 Macs), any (what mlx picks: jaccl where configured, else ring). Local ranks always use ring.", choices=("any", "ring", "jaccl"), group="distributed"),
     # --- backends (several MLX servers behind LiteLLM) --------------------------
     Spec("BACKENDS_FILE", "str", "backends.yaml", "YAML file listing the MLX backends behind LiteLLM: local ones start_llm.py starts (model_path, port, replicas, per-backend env) and remote ones (url, api_key); backends.example.yaml shows the format. Not there = one backend from MODEL_PATH / MLX_PORT (times MLX_REPLICAS). Relative paths are under the repo.", group="backends"),
     Spec("MLX_REPLICAS", "int", 1, "Without a backends file: local replicas of MODEL_PATH on ports MLX_PORT, MLX_PORT+1, … (each its own MLX server process; sessions stay on their replica).", minimum=1, group="backends"),
@@ -262,6 +267,11 @@ def load_settings(
     if values["speculative"] == "draft" and not values["draft_model"].strip():
         raise SettingsError("SPECULATIVE=draft needs DRAFT_MODEL (a smaller model with the same tokenizer); "
                             "use SPECULATIVE=auto for prompt lookup without a draft model.")
+    if values["distributed"] != "off" and values["distributed_local_ranks"] == 1:
+        raise SettingsError("DISTRIBUTED_LOCAL_RANKS=1 is one process: use DISTRIBUTED=off, or 2 or more ranks.")
+    if values["distributed"] != "off" and not values["distributed_local_ranks"] and not values["distributed_hosts"].strip():
+        raise SettingsError(f"DISTRIBUTED={values['distributed']} needs its ranks: DISTRIBUTED_LOCAL_RANKS=N (N ranks on "
+                            "this machine) or DISTRIBUTED_HOSTS=<hostfile> (mlx.launch's format, for several machines).")
     return Settings(**values)
 
 

@@ -64,6 +64,9 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # is never sampled past it -- mlx-lm's detokenizers index their token map unchecked
         self.token_count = tokenizer_size(loaded.tokenizer)
         self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
+        # what watchdog deadlines are read against: several ranks read rank 0's time as of the
+        # step (engine/lockstep.py), so a deadline fires at the same step on every rank
+        self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
@@ -154,7 +157,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         checkpoints: list[int] = []
         if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
             checkpoints = sorted({k for k in (history_end, n_prompt - 1) if match.depth < k < n_prompt})
-        deadline = t0 + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
+        deadline = self.clock() + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
@@ -228,7 +231,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
     def _should_stop(self, seq: Sequence) -> Callable[[], bool]:
         def should_stop() -> bool:   # asked between prefill chunks and decode tokens: progress
             self.progress()
-            if seq.deadline is not None and time.perf_counter() > seq.deadline:
+            if seq.deadline is not None and self.clock() > seq.deadline:
                 seq.watchdog = True
                 return True
             return seq.job.is_cancelled()

@@ -101,6 +101,8 @@ def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settin
     from ..models.device import is_cpu_only
     from ..models.fingerprint import MEMO_NAME, model_fingerprint
 
+    if settings.distributed != "off":   # not yet: every rank's disk tier would have to agree on each
+        return None                     # load and restore (TASKS.md, issue 24)
     if not settings.cache_enabled or not layout.supported or resolve_disk_cache_dir(
             settings.disk_cache_dir, auto_base=settings.model_cache_path, repo_root=REPO_ROOT) is None:
         return None

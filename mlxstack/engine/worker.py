@@ -81,6 +81,9 @@ class InferenceWorker:
         self._idle = False                        # blocked waiting for work
         self._stopping = False
         self._taking: list[Any] = []               # drained from the queue, not yet taken
+        self.lockstep: Any = None                  # engine/lockstep.py: several ranks, one scheduler
+        self._deferred: list[Any] = []             # taken before lockstep began: exchanged next turn
+        self.on_death: Callable[[BaseException], None] | None = None   # serve.py: a rank of a group exits
 
     def start(self) -> None:
         self._thread.start()
@@ -162,43 +165,75 @@ class InferenceWorker:
         except BaseException as exc:  # noqa: BLE001 - the thread ends: say why, leave nothing hanging
             self._die(exc)
 
+    def _next_items(self) -> list[Any]:
+        """What this turn takes: whatever waits (blocking when there is nothing else to do)."""
+        sched = self.scheduler
+        busy = sched is not None and not sched.idle()
+        if busy or self._backlog or self._deferred:
+            try:
+                items = [self._queue.get_nowait()]
+            except queue.Empty:
+                items = []
+        else:
+            self._idle = True
+            try:
+                items = [self._queue.get()]
+            finally:
+                self._idle = False
+        return items
+
     def _loop(self) -> None:
         while True:
-            sched = self.scheduler
-            busy = sched is not None and not sched.idle()
-            if busy or self._backlog:
+            lock = self.lockstep
+            follower = lock is not None and not lock.leader
+            items = [] if follower else self._next_items()   # a follower's work comes from rank 0
+            self.beat()
+            if not follower:
+                items = self._deferred + items + self._drain()   # everything that arrived meanwhile:
+                self._deferred = []     # admitted together, so their short prefills share one forward
+            if lock is None:
+                if not self._turn(items):
+                    return
+                continue
+            with lock.stream():         # one stream: the collectives of every rank in one order
+                self._idle = follower   # a follower waits for rank 0's next turn: not a stall
                 try:
-                    items = [self._queue.get_nowait()]
-                except queue.Empty:
-                    items = []
-            else:
-                self._idle = True
-                try:
-                    items = [self._queue.get()]
+                    items = lock.exchange(items, self.scheduler)
                 finally:
                     self._idle = False
-            self.beat()
-            items += self._drain()      # everything that arrived meanwhile: admitted together, so
-            self._taking = items        # their short prefills share one forward (scheduler step 1)
-            while items:
-                item = items.pop(0)
-                if item is None:
-                    return
-                self._take(*item)
-            self._admit()
-            if sched is not None and not sched.idle():
-                self._busy.set()
-                try:
-                    sched.step()
-                except Exception as exc:  # noqa: BLE001 - never the end of the thread
-                    self.recoveries += 1
-                    log.error("a scheduler step failed; every request in flight fails, serving goes on",
-                              exc_info=exc)
-                    n = sched.recover(exc)
-                    log.error("%d request(s) failed; scheduler state reset", n)
-                finally:
-                    self._busy.clear()
                 self.beat()
+                if not self._turn(items):
+                    return
+
+    def _turn(self, items: list[Any]) -> bool:
+        """Take ``items``, admit, and run one scheduler step; False when told to stop."""
+        lock = self.lockstep
+        self._taking = items
+        while items:
+            item = items.pop(0)
+            if item is None:
+                return False
+            self._take(*item)
+            if lock is None and self.lockstep is not None:   # the load began lockstep: the rest
+                self._deferred, items = items, []            # is exchanged with the other ranks
+        self._admit()
+        sched = self.scheduler
+        if sched is not None and not sched.idle():
+            self._busy.set()
+            try:
+                sched.step()
+            except Exception as exc:  # noqa: BLE001 - never the end of the thread
+                if self.lockstep is not None:   # the other ranks may not have failed: the group
+                    raise                       # is out of step -- this rank stops (lockstep.py)
+                self.recoveries += 1
+                log.error("a scheduler step failed; every request in flight fails, serving goes on",
+                          exc_info=exc)
+                n = sched.recover(exc)
+                log.error("%d request(s) failed; scheduler state reset", n)
+            finally:
+                self._busy.clear()
+            self.beat()
+        return True
 
     def _die(self, exc: BaseException) -> None:
         """Resolve everything still waiting on this thread (no MLX call) and record why."""
@@ -217,6 +252,8 @@ class InferenceWorker:
                 log.exception("resolving the scheduler's requests failed")
         for fut in pending:
             resolve(fut, exc=err)
+        if self.on_death is not None:
+            self.on_death(exc)
 
     def _drain(self) -> list[Any]:
         out: list[Any] = []

@@ -41,9 +41,11 @@ def _load_prctl():
 _PRCTL = _load_prctl()
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """In a child between fork and exec: SIGTERM it when its parent dies (Linux; elsewhere a no-op)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Supervisor:
         proc = subprocess.Popen(
             list(cmd), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_child_setup, pass_fds=tuple(pass_fds),
+            start_new_session=True, preexec_fn=die_with_parent, pass_fds=tuple(pass_fds),
         )
         child = Child(name, proc)
         child.pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{name}]", self.out, self._lock, child.tail),

@@ -94,29 +94,57 @@ def local_model_folder(value: str, variable: str, hint: str) -> tuple[Path, str]
         ) from None
 
 
-def load_model(settings: Settings, progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(settings: Settings, progress: Callable[[str], None] | None = None,
+               files_ready: Callable[[], None] | None = None) -> LoadedModel:
+    """``files_ready``: called once the model's folder exists (serve.py starts the other local
+    ranks there, so they never convert the embedded model at the same time)."""
     say = progress or (lambda msg: log.info(msg))
     say("preparing model files")
     path, name = resolve_model_path(settings, progress)
+    if files_ready is not None:
+        files_ready()
     config = json.loads((path / "config.json").read_text())
+    distributed = settings.distributed != "off"
     if is_vlm_config(config):
+        if distributed:
+            raise ModelLoadError(f"DISTRIBUTED={settings.distributed}: vision-language models are served by one "
+                                 "process only (mlx-vlm has no sharding here); use DISTRIBUTED=off.")
         vlm = load_vlm(path, name, config, settings)
         install_cpu_kernels(settings.cpu_kernels)
         return vlm
     say(f"loading {name} from {path}")
     from mlx_lm import load as mlx_load
 
-    model, tokenizer = mlx_load(str(path))
+    model, tokenizer = mlx_load(str(path), lazy=distributed)
     if settings.cpu_float32 and is_cpu_only() and upcast_for_cpu(model):
         say("CPU: weights upcast to float32 for BLAS prefill")
+    extra: dict = {}
+    if distributed:
+        extra["group"] = _shard(model, config, name, settings, say)
     if install_cpu_kernels(settings.cpu_kernels):
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)")
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(
         model=model, tokenizer=tokenizer, model_id=name, path=path, config=config,
-        family=detect_family(config, str(path), settings.model_family), context_length=context,
+        family=detect_family(config, str(path), settings.model_family), context_length=context, extra=extra,
     )
+
+
+def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callable[[str], None]) -> Any:
+    """Join the ranks' group, check the split (one line on refusal), keep this rank's part."""
+    import mlx.core as mx
+
+    from .sharding import distributed_group, facts_from_config, refusal, shard
+
+    group = distributed_group(settings)
+    why = refusal(settings.distributed, group.size(), facts_from_config(config, name, model))
+    if why:
+        raise ModelLoadError(why)
+    shard(model, settings.distributed, group)
+    mx.eval(model.parameters())
+    say(f"rank {group.rank()} of {group.size()}: {settings.distributed} parallel part loaded")
+    return group
 
 
 def load_draft_model(settings: Settings, target: LoadedModel, say: Callable[[str], None] | None = None) -> Any:

@@ -1,0 +1,260 @@
+"""Several ranks, one scheduler: every rank runs the same engine on the same work, step for step.
+
+A model split over ranks (DISTRIBUTED=tensor | pipeline: models/sharding.py) runs collectives
+inside every forward, so every rank must run the same forwards in the same order -- the same
+admissions, prefill chunks, cache hits, rows joining and leaving, drafts. Rank 0 answers HTTP;
+at every turn of the inference worker's loop (engine/worker.py) it broadcasts a ``Record``:
+
+- the work it took, in order: chat jobs (without their callbacks; a grammar travels as its spec
+  and each rank compiles the same one; a request without a seed gets one drawn here, so sampled
+  replies agree too) and calls that must run everywhere (warm prompts);
+- the signals it saw since the last turn: clients that left (``job.is_cancelled`` is, on every
+  rank, a flag these records set -- never a socket read mid-step);
+- its clock, which every rank's engine, prompt cache and session stores read (watchdogs, TTLs and
+  idle expiry fire at the same step everywhere);
+- a digest of its scheduler (steps, requests in flight, tokens each has): a rank whose own digest
+  differs has left the group's path -- it stops at once (the launcher restarts the group) instead
+  of running collectives out of order, which hangs or silently mixes up results.
+
+Every rank then takes the same items, admits, and steps: the scheduler, the prompt-cache index,
+the session stores and every decision they make are the same code on the same inputs, and each
+rank's caches hold its own shard of every entry's KV under the same entry. Rank 0 alone writes to
+clients (a follower's ``emit`` is a no-op). An exception that escapes a step is fatal for the group
+(one rank may have failed where the others did not): the worker dies, the rank exits, the launcher
+restarts every rank.
+
+    lock = Lockstep(group, compile_grammar)     # after the model is loaded and sharded
+    worker.lockstep = lock                       # the worker's loop calls lock.exchange(...)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .request import ChatJob
+
+log = logging.getLogger("mlxstack.lockstep")
+
+_CALLBACKS = ("emit", "is_cancelled", "on_prompt")
+_DEBUG = bool(os.environ.get("MLXSTACK_LOCKSTEP_DEBUG"))
+
+
+class LockstepBroken(SystemExit):
+    """This rank's engine is no longer where rank 0's is: the rank must stop (not recoverable)."""
+
+
+@dataclass
+class Record:
+    """One turn of the worker loop, as rank 0 saw it."""
+    items: list = field(default_factory=list)     # ("chat", id, job fields, grammar spec) | ("call", replica) | ("stop",)
+    cancelled: list = field(default_factory=list)  # ids of requests whose client left
+    now: float = 0.0                                # rank 0's monotonic clock
+    digest: tuple = ()                              # rank 0's scheduler before this turn
+
+
+def portable_job(job: ChatJob) -> tuple[dict, Any]:
+    """(the job's fields without its callbacks and grammar, the grammar's spec or None) (pure)."""
+    values = {f.name: getattr(job, f.name) for f in fields(job) if f.name not in _CALLBACKS}
+    grammar = job.params.grammar
+    values["params"] = replace(job.params, grammar=None)
+    return values, (grammar.spec if grammar is not None else None)
+
+
+def scheduler_digest(scheduler: Any) -> tuple:
+    """What must be equal on every rank before a turn: steps taken, and each request in flight
+    (its id, prompt position, tokens generated) in scheduling order (pure over the scheduler)."""
+    if scheduler is None:
+        return ()
+    rows = [(getattr(s.job, "lockstep_id", -1), s.pos, len(s.generated))
+            for s in list(scheduler.prefilling) + list(scheduler.group.seqs)]
+    return (scheduler.steps, tuple(rows))
+
+
+class _Flag:
+    """A request's client-left flag, set only from records (so every rank reads the same)."""
+    __slots__ = ("set",)
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self) -> bool:
+        return self.set
+
+
+def _noop(*_a: Any) -> None:
+    return None
+
+
+class Lockstep:
+    def __init__(self, group: Any, compile_grammar: Callable[[Any], Any] | None = None,
+                 replicas: dict[str, Callable[..., Callable[[], Any]]] | None = None) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.compile_grammar = compile_grammar
+        self.replicas = replicas or {}
+        self._now = time.monotonic()
+        self._next_id = 0
+        self._flags: dict[int, _Flag] = {}
+        self._watch: dict[int, Callable[[], bool]] = {}     # rank 0: the real client checks
+        self._lock = threading.Lock()
+        self.turns = 0
+        self.bytes_sent = 0
+        self.share_seconds = 0.0
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def stream(self) -> Any:
+        """The context every turn runs in: MLX's generation stream, so the share's collectives and
+        the forwards' all_sums (some issued with ``async_eval`` and still in flight) run in one
+        order on every rank -- collectives on two streams interleave by timing, which differs."""
+        from ..runtime.mlx_stream import generation_stream
+
+        return mx.stream(generation_stream())
+
+    def clock(self) -> float:
+        """Rank 0's monotonic time as of the current turn (every rank reads the same)."""
+        return self._now
+
+    # ------------------------------------------------------------------ transport
+    def share(self, obj: Any) -> Any:
+        """``obj`` from rank 0 on every rank (two all_sums: the size, then the bytes)."""
+        t0 = time.perf_counter()
+        if self.leader:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            mx.eval(mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group))
+            mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)), group=self.group))
+            self.bytes_sent += len(data)
+            out = obj
+        else:
+            n = int(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=self.group).item())
+            if n <= 0:
+                raise LockstepBroken(f"rank {self.rank}: rank 0's record at turn {self.turns} announced {n} bytes "
+                                     "(a collective out of step)")
+            buf = mx.distributed.all_sum(mx.zeros((n,), dtype=mx.uint8), group=self.group)
+            mx.eval(buf)
+            out = pickle.loads(memoryview(np.array(buf, copy=False)).tobytes())
+        self.share_seconds += time.perf_counter() - t0
+        return out
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (e.g. the cache budget: the tightest rank)."""
+        got = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.group)
+        return int(got.min().item())
+
+    # ------------------------------------------------------------------ one turn
+    def exchange(self, items: list, scheduler: Any) -> list:
+        """Rank 0: broadcast what it took (``items``: the worker's (work, future) pairs; None =
+        stop) and return them wired for lockstep. Followers: ``items`` is ignored; return the
+        same work rebuilt from rank 0's record. Raises LockstepBroken when this rank's scheduler
+        is not where rank 0's is."""
+        self.turns += 1
+        mine = scheduler_digest(scheduler)
+        if _DEBUG:
+            log.warning("turn %d rank %d digest %r items %r", self.turns, self.rank, mine, items)
+        if self.leader:
+            record, items = self._record(items, mine)
+            self.share(record)
+        else:
+            record = self.share(None)
+            if record.digest != mine:
+                raise LockstepBroken(f"rank {self.rank} left the group's path at turn {self.turns}: "
+                                     f"rank 0 has {record.digest!r}, this rank {mine!r}")
+            items = self._rebuild(record)
+        self._now = record.now
+        for rid in record.cancelled:
+            flag = self._flags.get(rid)
+            if flag is not None:
+                flag.set = True
+        return items
+
+    def _record(self, items: list, digest: tuple) -> tuple[Record, list]:
+        from .worker import _Chat   # the worker's own wrapper (engine/worker.py imports us lazily)
+
+        record = Record(now=time.monotonic(), digest=digest)
+        with self._lock:
+            record.cancelled = [rid for rid, gone in list(self._watch.items()) if _safe(gone)]
+            for rid in record.cancelled:
+                self._watch.pop(rid, None)
+        for item in items:
+            if item is None:
+                record.items.append(("stop",))
+                continue
+            work, fut = item
+            if isinstance(work, _Chat):
+                rid = self._track(work.job, fut, real=work.job.is_cancelled)
+                if work.job.params.seed is None:   # drawn once, here: every rank samples the same
+                    work.job.params = replace(work.job.params, seed=int.from_bytes(os.urandom(8), "little"))
+                values, spec = portable_job(work.job)
+                record.items.append(("chat", rid, values, spec))
+            elif getattr(work, "replica", None) is not None:
+                record.items.append(("call", work.replica))
+        return record, items
+
+    def _track(self, job: ChatJob, fut: Future, real: Callable[[], bool] | None) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        flag = _Flag()
+        job.lockstep_id = rid                     # type: ignore[attr-defined]
+        job.is_cancelled = flag
+        with self._lock:
+            self._flags[rid] = flag
+            if real is not None:
+                self._watch[rid] = real
+
+        def done(_f: Future) -> None:
+            with self._lock:
+                self._flags.pop(rid, None)
+                self._watch.pop(rid, None)
+
+        fut.add_done_callback(done)
+        return rid
+
+    def _rebuild(self, record: Record) -> list:
+        from .worker import _Chat
+
+        out: list = []
+        for item in record.items:
+            if item[0] == "stop":
+                out.append(None)
+            elif item[0] == "chat":
+                _, rid, values, spec = item
+                params = values["params"]
+                if spec is not None:
+                    if self.compile_grammar is None:
+                        raise LockstepBroken(f"rank {self.rank} cannot compile the grammar rank 0 uses")
+                    params = replace(params, grammar=self.compile_grammar(spec))
+                job = ChatJob(**{**values, "params": params}, emit=_noop, on_prompt=_noop)
+                fut: Future = Future()
+                if rid != self._next_id:
+                    raise LockstepBroken(f"rank {self.rank} expected request {self._next_id}, rank 0 sent {rid}")
+                self._track(job, fut, real=None)
+                out.append((_Chat(job), fut))
+            elif item[0] == "call":
+                name, *args = item[1]
+                fn = self.replicas[name](*args)
+                out.append((fn, Future()))
+        return out
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "ranks": self.size, "turns": self.turns, "bytes_sent": self.bytes_sent,
+                "share_seconds": round(self.share_seconds, 3),
+                "share_us_per_turn": round(self.share_seconds / max(1, self.turns) * 1e6, 1)}
+
+
+def _safe(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception:  # noqa: BLE001 - a broken check counts as a client that left
+        return True
