@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:
         return _launch_hosts(settings, argv)
     if rank not in (None, "0"):
-        return _follow(App(settings), int(rank))
+        return _follow(App(settings.replace(enable_request_logging=False)), int(rank))   # rank 0 logs requests
     app = App(settings)
     ranks = _local_ranks(settings, app)
     try:
@@ -133,6 +133,7 @@ def _follow(app, rank: int) -> int:  # noqa: ANN001
         print(f"{LOAD_FAILED_MARKER} {app.load_error or exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_MODEL_LOAD_FAILED)
     log.info("rank %d ready: following rank 0", rank)
+    logging.getLogger("mlxstack.request").setLevel(logging.WARNING)   # rank 0 logs each request once
     app.worker._thread.join()
     log.info("rank %d stopped", rank)
     logging.shutdown()
@@ -144,8 +145,9 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     from pathlib import Path
 
     from .config.settings import REPO_ROOT
-    from .launcher.ranks import launch_command
+    from .launcher.ranks import control_for_hosts, launch_command
     from .models.sharding import backend_for
+    from .system.control_channel import ADDR_ENV, SECRET_ENV, new_secret
 
     hostfile = Path(settings.distributed_hosts).expanduser()
     if not hostfile.is_absolute():
@@ -153,8 +155,10 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     if not hostfile.exists():
         print(f"configuration error: DISTRIBUTED_HOSTS={settings.distributed_hosts!r}: no such hostfile", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    env = {ADDR_ENV: control_for_hosts(str(hostfile)), SECRET_ENV: new_secret()}
+    env.update({k: v for k, v in settings.as_env().items() if k.startswith("DISTRIBUTED")})
     cmd = launch_command(sys.executable, str(hostfile), backend_for(settings),
-                         ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
+                         ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])], env)
     logging.getLogger("mlxstack").info("starting the ranks: %s", " ".join(cmd))
     os.execv(cmd[0], cmd)
     return 0

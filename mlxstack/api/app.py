@@ -150,21 +150,34 @@ class App:
     def _begin_lockstep(self, group: Any, engine: Any) -> None:
         """Several ranks: every rank's engine reads rank 0's clock, keeps the tightest rank's cache
         budget, and takes its work from rank 0's records from the next worker turn on."""
-        from ..engine.lockstep import Lockstep
+        import os
 
+        from ..engine.lockstep import Lockstep
+        from ..system.control_channel import ControlChannel, from_env
+
+        control = from_env(os.environ)
+        if control is None:
+            raise RuntimeError("DISTRIBUTED: this rank has no control channel (MLXSTACK_CONTROL); start it "
+                               "through start_llm.py / mlxstack.serve")
+        address, secret = control
+        channel = (ControlChannel.lead(address, secret, followers=group.size() - 1) if group.rank() == 0
+                   else ControlChannel.follow(address, secret, rank=group.rank()))
         compile_grammar = self.structured.compiler.compile if self.structured is not None else None
-        lock = Lockstep(group, compile_grammar, replicas={"warm": self._warm_call})
+        lock = Lockstep(group, channel, compile_grammar, replicas={"warm": self._warm_call})
         state = engine.state
         engine.clock = lock.clock
         for store in (state.prompt_cache, state.turns, state.sessions):
             store.clock = lock.clock
-        budget = lock.agree_min(state.cache_budget // max(1, self.settings.distributed_local_ranks))
+        # the budget counts every rank's part of an entry: the tightest rank's share times the ranks
+        per_rank = lock.agree_min(state.cache_budget // max(1, self.settings.distributed_local_ranks))
+        budget = per_rank * lock.size
+        state.group_bytes = lock.sum_bytes
         state.cache_budget = budget
         state.prompt_cache.config = dataclasses.replace(state.prompt_cache.config, max_bytes=budget)
         self.lockstep = lock
         self.worker.lockstep = lock
         log.info("rank %d of %d in lockstep (%s parallel); KV cache budget %.2f GiB per rank", lock.rank, lock.size,
-                 self.settings.distributed, budget / 2**30)
+                 self.settings.distributed, per_rank / 2**30)
 
     def _structured(self, loaded: Any, engine: Any) -> Any:
         """The grammar compiler for this model (structured output, tool_choice): built once here."""

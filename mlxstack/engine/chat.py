@@ -182,7 +182,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
                 return match, stable_msgs, False, stored
             stored = st.disk.load(match.entry) if st.disk is not None else None
             if stored is not None:
-                st.prompt_cache.promote(match.entry.entry_id, stored, stored.nbytes)
+                st.prompt_cache.promote(match.entry.entry_id, stored, st.group_bytes(stored.nbytes))
                 return match, stable_msgs, True, stored
             st.prompt_cache.remove(match.entry.entry_id, "disk_corrupt")
             st.counters.bump("disk_load_failures")

@@ -269,7 +269,7 @@ class TurnFinish:
         extra = max(0, depth - n_prompt)
         key = (prep.key_tokens if n_prompt == len(prep.model_tokens) else self.key_prefix(prep, n_prompt)) \
             + continuation[:extra]
-        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=state.nbytes, floor=state.floor,
+        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=st.group_bytes(state.nbytes), floor=state.floor,
                                        pool=POOL_KV, session_id=session_id)
         if entry is not None:
             inserted.append(entry.entry_id)
@@ -281,7 +281,7 @@ class TurnFinish:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
             snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth],
-                                                snap, nbytes=snap.nbytes, floor=snap.floor, pool=POOL_SNAPSHOT,
+                                                snap, nbytes=st.group_bytes(snap.nbytes), floor=snap.floor, pool=POOL_SNAPSHOT,
                                                 session_id=session_id)
             if snap_entry is not None:
                 inserted.append(snap_entry.entry_id)

@@ -3,7 +3,9 @@
 A model split over ranks (DISTRIBUTED=tensor | pipeline: models/sharding.py) runs collectives
 inside every forward, so every rank must run the same forwards in the same order -- the same
 admissions, prefill chunks, cache hits, rows joining and leaving, drafts. Rank 0 answers HTTP;
-at every turn of the inference worker's loop (engine/worker.py) it broadcasts a ``Record``:
+at every turn of the inference worker's loop (engine/worker.py) it sends every rank a ``Record``
+over the control channel (plain TCP, authenticated: a waiting follower sleeps there, where inside an
+MLX collective it would spin):
 
 - the work it took, in order: chat jobs (without their callbacks; a grammar travels as its spec
   and each rank compiles the same one; a request without a seed gets one drawn here, so sampled
@@ -23,7 +25,7 @@ clients (a follower's ``emit`` is a no-op). An exception that escapes a step is 
 (one rank may have failed where the others did not): the worker dies, the rank exits, the launcher
 restarts every rank.
 
-    lock = Lockstep(group, compile_grammar)     # after the model is loaded and sharded
+    lock = Lockstep(group, channel, compile_grammar)   # after the model is loaded and sharded
     worker.lockstep = lock                       # the worker's loop calls lock.exchange(...)
 """
 from __future__ import annotations
@@ -38,7 +40,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
 from .request import ChatJob
 
@@ -95,9 +96,10 @@ def _noop(*_a: Any) -> None:
 
 
 class Lockstep:
-    def __init__(self, group: Any, compile_grammar: Callable[[Any], Any] | None = None,
+    def __init__(self, group: Any, channel: Any, compile_grammar: Callable[[Any], Any] | None = None,
                  replicas: dict[str, Callable[..., Callable[[], Any]]] | None = None) -> None:
         self.group = group
+        self.channel = channel      # rank 0 -> followers: send(bytes) / recv() -> bytes
         self.rank = group.rank()
         self.size = group.size()
         self.compile_grammar = compile_grammar
@@ -129,22 +131,19 @@ class Lockstep:
 
     # ------------------------------------------------------------------ transport
     def share(self, obj: Any) -> Any:
-        """``obj`` from rank 0 on every rank (two all_sums: the size, then the bytes)."""
+        """``obj`` from rank 0 on every rank, over the control channel (system/control_channel.py:
+        a follower waiting for rank 0 sleeps there; inside an MLX collective it would spin)."""
         t0 = time.perf_counter()
         if self.leader:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            mx.eval(mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=self.group))
-            mx.eval(mx.distributed.all_sum(mx.array(np.frombuffer(data, dtype=np.uint8)), group=self.group))
+            self.channel.send(data)
             self.bytes_sent += len(data)
             out = obj
         else:
-            n = int(mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32), group=self.group).item())
-            if n <= 0:
-                raise LockstepBroken(f"rank {self.rank}: rank 0's record at turn {self.turns} announced {n} bytes "
-                                     "(a collective out of step)")
-            buf = mx.distributed.all_sum(mx.zeros((n,), dtype=mx.uint8), group=self.group)
-            mx.eval(buf)
-            out = pickle.loads(memoryview(np.array(buf, copy=False)).tobytes())
+            try:
+                out = pickle.loads(self.channel.recv())
+            except (EOFError, OSError) as exc:
+                raise LockstepBroken(f"rank {self.rank}: rank 0 is gone ({exc})") from None
         self.share_seconds += time.perf_counter() - t0
         return out
 
@@ -152,6 +151,12 @@ class Lockstep:
         """The smallest of every rank's ``value`` (e.g. the cache budget: the tightest rank)."""
         got = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.group)
         return int(got.min().item())
+
+    def sum_bytes(self, value: int) -> int:
+        """Every rank's ``value`` summed (an entry's bytes: each rank holds its own part -- equal
+        parts under tensor parallelism, its layers' under pipeline). Called at the same point of
+        the same turn on every rank (the engine is the same code on the same inputs)."""
+        return int(mx.distributed.all_sum(mx.array([int(value)], dtype=mx.int64), group=self.group).item())
 
     # ------------------------------------------------------------------ one turn
     def exchange(self, items: list, scheduler: Any) -> list:

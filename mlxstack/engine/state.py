@@ -40,6 +40,9 @@ class EngineState:
         self.settings = settings
         self.counters = CacheCounters()
         self.live_kv_bytes = 0       # KV / state of the requests in flight (engine/kv_bytes.py; the scheduler sets it)
+        # an entry's bytes as the cache budget counts them: one process, its own; several ranks
+        # (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions
+        self.group_bytes: Callable[[int], int] = lambda n: n
         budget = settings.prompt_cache_max_bytes or default_cache_budget()
         self.cache_budget = budget
         # A cache class we do not understand is never stored half-understood: prefix caching

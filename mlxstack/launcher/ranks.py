@@ -26,8 +26,9 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+from ..system.control_channel import ADDR_ENV, SECRET_ENV, new_secret
 from .supervisor import die_with_parent
 
 RANK_ENV = "MLX_RANK"
@@ -62,14 +63,29 @@ def rank_env(base: dict[str, str], rank: int, hostfile: str) -> dict[str, str]:
     return env
 
 
-def launch_command(python: str, hostfile: str, backend: str, module_args: Sequence[str]) -> list[str]:
+def launch_command(python: str, hostfile: str, backend: str, module_args: Sequence[str],
+                   env: Mapping[str, str] = {}) -> list[str]:
     """``mlx.launch`` for ranks on other machines (DISTRIBUTED_HOSTS), with the interpreter named
-    (without it the ranks exit 126 and mlx.launch still exits 0) (pure)."""
+    (without it the ranks exit 126 and mlx.launch still exits 0) and ``env`` passed to every rank
+    (pure)."""
     launcher = str(Path(python).with_name("mlx.launch"))
     cmd = [launcher, "--hostfile", hostfile, "--python", python]
     if backend != "any":
         cmd += ["--backend", backend]
+    for key, value in env.items():
+        cmd += ["--env", f"{key}={value}"]
     return cmd + ["--", python, *module_args]
+
+
+def control_for_hosts(hostfile: str) -> str:
+    """``ip:port`` for the control channel: rank 0's first IP in an mlx.launch hostfile and a
+    port free here now (rank 0 runs on this machine)."""
+    with open(hostfile) as f:
+        hosts = json.load(f)
+    first = hosts[0]
+    ips = (first.get("ips") or []) if isinstance(first, dict) else []
+    ip = ips[0] if ips else "127.0.0.1"
+    return f"{ip}:{free_ports(1, ip if ips else '127.0.0.1')[0]}"
 
 
 class LocalRanks:
@@ -79,13 +95,18 @@ class LocalRanks:
         self.procs: dict[int, subprocess.Popen] = {}
         self.stopping = False
         fd, self.hostfile = tempfile.mkstemp(prefix="mlxstack-ranks-", suffix=".json")
+        *ring, control = free_ports(count + 1)
         with os.fdopen(fd, "w") as f:
-            json.dump(ring_hostfile(free_ports(count)), f)
+            json.dump(ring_hostfile(ring), f)
+        self.control = f"127.0.0.1:{control}"     # rank 0 sends each turn's record here (lockstep)
+        self.secret = new_secret()
 
     def claim(self) -> None:
-        """This process is rank 0 of the group."""
+        """This process is rank 0 of the group (the others inherit the channel's address and secret)."""
         os.environ[RANK_ENV] = "0"
         os.environ[HOSTFILE_ENV] = self.hostfile
+        os.environ[ADDR_ENV] = self.control
+        os.environ[SECRET_ENV] = self.secret
 
     def start(self, on_exit: Callable[[int, int], None]) -> None:
         """Start ranks 1..N-1 and watch them."""
