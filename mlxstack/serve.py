@@ -97,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-def _rank_died(what: str) -> None:
-    """A rank of a distributed group cannot go on alone: exit now (the launcher restarts the group)."""
-    logging.getLogger("mlxstack").critical("%s; this rank exits so the launcher restarts every rank", what)
+def _rank_died(what: str, code: int = 1) -> None:
+    """A rank of a distributed group cannot go on alone: exit now. The launcher restarts the group,
+    unless another rank failed to load or was misconfigured (its status is passed on: no restart)."""
+    from .system.exit_codes import NOT_RESTARTABLE
+
+    restart = code not in NOT_RESTARTABLE
+    logging.getLogger("mlxstack").critical("%s; this rank exits%s", what,
+                                           " so the launcher restarts every rank" if restart else "")
     logging.shutdown()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(1 if restart else code)
 
 
 def _local_ranks(settings, app):  # noqa: ANN001, ANN202
@@ -117,7 +122,7 @@ def _local_ranks(settings, app):  # noqa: ANN001, ANN202
 
     ranks = LocalRanks(settings.distributed_local_ranks, serve_command())
     ranks.claim()
-    app.files_ready = lambda: ranks.start(lambda r, code: _rank_died(f"rank {r} exited with status {code}"))
+    app.files_ready = lambda: ranks.start(lambda r, code: _rank_died(f"rank {r} exited with status {code}", code))
     return ranks
 
 

@@ -101,10 +101,10 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     say = progress or (lambda msg: log.info(msg))
     say("preparing model files")
     path, name = resolve_model_path(settings, progress)
-    if files_ready is not None:
-        files_ready()
     config = json.loads((path / "config.json").read_text())
     distributed = settings.distributed != "off"
+    if files_ready is not None and not distributed:
+        files_ready()
     if is_vlm_config(config):
         if distributed:
             raise ModelLoadError(f"DISTRIBUTED={settings.distributed}: vision-language models are served by one "
@@ -116,11 +116,12 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     from mlx_lm import load as mlx_load
 
     model, tokenizer = mlx_load(str(path), lazy=distributed)
+    # upcast before a split: mlx-lm's dequantize would swap a sharded layer for a plain one
     if settings.cpu_float32 and is_cpu_only() and upcast_for_cpu(model):
         say("CPU: weights upcast to float32 for BLAS prefill")
     extra: dict = {}
     if distributed:
-        extra["group"] = _shard(model, config, name, settings, say)
+        extra["group"] = _shard(model, config, name, settings, say, files_ready)
     if install_cpu_kernels(settings.cpu_kernels):
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)")
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
@@ -131,14 +132,23 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     )
 
 
-def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callable[[str], None]) -> Any:
-    """Join the ranks' group, check the split (one line on refusal), keep this rank's part."""
+def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callable[[str], None],
+           files_ready: Callable[[], None] | None) -> Any:
+    """Check the split (refused in one line before any other rank starts, where the rank count is
+    known here), join the ranks' group, keep this rank's part of the (still lazy) weights."""
     import mlx.core as mx
 
     from .sharding import distributed_group, facts_from_config, refusal, shard
 
+    facts = facts_from_config(config, name, model)
+    why = refusal(settings.distributed, settings.distributed_local_ranks, facts) \
+        if settings.distributed_local_ranks else None
+    if why:
+        raise ModelLoadError(why)
+    if files_ready is not None:
+        files_ready()
     group = distributed_group(settings)
-    why = refusal(settings.distributed, group.size(), facts_from_config(config, name, model))
+    why = refusal(settings.distributed, group.size(), facts)
     if why:
         raise ModelLoadError(why)
     shard(model, settings.distributed, group)

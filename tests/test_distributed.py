@@ -1,0 +1,332 @@
+"""One model over several ranks (DISTRIBUTED=tensor | pipeline): MLX's ring backend between local
+ranks, real servers, real models.
+
+Pure parts: which splits a model allows and the one-line refusal, the launcher's hostfile /
+environment / mlx.launch command, the records' job form and scheduler digest, the control
+channel (authenticated; a stranger is refused). Real servers: a tiny random qwen2 (a family with
+both splits) served by one process, by 2 ranks tensor parallel and by 2 ranks pipeline parallel,
+compared reply for reply -- greedy, sampled with a seed, structured output, warm turns (the same
+tokens reused), 4 concurrent sessions; a client that hangs up mid-stream, a 4xx raised inside the
+engine, and the next request answers the same; a model the split does not fit is refused at
+start in one line; a killed rank ends the group (the launcher restarts it) and a stop leaves no
+rank running. The embedded SmolLM2 over 3 ranks through the whole stack is in
+tests/test_e2e_distributed.py.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxstack.config.settings import SettingsError, load_settings
+from mlxstack.engine.lockstep import portable_job, scheduler_digest
+from mlxstack.engine.request import ChatJob
+from mlxstack.launcher.ranks import launch_command, rank_env, ring_hostfile
+from mlxstack.models.sharding import ShardFacts, facts_from_config, pipeline_counts, refusal, tensor_counts
+from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.system.control_channel import ControlChannel, parse_address
+from scripts.probelib.servers import ServerProcess
+from tests.conftest import http_json
+
+SMOL = ShardFacts(name="SmolLM2-135M-Instruct", heads=9, kv_heads=3, layers=30, intermediate=1536,
+                  tensor=True, pipeline=False)
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_split_counts_and_refusals():
+    assert tensor_counts(SMOL) == [3] and pipeline_counts(SMOL) == []
+    assert refusal("tensor", 3, SMOL) is None
+    assert refusal("tensor", 2, SMOL) == (
+        "DISTRIBUTED=tensor over 2 ranks cannot serve SmolLM2-135M-Instruct: its 9 attention heads / 3 KV heads "
+        "/ 1536 MLP columns do not divide by 2. Works: DISTRIBUTED=tensor with 3 ranks.")
+    assert refusal("pipeline", 3, SMOL) == (
+        "DISTRIBUTED=pipeline over 3 ranks cannot serve SmolLM2-135M-Instruct: its family has no pipeline split "
+        "in mlx-lm (model.model.pipeline). Works: DISTRIBUTED=tensor with 3 ranks.")
+    both = ShardFacts("m", heads=8, kv_heads=4, layers=5, intermediate=96, tensor=True, pipeline=True)
+    assert tensor_counts(both) == [2, 4] and pipeline_counts(both) == [2, 3, 4, 5]
+    assert refusal("pipeline", 6, both) == ("DISTRIBUTED=pipeline over 6 ranks cannot serve m: it has 5 layers for "
+                                            "6 ranks. Works: DISTRIBUTED=tensor with 2, 4 ranks; DISTRIBUTED=pipeline "
+                                            "with 2-5 ranks.")
+    neither = ShardFacts("x", 4, 4, 2, 0, tensor=False, pipeline=False)
+    assert refusal("tensor", 2, neither) == ("DISTRIBUTED=tensor over 2 ranks cannot serve x: its family has no "
+                                             "tensor-parallel split in mlx-lm (model.shard). Works: nothing: its family "
+                                             "has neither model.shard nor model.model.pipeline in mlx-lm.")
+
+
+def test_facts_read_nested_text_config():
+    f = facts_from_config({"text_config": {"num_attention_heads": 16, "num_hidden_layers": 4, "intermediate_size": 64}},
+                          "vlm")
+    assert (f.heads, f.kv_heads, f.layers, f.intermediate, f.tensor, f.pipeline) == (16, 16, 4, 64, False, False)
+
+
+def test_distributed_settings_need_ranks():
+    with pytest.raises(SettingsError, match="DISTRIBUTED=tensor needs its ranks"):
+        load_settings(env={"DISTRIBUTED": "tensor"})
+    with pytest.raises(SettingsError, match="DISTRIBUTED_LOCAL_RANKS=1 is one process"):
+        load_settings(env={"DISTRIBUTED": "pipeline", "DISTRIBUTED_LOCAL_RANKS": "1"})
+    s = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3"})
+    assert (s.distributed, s.distributed_local_ranks, s.distributed_backend) == ("tensor", 3, "any")
+
+
+def test_launcher_pieces():
+    assert ring_hostfile([5001, 5002]) == [["127.0.0.1:5001"], ["127.0.0.1:5002"]]
+    env = rank_env({"A": "1", "MLX_LISTEN_FD": "7"}, 2, "/tmp/h.json")
+    assert env == {"A": "1", "MLX_RANK": "2", "MLX_HOSTFILE": "/tmp/h.json"}
+    assert launch_command("/v/bin/python", "/h.json", "ring", ["-m", "mlxstack.serve"], {"K": "v"}) == [
+        "/v/bin/mlx.launch", "--hostfile", "/h.json", "--python", "/v/bin/python", "--backend", "ring",
+        "--env", "K=v", "--", "/v/bin/python", "-m", "mlxstack.serve"]
+    assert launch_command("/v/bin/python", "/h.json", "any", ["x"])[-4:] == ["/v/bin/python", "--", "/v/bin/python", "x"]
+    assert parse_address("10.0.0.2:5999") == ("10.0.0.2", 5999) and parse_address("[::1]:80") == ("::1", 80)
+
+
+def test_portable_job_drops_callbacks_and_grammar():
+    class Grammar:
+        spec = ("json", {"type": "object"})
+
+    job = ChatJob(request_id="r1", messages=[{"role": "user", "content": "hi"}], tools=None, enable_thinking=False,
+                  params=SamplingParams(temperature=0.5, max_tokens=9, seed=3, grammar=Grammar()), stop=["x"],
+                  body={"a": 1}, headers={"h": "v"}, emit=lambda t: None, is_cancelled=lambda: True)
+    values, spec = portable_job(job)
+    assert spec == Grammar.spec
+    assert set(values) == {"request_id", "messages", "tools", "enable_thinking", "params", "stop", "body", "headers",
+                           "tool_choice", "prefill_only", "response_format"}
+    again = pickle.loads(pickle.dumps(values))
+    assert again["params"] == SamplingParams(temperature=0.5, max_tokens=9, seed=3)
+    assert job.params.grammar is not None        # the job itself is untouched
+
+
+def test_scheduler_digest():
+    class Seq:
+        def __init__(self, rid, pos, n):
+            self.job = type("J", (), {"lockstep_id": rid})()
+            self.pos, self.generated = pos, [0] * n
+
+    sched = type("S", (), {"steps": 7, "prefilling": [Seq(3, 40, 0)],
+                           "group": type("G", (), {"seqs": [Seq(1, 90, 5), Seq(2, 91, 4)]})()})()
+    assert scheduler_digest(sched) == (7, ((3, 40, 0), (1, 90, 5), (2, 91, 4)))
+    assert scheduler_digest(None) == ()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_control_channel_delivers_in_order_and_refuses_strangers():
+    port, secret = _free_port(), os.urandom(32)
+    addr = ("127.0.0.1", port)
+    box: dict = {}
+    lead = threading.Thread(target=lambda: box.update(lead=ControlChannel.lead(addr, secret, followers=2, timeout=20)))
+    lead.start()
+    time.sleep(0.2)
+    stranger = socket.create_connection(addr)              # wrong secret: closed, not counted
+    stranger.sendall(b"\0" * 7 + b"\1" + b"\0" * 32)
+    assert stranger.recv(1) == b""
+    stranger.close()
+    followers = {}
+    for rank in (2, 1):
+        followers[rank] = ControlChannel.follow(addr, secret, rank=rank, timeout=20)
+    lead.join(20)
+    chan = box["lead"]
+    for i in range(3):
+        chan.send(pickle.dumps({"turn": i}))
+    for rank in (1, 2):
+        assert [pickle.loads(followers[rank].recv()) for _ in range(3)] == [{"turn": 0}, {"turn": 1}, {"turn": 2}]
+    forged = ControlChannel(followers[1].socks, secret)    # a follower cannot read a forged frame
+    chan.socks[0].sendall(b"\0" * 7 + b"\3" + b"\0" * 32 + b"abc")
+    with pytest.raises(ConnectionError, match="authentication"):
+        forged.recv()
+    chan.close()
+    with pytest.raises(EOFError):
+        followers[2].recv()
+
+
+# ----------------------------------------------------------------------------- real servers
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:
+    from tests.fixtures.tiny_models import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), embedded_model_path)
+
+
+BASE_ENV = {"DISK_CACHE_DIR": "off", "DEFAULT_TEMPERATURE": "0", "ENABLE_REQUEST_LOGGING": "false",
+            "MLX_UNHEALTHY_RESTART_SECONDS": "0"}
+
+
+def _server(model: Path, tmp: Path, name: str, **env: str) -> ServerProcess:
+    server = ServerProcess("ours", env={"MODEL_PATH": str(model), "LOG_ROOT": str(tmp / name), **BASE_ENV, **env},
+                           log_path=str(tmp / f"{name}.log"))
+    server.model_id = model.name  # type: ignore[attr-defined]   # what it serves: its folder's name
+    try:
+        server.wait_ready(240)
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen2_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distributed")
+    started = {}
+    try:
+        started["one"] = _server(tiny_qwen2_path, tmp, "one")
+        started["tensor"] = _server(tiny_qwen2_path, tmp, "tensor", DISTRIBUTED="tensor", DISTRIBUTED_LOCAL_RANKS="2")
+        started["pipeline"] = _server(tiny_qwen2_path, tmp, "pipeline", DISTRIBUTED="pipeline",
+                                      DISTRIBUTED_LOCAL_RANKS="2")
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _chat(server: ServerProcess, messages, **extra):
+    body = {"model": server.model_id, "messages": messages, "max_tokens": extra.pop("max_tokens", 20), **extra}
+    status, reply, _ = http_json(server.base_url + "/chat/completions", body, timeout=240)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    return choice["message"], choice["finish_reason"], reply["usage"]
+
+
+SYSTEM = "You are a careful coding agent. Read the files first, then answer briefly. " * 12
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_replies_and_warm_turns_match_one_process(servers, mode):
+    for i in range(2):
+        turn1 = [{"role": "system", "content": f"[{mode}] {SYSTEM}"}, {"role": "user", "content": f"Question {i} ({mode}): what is in file {i}?"}]
+        one, ranks = _chat(servers["one"], turn1), _chat(servers[mode], turn1)
+        assert ranks == one
+        turn2 = turn1 + [{"role": "assistant", "content": one[0].get("content") or ""},
+                         {"role": "user", "content": "And the next file?"}]
+        one2, ranks2 = _chat(servers["one"], turn2), _chat(servers[mode], turn2)
+        assert ranks2 == one2
+        assert ranks2[2]["prompt_tokens_details"]["cached_tokens"] > 150    # the warm turn reused its history
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_sampled_structured_and_concurrent_match(servers, mode):
+    msgs = [{"role": "user", "content": f"Pick a number and a colour ({mode})."}]
+    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    assert _chat(servers[mode], msgs, **seeded) == _chat(servers["one"], msgs, **seeded)
+    schema = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True, "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "colour": {"type": "string", "maxLength": 8}},
+        "required": ["n", "colour"], "additionalProperties": False}}}
+    one = _chat(servers["one"], msgs, response_format=schema, max_tokens=40)
+    assert _chat(servers[mode], msgs, response_format=schema, max_tokens=40) == one
+    if one[1] == "stop":
+        assert set(json.loads(one[0]["content"])) == {"n", "colour"}
+    sessions = [[{"role": "system", "content": f"({mode}) {SYSTEM}"}, {"role": "user", "content": f"Sub-agent {i} ({mode}): list risks."}]
+                for i in range(4)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        ranks = list(pool.map(lambda m: _chat(servers[mode], m, max_tokens=12), sessions))
+    alone = [_chat(servers["one"], m, max_tokens=12) for m in sessions]
+    assert [r[:2] for r in ranks] == [a[:2] for a in alone]    # what was cached depends on arrival: not compared
+    assert [r[2]["prompt_tokens"] for r in ranks] == [a[2]["prompt_tokens"] for a in alone]
+
+
+def _stream_and_hang_up(server: ServerProcess, chunks: int) -> int:
+    body = json.dumps({"model": server.model_id, "stream": True, "max_tokens": 2000, "seed": 7, "temperature": 0.8,
+                       "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while seen.count(b"data: ") < chunks:
+        got = sock.recv(4096)
+        assert got, seen
+        seen += got
+    sock.close()                                   # the client leaves mid-stream
+    return seen.count(b"data: ")
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
+    assert _stream_and_hang_up(servers[mode], 5) >= 5
+    too_long = [{"role": "user", "content": "word " * 5000}]    # over the 4096-token window: 400 from the engine
+    status, reply, _ = http_json(servers[mode].base_url + "/chat/completions",
+                                 {"model": servers[mode].model_id, "messages": too_long, "max_tokens": 5}, timeout=120)
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    msgs = [{"role": "user", "content": f"After the hang-up ({mode}): one line."}]
+    assert _chat(servers[mode], msgs) == _chat(servers["one"], msgs)
+    status, health, _ = http_json(servers[mode].root + "/health")
+    assert status == 200 and health["status"] == "ok"
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid``, whichever of its threads started them."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1][0] != "Z"
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_split_that_does_not_fit_is_refused_in_one_line(tiny_dense_path, tmp_path):
+    server = ServerProcess("ours", env={"MODEL_PATH": str(tiny_dense_path), **BASE_ENV, "DISTRIBUTED": "tensor",
+                                        "DISTRIBUTED_LOCAL_RANKS": "3"}, log_path=str(tmp_path / "refused.log"))
+    try:
+        assert server.proc.wait(timeout=120) == 3
+    finally:
+        server.stop()
+    log = Path(server.log_path).read_text()
+    assert (f"MODEL LOAD FAILED: ModelLoadError: DISTRIBUTED=tensor over 3 ranks cannot serve {tiny_dense_path.name}: its 4 attention "
+            "heads / 2 KV heads / 128 MLP columns do not divide by 3. Works: DISTRIBUTED=tensor with 2 ranks.") in log
+    assert "[rank 1]" not in log                  # refused before any other rank started
+
+
+def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_path):
+    server = _server(tiny_qwen2_path, tmp_path, "kill", DISTRIBUTED="tensor", DISTRIBUTED_LOCAL_RANKS="2")
+    try:
+        followers = _children(server.proc.pid)
+        assert len(followers) == 1
+        os.kill(followers[0], signal.SIGKILL)
+        assert server.proc.wait(timeout=30) == 1   # rank 0 does not serve on alone: the launcher restarts both
+        assert "rank 1 exited with status -9; this rank exits so the launcher restarts every rank" in server.tail()
+    finally:
+        server.stop()
+    again = _server(tiny_qwen2_path, tmp_path, "stop", DISTRIBUTED="pipeline", DISTRIBUTED_LOCAL_RANKS="2")
+    ranks = [again.proc.pid] + _children(again.proc.pid)
+    assert len(ranks) == 2
+    os.kill(again.proc.pid, signal.SIGTERM)        # a clean stop: rank 0 tells the others, none is left
+    try:
+        assert again.proc.wait(timeout=30) == 0
+        assert _gone(ranks, 15)
+    finally:
+        again.stop()
+    third = _server(tiny_qwen2_path, tmp_path, "kill0", DISTRIBUTED="tensor", DISTRIBUTED_LOCAL_RANKS="2")
+    ranks = [third.proc.pid] + _children(third.proc.pid)
+    os.kill(third.proc.pid, signal.SIGKILL)        # rank 0 killed outright: the others die with it
+    try:
+        assert _gone(ranks, 15)
+    finally:
+        third.stop()
