@@ -213,8 +213,17 @@ def ready_text(settings: Settings, names: list[str]) -> str:
         f"from .env, model {' or '.join(names)}",
         f"  keys (full values in .env): LITELLM_MASTER_KEY {mask_secret(settings.litellm_master_key)}"
         + (f"  |  MLX_API_KEY {mask_secret(settings.mlx_api_key)} (LiteLLM -> MLX server)" if settings.mlx_api_key else ""),
+        *([f"  one model over {ranks_text(settings)}: rank 0 answers on {mlx}, every rank follows its steps"]
+          if settings.distributed != "off" else []),
         "  Ctrl-C stops both servers.",
     ])
+
+
+def ranks_text(settings: Settings) -> str:
+    """How the MLX server's ranks are laid out, in words (pure)."""
+    where = (f"{settings.distributed_local_ranks} local ranks" if settings.distributed_local_ranks
+             else f"the ranks of {settings.distributed_hosts}")
+    return f"{where} ({settings.distributed} parallel)"
 
 
 def stack_ready_text(settings: Settings, groups: list[ModelGroup]) -> str:
@@ -334,6 +343,8 @@ def supervise_all(sup: Supervisor, servers: dict[str, LocalServer], cmd: list[st
             if len(servers) == 1 and not others_serve:
                 after = ("LiteLLM stays up; requests in flight are lost, new ones wait for the restarted server "
                          "(503 while it loads); its prompt cache restarts cold.")
+                if server.settings.distributed != "off":
+                    after += f" It serves over {ranks_text(server.settings)}: every rank restarts with it."
             else:
                 after = ("LiteLLM stays up and moves its sessions to the other backends (one cold turn each); "
                          "requests in flight there are lost.")
