@@ -262,6 +262,22 @@ def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
     assert status == 200 and health["status"] == "ok"
 
 
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_stats_and_metrics_show_the_ranks(servers, mode):
+    _chat(servers[mode], [{"role": "user", "content": f"Count to twenty ({mode})."}], max_tokens=30)
+    time.sleep(1.1)                                  # a follower reports at most once a second, at a turn
+    _chat(servers[mode], [{"role": "user", "content": f"And back ({mode})."}], max_tokens=30)
+    status, stats, _ = http_json(servers[mode].base_url + "/cache/stats")
+    d = stats["distributed"]
+    assert status == 200 and (d["ranks"], d["mode"]) == (2, mode) and d["turns"] > 40
+    assert [r["rank"] for r in d["per_rank"]] == [0, 1]
+    assert all(r["active_memory"] > 0 and r["rss"] > r["active_memory"] for r in d["per_rank"])
+    assert 0 < d["share_us_per_turn"] < 50_000
+    status, text, _ = http_json(servers[mode].root + "/metrics")
+    assert "mlxstack_ranks 2.0" in text and 'mlxstack_rank_rss_bytes{rank="1"}' in text
+    assert "distributed" not in http_json(servers["one"].base_url + "/cache/stats")[1]
+
+
 def _children(pid: int) -> list[int]:
     """Child processes of ``pid``, whichever of its threads started them."""
     out = []

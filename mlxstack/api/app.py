@@ -164,6 +164,7 @@ class App:
                    else ControlChannel.follow(address, secret, rank=group.rank()))
         compile_grammar = self.structured.compiler.compile if self.structured is not None else None
         lock = Lockstep(group, channel, compile_grammar, replicas={"warm": self._warm_call})
+        lock.mode = self.settings.distributed
         state = engine.state
         engine.clock = lock.clock
         for store in (state.prompt_cache, state.turns, state.sessions):
@@ -271,6 +272,8 @@ class App:
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
         with self._status_lock:
             stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}
+        if self.lockstep is not None:
+            stats["distributed"] = self.lockstep.stats()
         return stats
 
 

@@ -112,6 +112,9 @@ class Lockstep:
         self.turns = 0
         self.bytes_sent = 0
         self.share_seconds = 0.0
+        self.mode = ""                                       # tensor | pipeline (for stats)
+        self.rank_stats: dict[int, dict] = {}               # rank 0: what each rank last reported
+        self._reported = 0.0
 
     @property
     def leader(self) -> bool:
@@ -178,6 +181,7 @@ class Lockstep:
                                      f"rank 0 has {record.digest!r}, this rank {mine!r}")
             items = self._rebuild(record)
         self._now = record.now
+        self._exchange_reports()
         for rid in record.cancelled:
             flag = self._flags.get(rid)
             if flag is not None:
@@ -252,10 +256,47 @@ class Lockstep:
                 out.append((fn, Future()))
         return out
 
+    # ------------------------------------------------------------------ what the ranks hold
+    def _exchange_reports(self, every: float = 1.0) -> None:
+        """Followers: their memory to rank 0 about once a second (never waited for); rank 0: read
+        what has arrived. Outside the lockstep path: nothing here decides anything."""
+        if self.leader:
+            for _, payload in self.channel.reports():
+                try:
+                    report = pickle.loads(payload)
+                    self.rank_stats[int(report["rank"])] = report
+                except Exception:  # noqa: BLE001 - a report is only for /metrics
+                    continue
+            self.rank_stats[0] = self._own_report()
+        elif time.monotonic() - self._reported >= every:
+            self._reported = time.monotonic()
+            try:
+                self.channel.report(pickle.dumps(self._own_report()))
+            except OSError:
+                pass
+
+    def _own_report(self) -> dict:
+        return {"rank": self.rank, "turns": self.turns, "active_memory": mx.get_active_memory(),
+                "peak_memory": mx.get_peak_memory(), "rss": _rss_bytes(), "high_water_rss": _rss_bytes("VmHWM")}
+
     def stats(self) -> dict:
-        return {"rank": self.rank, "ranks": self.size, "turns": self.turns, "bytes_sent": self.bytes_sent,
-                "share_seconds": round(self.share_seconds, 3),
-                "share_us_per_turn": round(self.share_seconds / max(1, self.turns) * 1e6, 1)}
+        """For /v1/cache/stats, /metrics and the dashboard (rank 0's view of the group)."""
+        return {"ranks": self.size, "mode": self.mode, "turns": self.turns, "bytes_sent": self.bytes_sent,
+                "share_seconds": round(self.share_seconds, 6),
+                "share_us_per_turn": round(self.share_seconds / max(1, self.turns) * 1e6, 1),
+                "per_rank": [v for _, v in sorted(list(self.rank_stats.items()))]}
+
+
+def _rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _safe(check: Callable[[], bool]) -> bool:

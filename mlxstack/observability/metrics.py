@@ -71,6 +71,7 @@ class EngineCollector(Collector):
                                  labels=["model", "family"])
         info.add_metric([str(app.model_id), str(app.family)], 1)
         yield info
+        yield from _rank_metrics(getattr(app, "lockstep", None))
 
         state = app.state
         if state is None:
@@ -207,6 +208,26 @@ class RequestMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _rank_metrics(lock: Any) -> Iterator[Metric]:
+    """DISTRIBUTED: the group's ranks, each rank's memory (as it last reported, about once a
+    second while it works) and the cost of the per-turn broadcast."""
+    yield GaugeMetricFamily("mlxstack_ranks", "Ranks serving the model (1: one process).",
+                            value=lock.size if lock is not None else 1)
+    if lock is None:
+        return
+    s = lock.stats()
+    yield CounterMetricFamily("mlxstack_lockstep_turns", "Worker turns broadcast to the ranks.", value=s["turns"])
+    yield CounterMetricFamily("mlxstack_lockstep_share_seconds", "Time rank 0 spent sending the turns' records.",
+                              value=s["share_seconds"])
+    for name, key, doc in (("mlxstack_rank_active_memory_bytes", "active_memory", "MLX memory in use, per rank."),
+                           ("mlxstack_rank_peak_memory_bytes", "peak_memory", "MLX peak memory, per rank."),
+                           ("mlxstack_rank_rss_bytes", "rss", "Resident memory of each rank's process.")):
+        g = GaugeMetricFamily(name, doc, labels=["rank"])
+        for r in s["per_rank"]:
+            g.add_metric([str(r["rank"])], r.get(key, 0))
+        yield g
 
 
 def install_metrics(app: Any) -> RequestMetrics:

@@ -69,6 +69,7 @@ class ControlChannel:
         self.socks = socks
         self.secret = secret
         self.sent = 0
+        self._inbox: dict[int, bytearray] = {}
 
     @classmethod
     def lead(cls, address: tuple[str, int], secret: bytes, followers: int, timeout: float = 600.0) -> "ControlChannel":
@@ -135,6 +136,36 @@ class ControlChannel:
         if not hmac.compare_digest(mac, _mac(self.secret, payload)):
             raise ConnectionError("a control message failed authentication")
         return payload
+
+    def report(self, payload: bytes) -> None:
+        """A follower: a small message back to rank 0 (its memory, for /metrics); never waited for."""
+        self.send(payload)
+
+    def reports(self) -> list[tuple[int, bytes]]:
+        """Rank 0: (follower index, payload) for every whole report that has arrived (no waiting)."""
+        out = []
+        for i, sock in enumerate(self.socks):
+            buf = self._inbox.setdefault(i, bytearray())
+            while True:
+                try:
+                    chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                buf += chunk
+            while len(buf) >= _HEAD.size + _MAC:
+                n = _HEAD.unpack(bytes(buf[:_HEAD.size]))[0]
+                end = _HEAD.size + _MAC + n
+                if len(buf) < end:
+                    break
+                mac, payload = bytes(buf[_HEAD.size:_HEAD.size + _MAC]), bytes(buf[_HEAD.size + _MAC:end])
+                del buf[:end]
+                if hmac.compare_digest(mac, _mac(self.secret, payload)):
+                    out.append((i, payload))
+        return out
 
     def close(self) -> None:
         for sock in self.socks:

@@ -186,6 +186,11 @@
     $("t-kv").title = `in flight ${fmtBytes(live)} + cache tier ${fmtBytes(s.bytes || 0)} ` +
       `(cache budget ${fmtBytes(s.budget_bytes || 0)})`;
     $("model").textContent = s.model || "";
+    const d = s.distributed;
+    $("t-ranks").textContent = d ? `${d.ranks} · ${d.mode}` : "1";
+    $("t-ranks").title = d ? (d.per_rank || []).map((r) => `rank ${r.rank}: MLX ${fmtBytes(r.active_memory)} ` +
+      `(peak ${fmtBytes(r.peak_memory)}), RSS ${fmtBytes(r.rss)}`).join("\n") +
+      `\nbroadcast ${fmtNum(d.share_us_per_turn)} µs per step` : "one process (DISTRIBUTED=off)";
   }
 
   function renderTable(rows, firstIndex) {
