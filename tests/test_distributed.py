@@ -330,9 +330,16 @@ def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_pa
         assert "rank 1 exited with status -9; this rank exits so the launcher restarts every rank" in server.tail()
     finally:
         server.stop()
-    again = _server(tiny_qwen2_path, tmp_path, "stop", DISTRIBUTED="pipeline", DISTRIBUTED_LOCAL_RANKS="2")
+    again = _server(tiny_qwen2_path, tmp_path, "stop", DISTRIBUTED="pipeline", DISTRIBUTED_LOCAL_RANKS="2",
+                    GENERATION_WATCHDOG_SECONDS="2")
     ranks = [again.proc.pid] + _children(again.proc.pid)
     assert len(ranks) == 2
+    never_end = {"temperature": 0.8, "seed": 5, "logit_bias": {"0": -100, "1": -100, "2": -100}}
+    t0 = time.monotonic()
+    message, finish, usage = _chat(again, [{"role": "user", "content": "Go on forever."}], max_tokens=3000,
+                                   **never_end)
+    assert finish == "length" and 0 < usage["completion_tokens"] < 3000 and time.monotonic() - t0 < 30
+    assert _chat(again, [{"role": "user", "content": "Short one."}], max_tokens=5)[1] == "length"   # still in step
     os.kill(again.proc.pid, signal.SIGTERM)        # a clean stop: rank 0 tells the others, none is left
     try:
         assert again.proc.wait(timeout=30) == 0
