@@ -158,7 +158,7 @@ def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), embedded_model_path)
 
 
-BASE_ENV = {"DISK_CACHE_DIR": "off", "DEFAULT_TEMPERATURE": "0", "ENABLE_REQUEST_LOGGING": "false",
+BASE_ENV = {"DISK_CACHE_DIR": "off", "DEFAULT_TEMPERATURE": "0", "ENABLE_REQUEST_LOGGING": "false", "DEFAULT_THINKING": "false",
             "MLX_UNHEALTHY_RESTART_SECONDS": "0"}
 
 
@@ -219,12 +219,12 @@ def test_sampled_structured_and_concurrent_match(servers, mode):
     seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
     assert _chat(servers[mode], msgs, **seeded) == _chat(servers["one"], msgs, **seeded)
     schema = {"type": "json_schema", "json_schema": {"name": "pick", "strict": True, "schema": {
-        "type": "object", "properties": {"n": {"type": "integer"}, "colour": {"type": "string", "maxLength": 8}},
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "colour": {"type": "string", "maxLength": 8}},
         "required": ["n", "colour"], "additionalProperties": False}}}
-    one = _chat(servers["one"], msgs, response_format=schema, max_tokens=40)
-    assert _chat(servers[mode], msgs, response_format=schema, max_tokens=40) == one
-    if one[1] == "stop":
-        assert set(json.loads(one[0]["content"])) == {"n", "colour"}
+    one = _chat(servers["one"], msgs, response_format=schema, max_tokens=80)
+    assert _chat(servers[mode], msgs, response_format=schema, max_tokens=80) == one
+    assert one[1] == "stop" and set(json.loads(one[0]["content"])) == {"n", "colour"}
     sessions = [[{"role": "system", "content": f"({mode}) {SYSTEM}"}, {"role": "user", "content": f"Sub-agent {i} ({mode}): list risks."}]
                 for i in range(4)]
     with cf.ThreadPoolExecutor(4) as pool:
@@ -260,6 +260,22 @@ def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
     assert _chat(servers[mode], msgs) == _chat(servers["one"], msgs)
     status, health, _ = http_json(servers[mode].root + "/health")
     assert status == 200 and health["status"] == "ok"
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_speculation_in_step(servers, mode):
+    """Drafts (here the text a grammar forces: no drafter guesswork) are verified for the batch in
+    one forward on every rank; each rank derives the same drafts and accepted lengths from the same
+    tokens. Replies as one process's, and the drafts were really there."""
+    forced = {"type": "json_schema", "json_schema": {"name": "k", "strict": True, "schema": {
+        "type": "object", "properties": {"kind": {"const": "a-long-constant-value-the-grammar-writes-for-the-model"},
+                                         "n": {"type": "integer"}},
+        "required": ["kind", "n"], "additionalProperties": False}}}
+    msgs = [{"role": "user", "content": f"Fill the form ({mode})."}]
+    ranks = _chat(servers[mode], msgs, response_format=forced, max_tokens=60)
+    assert ranks == _chat(servers["one"], msgs, response_format=forced, max_tokens=60)
+    row = http_json(servers[mode].base_url + "/cache/stats")[1]["recent"][-1]
+    assert row["spec_proposed"] >= 10 and row["spec_accepted"] >= 10
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
