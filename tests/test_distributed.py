@@ -294,6 +294,49 @@ def test_stats_and_metrics_show_the_ranks(servers, mode):
     assert "distributed" not in http_json(servers["one"].base_url + "/cache/stats")[1]
 
 
+def test_disk_tier_per_rank_restart_warm(servers, tiny_qwen2_path, tmp_path):
+    """Each rank writes its own part of every entry under its own namespace; a restarted group
+    answers the next turn from disk, as one process answers it from RAM. A rank whose tier lost
+    its files makes every rank start with an empty tier (the ranks must hold the same entries)."""
+    disk = {"DISK_CACHE_DIR": str(tmp_path / "kv"), "DISK_CACHE_MIN_TOKENS": "32"}
+    turn1 = [{"role": "system", "content": f"[disk] {SYSTEM}"}, {"role": "user", "content": "Which file first?"}]
+
+    def group(name: str) -> ServerProcess:
+        return _server(tiny_qwen2_path, tmp_path, name, DISTRIBUTED="tensor", DISTRIBUTED_LOCAL_RANKS="2", **disk)
+
+    first = group("disk1")
+    try:
+        reply1 = _chat(first, turn1)
+        assert reply1 == _chat(servers["one"], turn1)
+    finally:
+        first.stop()                                 # SIGTERM: queued writes are flushed at close
+    spaces = sorted(p for p in (tmp_path / "kv").rglob("ns-*") if p.is_dir())
+    assert len(spaces) == 2 and all(any(p.rglob("*.safetensors")) for p in spaces)
+    turn2 = turn1 + [{"role": "assistant", "content": reply1[0]["content"]}, {"role": "user", "content": "Then?"}]
+    second = group("disk2")
+    try:
+        warm = _chat(second, turn2)
+        one = _chat(servers["one"], turn2)
+        assert warm[:2] == one[:2]
+        assert warm[2]["prompt_tokens_details"]["cached_tokens"] > reply1[2]["prompt_tokens"] - 8   # from disk
+        assert http_json(second.base_url + "/cache/stats")[1]["recent"][-1]["cache_tier"] == "disk"
+    finally:
+        second.stop()
+    for f in spaces[1].rglob("*.safetensors"):      # one rank's tier loses its files
+        f.unlink()
+    third = group("disk3")
+    try:
+        cold = _chat(third, turn2)
+        assert "disk tiers restored different entries: every rank starts with its tier empty" in third.tail(20000)
+    finally:
+        third.stop()
+    fresh = _server(tiny_qwen2_path, tmp_path, "fresh")     # one process, cold: the same whole prefill
+    try:
+        assert cold == _chat(fresh, turn2) and cold[2]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        fresh.stop()
+
+
 def _children(pid: int) -> list[int]:
     """Child processes of ``pid``, whichever of its threads started them."""
     out = []

@@ -167,14 +167,12 @@ class App:
         lock.mode = self.settings.distributed
         state = engine.state
         engine.clock = lock.clock
-        for store in (state.prompt_cache, state.turns, state.sessions):
-            store.clock = lock.clock
         # the budget counts every rank's part of an entry: the tightest rank's share times the ranks
         per_rank = lock.agree_min(state.cache_budget // max(1, self.settings.distributed_local_ranks))
         budget = per_rank * lock.size
-        state.group_bytes = lock.sum_bytes
         state.cache_budget = budget
         state.prompt_cache.config = dataclasses.replace(state.prompt_cache.config, max_bytes=budget)
+        state.join_ranks(lock)
         self.lockstep = lock
         self.worker.lockstep = lock
         log.info("rank %d of %d in lockstep (%s parallel); KV cache budget %.2f GiB per rank", lock.rank, lock.size,

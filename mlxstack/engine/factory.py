@@ -101,15 +101,17 @@ def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settin
     from ..models.device import is_cpu_only
     from ..models.fingerprint import MEMO_NAME, model_fingerprint
 
-    if settings.distributed != "off":   # not yet: every rank's disk tier would have to agree on each
-        return None                     # load and restore (TASKS.md, issue 24)
     if not settings.cache_enabled or not layout.supported or resolve_disk_cache_dir(
             settings.disk_cache_dir, auto_base=settings.model_cache_path, repo_root=REPO_ROOT) is None:
         return None
     fp = model_fingerprint(loaded.path, upcast=bool(settings.cpu_float32 and is_cpu_only()),
                            memo_path=settings.model_cache_path / MEMO_NAME)
-    return {"model": fp, "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
-            "kv_quant": [quant.bits, quant.group_size, quant.start, settings.kv_quant_scheme] if quant else "off"}
+    parts = {"model": fp, "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
+             "kv_quant": [quant.bits, quant.group_size, quant.start, settings.kv_quant_scheme] if quant else "off"}
+    group = loaded.extra.get("group") if getattr(loaded, "extra", None) else None
+    if group is not None:     # each rank keeps its own part of every entry: a namespace per rank and layout
+        parts["ranks"] = f"{settings.distributed}-{group.rank()}-of-{group.size()}"
+    return parts
 
 
 def probe_cache_layout(loaded: Any) -> CacheLayout:

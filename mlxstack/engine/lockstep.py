@@ -155,6 +155,29 @@ class Lockstep:
         got = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.group)
         return int(got.min().item())
 
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank's ``ok`` holds (a disk write, a disk read: one rank's failure is a
+        failure everywhere, so every rank keeps the same entries)."""
+        return int(mx.distributed.all_sum(mx.array([0 if ok else 1], dtype=mx.int32), group=self.group).item()) == 0
+
+    def union(self, ids: list[int]) -> list[int]:
+        """Every rank's ``ids`` together, sorted (entries some rank's disk tier dropped)."""
+        counts = mx.distributed.all_gather(mx.array([len(ids)], dtype=mx.int32), group=self.group)
+        width = int(counts.max().item())
+        if width == 0:
+            return []
+        mine = mx.array(list(ids) + [-1] * (width - len(ids)), dtype=mx.int64)
+        got = mx.distributed.all_gather(mine, group=self.group).tolist()
+        return sorted({int(i) for i in got if i >= 0})
+
+    def digest_agrees(self, text: str) -> bool:
+        """Whether every rank computed the same ``text`` (compared by a 63-bit hash of it)."""
+        import hashlib
+
+        h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+        got = mx.distributed.all_gather(mx.array([h], dtype=mx.int64), group=self.group)
+        return bool((got == h).all().item())
+
     def sum_bytes(self, value: int) -> int:
         """Every rank's ``value`` summed (an entry's bytes: each rank holds its own part -- equal
         parts under tensor parallelism, its layers' under pipeline). Called at the same point of

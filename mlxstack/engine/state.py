@@ -5,6 +5,7 @@ Only the inference thread mutates these; stats readers take ``rows_lock`` / the 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -94,6 +95,47 @@ class EngineState:
             log.warning("disk tier off for this process: %s", exc)
             return None
         return DiskBacking(tier, plan.min_tokens)
+
+    def join_ranks(self, lock: Any) -> None:
+        """Several ranks (engine/lockstep.py): every rank's budget and entry sizes are the group's,
+        and what each rank's disk tier restored at start, and does from now on, is agreed, so every
+        rank keeps the same entries. Runs on every rank at the same point (collectives)."""
+        self.group_bytes = lock.sum_bytes
+        self.prompt_cache.clock = self.turns.clock = self.sessions.clock = lock.clock
+        disk = self.disk
+        if not lock.all_ok(disk is not None):
+            if disk is not None:                  # another rank has no tier here: none has
+                log.warning("disk tier off: not every rank could open its own")
+                self._drop_disk(clear_restored=True)
+            return
+        disk.agree, disk.agree_union = lock.all_ok, lock.union
+        restored = self.prompt_cache.entries(include_disk=True)
+        seen = "|".join(f"{e.pool}:{e.session_id}:{len(e.model_tokens)}:"
+                        f"{hashlib.blake2b(e.key_tokens.tobytes(), digest_size=8).hexdigest()}" for e in restored)
+        healed = "|".join(k for k, _ in self.healing.items()) if self.healing is not None else ""
+        if not lock.digest_agrees(seen + "#" + healed):
+            log.warning("the ranks' disk tiers restored different entries: every rank starts with its tier empty")
+            self.prompt_cache.clear()
+            if self.healing is not None:
+                for key, _ in self.healing.items():
+                    self.healing.forget(key)
+            return
+        now = lock.clock()
+        for i, e in enumerate(restored):          # rank 0's clock from now on: keep their order
+            e.last_used = now - (len(restored) - i) * 1e-6
+
+    def _drop_disk(self, clear_restored: bool) -> None:
+        if clear_restored:
+            self.prompt_cache.clear()
+        self.prompt_cache.on_spill = None
+        if self.disk is not None:
+            self.disk.close()
+        self.disk = None
+        if self.healing_journal is not None:
+            self.healing_journal.close()
+            self.healing_journal = None
+            if self.healing is not None:
+                self.healing.on_remember = None
 
     def close(self) -> None:
         """Flush queued disk writes (shutdown)."""

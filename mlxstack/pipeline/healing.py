@@ -155,5 +155,14 @@ class HealingStore:
             digest = extend_digest(digest, self.view(m))
         return out
 
+    def items(self) -> list[tuple[str, Healed]]:
+        """(history digest, healed reply) pairs, least recently used first."""
+        with self._lock:
+            return self._items.items()
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._items.pop(key)
+
     def __len__(self) -> int:
         return len(self._items)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,6 +39,12 @@ class DiskBacking:
         self.write_throughs = 0
         self.restored = 0
         self.load_seconds = 0.0
+        # Several ranks (engine/lockstep.py): each rank's tier holds its own part of every entry.
+        # What one rank's tier did -- a write refused, a file evicted, dropped or unreadable -- is
+        # applied on every rank (these are collectives then, called at the same point of the same
+        # turn everywhere), so every rank's index keeps the same entries. One process: as is.
+        self.agree: Callable[[bool], bool] = lambda ok: ok                       # every rank's ok
+        self.agree_union: Callable[[list[int]], list[int]] | None = None        # entry ids, all ranks
 
     # ------------------------------------------------------------------ writes
     def _put(self, entry: CacheEntry) -> int | None:
@@ -50,18 +56,27 @@ class DiskBacking:
             self._meta[disk_id] = record.meta
         return disk_id
 
+    def _put_everywhere(self, entry: CacheEntry) -> int | None:
+        """``_put``, kept only where every rank's tier took its part."""
+        disk_id = self._put(entry)
+        if not self.agree(disk_id is not None) and disk_id is not None:
+            self.tier.remove(disk_id)
+            self._meta.pop(disk_id, None)
+            disk_id = None
+        return disk_id
+
     def write_through(self, entry: CacheEntry | None) -> None:
         """Copy a new entry of at least ``min_tokens`` to disk now (a crash cannot lose it)."""
         if entry is None or entry.disk_id is not None or entry.depth < self.min_tokens:
             return
-        entry.disk_id = self._put(entry)
+        entry.disk_id = self._put_everywhere(entry)
         self.write_throughs += entry.disk_id is not None
 
     def spill(self, entry: CacheEntry, reason: str) -> int | None:
         """PromptCache.on_spill: the disk copy's id, or None (the entry is then dropped)."""
         if entry.depth < self.min_spill_tokens:
             return None
-        disk_id = self._put(entry)
+        disk_id = self._put_everywhere(entry)
         self.spills += disk_id is not None
         return disk_id
 
@@ -89,10 +104,20 @@ class DiskBacking:
         return n
 
     def sync(self, cache: PromptCache) -> None:
-        """Forget entries the tier evicted or dropped since the last call."""
-        gone = self.tier.drain_removed()
+        """Forget entries the tier evicted or dropped since the last call (several ranks: an entry
+        any rank's tier dropped loses its disk copy on every rank)."""
+        gone = list(self.tier.drain_removed())
         for disk_id in gone:
             self._meta.pop(disk_id, None)
+        if self.agree_union is not None:
+            lost = set(gone)
+            mine = [e.entry_id for e in cache.entries(include_disk=True) if e.disk_id in lost]
+            for entry_id in self.agree_union(mine):
+                e = cache.get(entry_id)
+                if e is not None and e.disk_id is not None and e.disk_id not in lost:
+                    self.tier.remove(e.disk_id)
+                    self._meta.pop(e.disk_id, None)
+                    gone.append(e.disk_id)
         cache.forget_disk(gone)
 
     def load(self, entry: CacheEntry) -> KVState | None:
@@ -117,6 +142,8 @@ class DiskBacking:
                     state = record_to_state(record)
         except Exception:  # noqa: BLE001 - a bad file must never fail the request: treat as a miss
             log.exception("disk entry %s could not be loaded; dropping it", disk_id)
+            state = None
+        if not self.agree(state is not None):     # a rank that could not read its part: a miss everywhere
             state = None
         if state is None:
             self.load_failures += 1
