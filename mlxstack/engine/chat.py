@@ -121,6 +121,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             raise ClientGone("client left before the request started")
         faults.hit("admission", job.request_id)
         t0 = time.perf_counter()
+        started = self.clock()        # the watchdog counts from here (render and lookup included)
         s = self.settings
         st = self.state
         prep = self.prepare(job)
@@ -157,7 +158,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         checkpoints: list[int] = []
         if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
             checkpoints = sorted({k for k in (history_end, n_prompt - 1) if match.depth < k < n_prompt})
-        deadline = self.clock() + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
+        deadline = started + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
