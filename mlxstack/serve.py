@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = 0
 
     def stop(*_a) -> None:
+        if ranks is not None:
+            ranks.stopping = True     # the other ranks get the same signal: their exit is not a crash
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     def loaded(future) -> None:  # noqa: ANN001
@@ -130,7 +132,14 @@ def _follow(app, rank: int) -> int:  # noqa: ANN001
     """A follower rank: no HTTP; load this rank's part, then run what rank 0 broadcasts until it
     says stop (engine/lockstep.py)."""
     log = logging.getLogger("mlxstack")
-    signal.signal(signal.SIGTERM, lambda *_a: os._exit(0))
+    def stop(*_a) -> None:                # the launcher stops the group: flush this rank's disk writes
+        try:
+            if app.state is not None:
+                app.state.close()
+        finally:
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     app.worker.on_death = lambda exc: _rank_died(f"rank {rank} stopped: {type(exc).__name__}: {exc}")
     loading = app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
     exc = loading.exception()

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -34,6 +35,7 @@ from .supervisor import die_with_parent
 RANK_ENV = "MLX_RANK"
 HOSTFILE_ENV = "MLX_HOSTFILE"
 NOT_INHERITED = ("MLX_LISTEN_FD",)
+STOP_GRACE = 2.0      # a rank that was stopped: how long rank 0 waits for its own stop before crying crash
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -120,6 +122,8 @@ class LocalRanks:
 
     def _watch(self, rank: int, proc: subprocess.Popen, on_exit: Callable[[int, int], None]) -> None:
         code = proc.wait()
+        if code in (0, -signal.SIGTERM):   # stopped: the same signal may be on its way to rank 0
+            time.sleep(STOP_GRACE)
         if not self.stopping:
             on_exit(rank, code)
 
