@@ -6,7 +6,9 @@ environment / mlx.launch command, the records' job form and scheduler digest, th
 channel (authenticated; a stranger is refused). Real servers: a tiny random qwen2 (a family with
 both splits) served by one process, by 2 ranks tensor parallel and by 2 ranks pipeline parallel,
 compared reply for reply -- greedy, sampled with a seed, structured output, warm turns (the same
-tokens reused), 4 concurrent sessions; a client that hangs up mid-stream, a 4xx raised inside the
+tokens reused), 4 concurrent sessions, grammar-forced drafts, the disk tier per rank; a hybrid
+(qwen3_next: recurrent + attention layers) over pipeline ranks; split logits within the measured
+tolerance; a client that hangs up mid-stream, a 4xx raised inside the
 engine, and the next request answers the same; a model the split does not fit is refused at
 start in one line; a killed rank ends the group (the launcher restarts it) and a stop leaves no
 rank running. The embedded SmolLM2 over 3 ranks through the whole stack is in
@@ -352,6 +354,28 @@ def test_disk_tier_per_rank_restart_warm(servers, tiny_qwen2_path, tmp_path):
         assert cold == _chat(fresh, turn2) and cold[2]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         fresh.stop()
+
+
+def test_hybrid_model_over_pipeline_ranks(tiny_hybrid_path, tmp_path):
+    """qwen3_next (gated-delta recurrent layers between attention layers; mlx-lm splits it by
+    pipeline only): each rank holds its layers' KV and recurrent state, and the snapshots a warm
+    turn needs; replies and reuse as one process's, alone and 4 at once."""
+    one = _server(tiny_hybrid_path, tmp_path, "hybrid-one")
+    ranks = _server(tiny_hybrid_path, tmp_path, "hybrid-pp", DISTRIBUTED="pipeline", DISTRIBUTED_LOCAL_RANKS="2")
+    try:
+        turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which module first?"}]
+        a, b = _chat(ranks, turn1), _chat(one, turn1)
+        assert a == b
+        turn2 = turn1 + [{"role": "assistant", "content": a[0]["content"]}, {"role": "user", "content": "Why?"}]
+        a2, b2 = _chat(ranks, turn2), _chat(one, turn2)
+        assert a2 == b2 and a2[2]["prompt_tokens_details"]["cached_tokens"] > a[2]["prompt_tokens"] - 8
+        sessions = [[{"role": "user", "content": f"Hybrid sub-agent {i}: one risk."}] for i in range(4)]
+        with cf.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda m: _chat(ranks, m, max_tokens=10)[:2], sessions))
+        assert together == [_chat(one, m, max_tokens=10)[:2] for m in sessions]
+    finally:
+        ranks.stop()
+        one.stop()
 
 
 def _children(pid: int) -> list[int]:
