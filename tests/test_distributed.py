@@ -275,6 +275,10 @@ def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
     status, reply, _ = http_json(servers[mode].base_url + "/chat/completions",
                                  {"model": servers[mode].model_id, "messages": too_long, "max_tokens": 5}, timeout=120)
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    count = {"model": servers[mode].model_id, "max_tokens": 5, "system": "Be brief.",
+             "messages": [{"role": "user", "content": f"Count me ({mode})."}]}   # rank 0 renders it: every rank does
+    counted = [http_json(s.base_url + "/messages/count_tokens", count)[1] for s in (servers[mode], servers["one"])]
+    assert counted[0] == counted[1] and counted[0]["input_tokens"] > 5
     msgs = [{"role": "user", "content": f"After the hang-up ({mode}): one line."}]
     assert _chat(servers[mode], msgs) == _chat(servers["one"], msgs)
     status, health, _ = http_json(servers[mode].root + "/health")

@@ -438,7 +438,7 @@ def _count_tokens(h: Any) -> None:
     req = chat_request(app, chat, None)    # counting needs no grammar
     job = chat_job(req, "count-" + uuid.uuid4().hex[:6], request_headers(h), emit=lambda _t: None,
                    on_prompt=lambda _p: None, is_cancelled=lambda: False)
-    future = submit_on_worker(app, lambda: len(app.engine.prepare(job).model_tokens))
+    future = submit_on_worker(app, app.prepare_call(job))
     n = h._result(future)
     app.count_status(200)
     h._json(200, {"input_tokens": n})

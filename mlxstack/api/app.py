@@ -147,6 +147,25 @@ class App:
             log.error("model load failed: %s", self.load_error)
             raise
 
+    def prepare_call(self, job: Any) -> Callable[[], int]:
+        """A worker call rendering ``job`` and counting its model tokens (Anthropic count_tokens).
+        Rendering reads the healing store (an LRU): with several ranks every rank runs it at the
+        same turn (``replica``), so their stores stay the same."""
+        def count() -> int:
+            return len(self.engine.prepare(job).model_tokens)
+
+        if self.lockstep is not None:
+            from ..engine.lockstep import portable_job
+
+            count.replica = ("prepare", portable_job(job)[0])  # type: ignore[attr-defined]
+        return count
+
+    def _prepare_replica(self, values: dict) -> Callable[[], int]:
+        from ..engine.request import ChatJob
+
+        job = ChatJob(**values, emit=lambda _t: None, on_prompt=lambda _p: None)
+        return lambda: len(self.engine.prepare(job).model_tokens)
+
     def _begin_lockstep(self, group: Any, engine: Any) -> None:
         """Several ranks: every rank's engine reads rank 0's clock, keeps the tightest rank's cache
         budget, and takes its work from rank 0's records from the next worker turn on."""
@@ -163,7 +182,8 @@ class App:
         channel = (ControlChannel.lead(address, secret, followers=group.size() - 1) if group.rank() == 0
                    else ControlChannel.follow(address, secret, rank=group.rank()))
         compile_grammar = self.structured.compiler.compile if self.structured is not None else None
-        lock = Lockstep(group, channel, compile_grammar, replicas={"warm": self._warm_call})
+        lock = Lockstep(group, channel, compile_grammar,
+                        replicas={"warm": self._warm_call, "prepare": self._prepare_replica})
         lock.mode = self.settings.distributed
         state = engine.state
         engine.clock = lock.clock

@@ -274,9 +274,7 @@ class Lockstep:
                 self._track(job, fut, real=None)
                 out.append((_Chat(job), fut))
             elif item[0] == "call":
-                name, *args = item[1]
-                fn = self.replicas[name](*args)
-                out.append((fn, Future()))
+                out.append((self._replica(*item[1]), Future()))
         return out
 
     # ------------------------------------------------------------------ what the ranks hold
@@ -301,6 +299,23 @@ class Lockstep:
     def _own_report(self) -> dict:
         return {"rank": self.rank, "turns": self.turns, "active_memory": mx.get_active_memory(),
                 "peak_memory": mx.get_peak_memory(), "rss": _rss_bytes(), "high_water_rss": _rss_bytes("VmHWM")}
+
+    def _replica(self, name: str, *args: Any) -> Callable[[], Any]:
+        """This rank's copy of a call rank 0 ran (its result is rank 0's to return; a failure here
+        is logged, as rank 0's would be answered)."""
+        fn = self.replicas[name](*args)
+
+        def run() -> Any:
+            try:
+                out = fn()
+            except Exception:
+                log.exception("rank %d: the %s call rank 0 ran failed here", self.rank, name)
+                raise
+            if _DEBUG:
+                log.warning("rank %d ran %s -> %r", self.rank, name, out)
+            return out
+
+        return run
 
     def stats(self) -> dict:
         """For /v1/cache/stats, /metrics and the dashboard (rank 0's view of the group)."""
