@@ -68,7 +68,6 @@ class ControlChannel:
     def __init__(self, socks: list[socket.socket], secret: bytes) -> None:
         self.socks = socks
         self.secret = secret
-        self.sent = 0
         self._inbox: dict[int, bytearray] = {}
 
     @classmethod
@@ -125,7 +124,6 @@ class ControlChannel:
         frame = _HEAD.pack(len(payload)) + _mac(self.secret, payload) + payload
         for sock in self.socks:
             sock.sendall(frame)
-        self.sent += len(payload)
 
     def recv(self) -> bytes:
         """A follower: rank 0's next message (blocks; EOFError when rank 0 is gone)."""
