@@ -51,6 +51,27 @@ def test_cascade_equals_attention_over_the_concatenation(L):
         assert mx.abs(out - ref).max().item() < 1e-5
 
 
+def test_cascade_with_left_padded_tails_and_a_row_that_sees_nothing():
+    """A decode slab's case: the tails are views of a longer buffer with per-row left padding (an
+    array mask), one row does not share the prefix, one free row sees nothing at all (output 0,
+    never NaN); equal to attention over each row's concatenation."""
+    mx.random.seed(5)
+    B, Hq, Hkv, D, P, T, L = 5, 6, 2, 16, 23, 11, 1
+    q = mx.random.normal((B, Hq, L, D))
+    pk, pv = mx.random.normal((1, Hkv, P, D)), mx.random.normal((1, Hkv, P, D))
+    buf_k, buf_v = mx.random.normal((B, Hkv, T + 5, D)), mx.random.normal((B, Hkv, T + 5, D))
+    tk, tv = buf_k[..., :T, :], buf_v[..., :T, :]
+    rows = mx.array([True, False, True, True, False])
+    pad = mx.array([0, 3, 7, 0, T])                         # row 4: no prefix, every column padding
+    tail_mask = (mx.arange(T)[None] >= pad[:, None]).reshape(B, 1, 1, T)
+    out = attend_parts(q, [Part(pk, pv, rows=rows), Part(tk, tv, tail_mask)], 0.25)
+    full_mask = mx.concatenate([mx.broadcast_to(rows.reshape(B, 1, 1, 1), (B, 1, L, P)), tail_mask], axis=-1)
+    ref = mx.fast.scaled_dot_product_attention(q[:4], _full(pk, tk, B)[:4], _full(pv, tv, B)[:4], scale=0.25,
+                                               mask=full_mask[:4])
+    assert mx.abs(out[:4] - ref).max().item() < 1e-5
+    assert mx.all(out[4] == 0).item()
+
+
 def test_cascade_one_row_with_a_full_mask_split_at_the_prefix():
     from mlxstack.models.shared_attention import split_mask
 

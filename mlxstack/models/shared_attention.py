@@ -158,6 +158,7 @@ def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Opti
         top = mx.maximum(top, o.top)
     if sink is not None:
         top = mx.maximum(top, sink)
+    top = mx.where(mx.isinf(top), 0.0, top)          # a query that sees no key at all gives 0
     num, den = None, None
     for o in outs:
         w = mx.exp(o.top - top)                      # [.., L, 1]: exact exp, few elements
@@ -165,6 +166,7 @@ def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Opti
         num, den = (term, d) if num is None else (num + term, den + d)
     if sink is not None:
         den = den + mx.exp(sink - top)
+    den = mx.where(den > 0, den, 1.0)
     return (num / den).astype(queries.dtype).reshape(B, Hq, L, -1)
 
 
