@@ -11,6 +11,7 @@ request's ~2k-token cold prefill is running -- its TTFT against the long prompt'
 
     .venv/bin/python scripts/bench_concurrency.py [--sessions 1 2 4 8] [--turns 3] [--max-tokens 32]
     .venv/bin/python scripts/bench_concurrency.py --sessions 4 8 --system-repeat 12   # ~1.9k-token contexts
+    .venv/bin/python scripts/bench_concurrency.py --sessions 8 --skip-fifo --rounds 5  # servers taking turns
 """
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def model_id(base: str) -> str:
         return "default_model"
 
 
-def run_sessions(base: str, n: int, turns: int, max_tokens: int, system_repeat: int = 1) -> dict:
+def run_sessions(base: str, n: int, turns: int, max_tokens: int, system_repeat: int = 1, first: int = 0) -> dict:
+    """``n`` sessions under one system prompt, ``turns`` turns each (all sessions' turn t sent at
+    once); session i asks about module ``first + i`` (another ``first`` per round: no round finds
+    an earlier round's turns in a prompt cache, only the system prompt)."""
     model = model_id(base)
     histories = [[{"role": "system", "content": SYSTEM * system_repeat}] for _ in range(n)]
     warm_results, turn_walls, decode_spans = [], [], []
@@ -88,7 +92,7 @@ def run_sessions(base: str, n: int, turns: int, max_tokens: int, system_repeat: 
         results: list[dict] = [{}] * n
 
         def one(i: int) -> None:
-            msgs = histories[i] + [{"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(i=i)}]
+            msgs = histories[i] + [{"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(i=first + i)}]
             results[i] = stream_chat(base, model, msgs, max_tokens)
             histories[i] = msgs + [{"role": "assistant", "content": results[i]["text"]}]
 
@@ -141,10 +145,48 @@ def interleave_check(base: str, chunk: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    cols = [c for c in rows[0] if not c.startswith("_") and c != "texts"]
+    cols = [c for r in rows for c in r if not c.startswith("_") and c != "texts"]
+    cols = list(dict.fromkeys(cols))                      # every row's columns, in first-seen order
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(fmt(r[c]) if c in r else "" for c in cols) + " |" for r in rows])
+
+
+def interleaved(servers: list[tuple[str, str, dict]], args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every server started at once (an idle one uses no CPU), then ``args.rounds`` rounds in which
+    each takes its turn at every session count: a drift of the machine's speed hits every server
+    alike. Rows: the median over the rounds of each figure, and per other server the median of the
+    per-round ratios "ours batched" / it (``ratio_*`` columns on its rows)."""
+    per: dict[tuple[str, int], list[dict]] = {}
+    texts: dict = {}
+    procs = [(label, ServerProcess(kind, env=env)) for label, kind, env in servers]
+    try:
+        for _, srv in procs:
+            srv.wait_ready(300)
+        for rnd in range(args.rounds):
+            for label, srv in procs:
+                for n in args.sessions:
+                    r = run_sessions(srv.root, n, args.turns, args.max_tokens, args.system_repeat,
+                                     first=100 * (rnd + 1))
+                    texts.setdefault((label, n), r.pop("texts"))
+                    per.setdefault((label, n), []).append(r)
+                    print(f"round {rnd + 1} {label:14s} sessions={n}: turn {r['agg_turn_tok_s']:.1f} tok/s, "
+                          f"decode {r['agg_decode_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        for _, srv in procs:
+            srv.stop()
+    rows = []
+    for (label, n), runs in per.items():
+        row = {"server": label, "sessions": n, "rounds": len(runs)}
+        for col in runs[0]:
+            if col != "sessions":
+                row[col] = statistics.median(r[col] for r in runs)
+        mine = per.get(("ours batched", n))
+        if label != "ours batched" and mine:
+            for col in ("agg_turn_tok_s", "agg_decode_tok_s"):
+                row["ratio_" + col] = statistics.median(a[col] / b[col] for a, b in zip(mine, runs) if b[col])
+        rows.append(row)
+    return rows, texts
 
 
 def main() -> int:
@@ -159,6 +201,10 @@ def main() -> int:
                     help="add ours batched with SHARED_PREFIX_MIN_TOKENS=0 (every row its own copy of the prompt)")
     ap.add_argument("--compare-kernels", action="store_true",
                     help="add ours batched with CPU_KERNELS=off (MLX's own exp / attention / SiLU)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="R > 1: every server up at once, R rounds taking turns (ours, mlx_lm.server, ours, ...); "
+                         "medians over the rounds and the median of each round's ratio (this VM's speed drifts "
+                         "by +-20%% between minutes; the interleave check is skipped)")
     ap.add_argument("--system-repeat", type=int, default=1,
                     help="repeat the ~150-token system prompt (10: ~1.6k-token agent contexts)")
     args = ap.parse_args()
@@ -176,19 +222,22 @@ def main() -> int:
     if not args.skip_mlx_lm:
         servers.append(("mlx_lm.server", "mlx_lm", {}))
     rows, texts, rows_inter = [], {}, []
-    for label, kind, env in servers:   # one server at a time: 2 cores, nothing else heavy
-        with ServerProcess(kind, env=env) as srv:
-            srv.wait_ready(300)
-            for n in args.sessions:
-                r = run_sessions(srv.root, n, args.turns, args.max_tokens, args.system_repeat)
-                texts[(label, n)] = r.pop("texts")
-                rows.append({"server": label, **r})
-                print(f"{label:14s} sessions={n}: turn {r['agg_turn_tok_s']:.1f} tok/s, decode "
-                      f"{r['agg_decode_tok_s']:.1f} tok/s", flush=True)
-            if kind == "ours":
-                inter = interleave_check(srv.root, args.chunk)
-                print(f"{label}: interleave {inter}", flush=True)
-                rows_inter.append({"server": label, **inter})
+    if args.rounds > 1:
+        rows, texts = interleaved(servers, args)
+    else:
+        for label, kind, env in servers:   # one server at a time: 2 cores, nothing else heavy
+            with ServerProcess(kind, env=env) as srv:
+                srv.wait_ready(300)
+                for n in args.sessions:
+                    r = run_sessions(srv.root, n, args.turns, args.max_tokens, args.system_repeat)
+                    texts[(label, n)] = r.pop("texts")
+                    rows.append({"server": label, **r})
+                    print(f"{label:14s} sessions={n}: turn {r['agg_turn_tok_s']:.1f} tok/s, decode "
+                          f"{r['agg_decode_tok_s']:.1f} tok/s", flush=True)
+                if kind == "ours":
+                    inter = interleave_check(srv.root, args.chunk)
+                    print(f"{label}: interleave {inter}", flush=True)
+                    rows_inter.append({"server": label, **inter})
     print("\n## concurrent agent sessions (embedded model, greedy, warm turns)\n")
     print(table(rows))
     labels = {r["server"] for r in rows}
@@ -199,12 +248,17 @@ def main() -> int:
             if base:
                 print(f"\n{col}, batched / {other}: " + ", ".join(
                     f"{n}: {batched[n] / base[n]:.2f}x" for n in sorted(base) if base[n]))
+            ratios = {r["sessions"]: r["ratio_" + col] for r in rows if r["server"] == other and "ratio_" + col in r}
+            if ratios:
+                print(f"{col}, batched / {other}, median of the {args.rounds} rounds' ratios: " + ", ".join(
+                    f"{n}: {ratios[n]:.2f}x" for n in sorted(ratios)))
     for other in ("ours FIFO", "ours unshared", "ours kernels off"):
         if other in labels:
             same = all(texts[("ours batched", n)] == texts[(other, n)] for n in args.sessions)
             print(f"batched replies identical to {other} replies (greedy): {same}")
-    print("\n## a short request during a long cold prefill\n")
-    print(table(rows_inter))
+    if rows_inter:
+        print("\n## a short request during a long cold prefill\n")
+        print(table(rows_inter))
     return 0
 
 
