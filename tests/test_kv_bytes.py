@@ -76,3 +76,74 @@ def test_the_gauge_counts_the_draft_models_stored_caches(tiny_dense_path):
         assert f"mlxstack_kv_bytes {float(stats['bytes'] + store.nbytes)}" in metrics
     finally:
         server.close()
+
+
+def test_token_bytes_of_a_fresh_cache(tiny_dense_path):
+    """The admission estimate's unit: 2 layers x keys and values x 2 KV heads x 16 dims x 4 bytes
+    per token; a plain KV cache holds nothing per sequence beyond its tokens."""
+    from mlxstack.engine.kv_bytes import token_bytes
+    from mlxstack.runtime.generate import feed
+
+    eng = build_engine(engine_settings(tiny_dense_path, speculative="off"))
+    live = eng.new_cache()
+    feed(eng.loaded.model, live, [1, 2, 3], 8)
+    assert token_bytes(live) == (2 * 2 * 2 * 16 * 4, 0)
+
+
+def _run(sched, messages, max_tokens):
+    futures, seqs = [], []
+    for i, m in enumerate(messages):
+        j, _ = job(m, max_tokens=max_tokens, session=f"adm{i}")
+        f: Future = Future()
+        f.set_running_or_notify_cancel()
+        sched.admit(j, f)
+        futures.append(f)
+    return futures
+
+
+def test_admission_by_memory_parks_the_request_that_would_pass_the_budget(tiny_dense_path):
+    """KV_budget = what two of three requests need (prompt + generated tokens at 512 bytes a token,
+    plus a little): the first two start, the third is parked -- no row, nothing admitted behind it
+    -- and starts only once what is held in flight lets it; the replies are those of an engine
+    without a memory limit, token for token."""
+    from mlxstack.engine.scheduler import GROWTH
+
+    convos = [LOOP, COPY, [{"role": "user", "content": "Count from one to twenty."}]]
+    free = build_engine(engine_settings(tiny_dense_path, speculative="off"))
+    ref_sched = Scheduler(free, 4, 256, batching=batching_support(free)[0])
+    ref = _run(ref_sched, convos, 20)
+    while not ref_sched.idle():
+        ref_sched.step()
+    ref = [f.result() for f in ref]
+    assert ref_sched.parked_total == 0
+    need = [512 * (o.prompt_tokens + min(20, GROWTH)) for o in ref]
+    budget = need[0] + need[1] + 512 * 4
+    assert budget < need[0] + need[1] + need[2]
+    eng = build_engine(engine_settings(tiny_dense_path, speculative="off", prompt_cache_max_bytes=budget))
+    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    futures = _run(sched, convos, 20)
+    third = sched.parked
+    assert third is not None and third.job is not None and len(sched.prefilling) == 2
+    assert sched.active == 3 and not sched.has_room() and sched.parked_total == 1
+    while sched.parked is not None:
+        assert not futures[2].done()
+        sched.step()
+        if sched.parked is not None:   # still waiting: the two in flight hold more than it may add
+            assert sched.committed_bytes() + sched.need_bytes(third) > budget
+    assert futures[0].done() and futures[1].done()    # their rows held more than the budget left
+    while not sched.idle():
+        sched.step()
+    got = [f.result() for f in futures]
+    assert [o.text for o in got] == [o.text for o in ref]
+    assert [o.completion_tokens for o in got] == [o.completion_tokens for o in ref]
+    assert sched.parked_total == 1 and sched.has_room()
+
+
+def test_a_request_alone_always_runs_whatever_the_budget(tiny_dense_path):
+    eng = build_engine(engine_settings(tiny_dense_path, speculative="off", prompt_cache_max_bytes=1024))
+    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    futures = _run(sched, [LOOP, COPY], 8)
+    assert sched.parked is not None and len(sched.prefilling) == 1
+    while not sched.idle():
+        sched.step()
+    assert all(f.result().completion_tokens == 8 for f in futures) and sched.parked_total == 1

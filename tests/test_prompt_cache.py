@@ -174,6 +174,28 @@ def test_byte_budget_evicts_until_under_budget():
     assert b.entry_id in {e.entry_id for e in c.entries()}
 
 
+def test_fit_makes_room_for_requests_in_flight_a_hot_session_last():
+    """Admission by memory (engine/scheduler.py): the RAM tier shrinks to what the requests in
+    flight leave of the budget, victims in the eviction order -- a session hit turn after turn
+    (its hits carried to each new turn's entry) outlives a one-off side request of its age."""
+    clock = Clock()
+    c = make(clock, max_bytes=1000)
+    hot = put(c, toks(32, 0), nbytes=300)
+    for turn in range(3):                                  # the main agent: three more turns
+        clock.t += 1
+        c.lookup(toks(32 + 8 * turn, 0) + [7], toks(32 + 8 * turn, 0) + [7])
+        hot = put(c, toks(40 + 8 * turn, 0), nbytes=300)
+    side = put(c, toks(32, 5000), nbytes=300)              # a side request, as old as the last turn
+    clock.t += 5
+    net = [e for e in c.entries() if e.superseded]         # the previous turn, kept as a safety net
+    assert len(net) == 1 and c.nbytes == 900
+    assert c.fit(900) == 0                                 # already within: nothing leaves
+    assert c.fit(600) == 1 and c.fit(300) == 1
+    assert [eid for eid, why in c.eviction_log if why == "admission"] == [net[0].entry_id, side.entry_id]
+    assert {e.entry_id for e in c.entries()} == {hot.entry_id}
+    assert c.fit(0) == 1 and c.nbytes == 0 and c.counters.get("evictions_admission") == 3
+
+
 def test_ttl_expires_idle_entries():
     clock = Clock()
     c = make(clock, ttl_seconds=60)

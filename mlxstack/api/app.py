@@ -286,7 +286,9 @@ class App:
                                "batched": sched.group.batching, "last_batch_size": sched.last_batch,
                                "prefill_chunk_tokens": sched.prefill_budget, "steps": sched.steps,
                                "batched_prefills": sched.short_batches,
-                               "turns_closed_together": sched.closed_together}
+                               "turns_closed_together": sched.closed_together,
+                               "waiting_for_memory": int(sched.parked is not None),
+                               "waited_for_memory_total": sched.parked_total}
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
         with self._status_lock:
             stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}

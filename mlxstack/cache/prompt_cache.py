@@ -438,6 +438,20 @@ class PromptCache:
                 break
             self._evict(victim, "bytes")
 
+    def fit(self, nbytes: int) -> int:
+        """Bring the RAM tier down to ``nbytes`` (requests in flight need the rest of the budget):
+        victims in the usual order (superseded, then cold / shallow / rarely hit: a hot session's
+        entries last), spilled to the disk tier when it takes them. Returns how many left RAM."""
+        with self._lock:
+            left = 0
+            while sum(e.nbytes for e in self._ram()) > max(0, nbytes):
+                victim = self._victim(None, 0)
+                if victim is None:
+                    break
+                self._evict(victim, "admission")
+                left += 1
+            return left
+
     def _supersede_prefixes(self, new: CacheEntry) -> None:
         """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:
         ``new`` inherits their hit count (it is the same conversation, one turn further) and

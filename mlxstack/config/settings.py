@@ -97,7 +97,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("GENERATION_WATCHDOG_SECONDS", "float", 600.0, "Wall-clock limit per generation (0 = off); ends with finish_reason=length.", minimum=0, group="sampling"),
     # --- cache -----------------------------------------------------------------
     Spec("PROMPT_CACHE_MAX_ENTRIES_GLOBAL", "int", 24, "Max KV entries in the global cache. 0 disables caching entirely (every request cold).", minimum=0, group="cache"),
-    Spec("PROMPT_CACHE_MAX_BYTES", "int", 0, "KV byte budget. 0 = auto: 40% of RAM (Linux) or of Metal's recommended working set.", minimum=0, group="cache"),
+    Spec("PROMPT_CACHE_MAX_BYTES", "int", 0, "KV byte budget: the RAM cache tier, and admission -- a request waits (no row) while the KV of the requests in flight plus what it will add would pass it (alone, a request always runs). 0 = auto: 40% of RAM (Linux) or of Metal's recommended working set.", minimum=0, group="cache"),
     Spec("PROMPT_CACHE_MAX_ENTRIES_PER_SESSION", "int", 2, "Cache keys remembered per session (session index).", minimum=1, group="cache"),
     Spec("PROMPT_CACHE_TTL_SECONDS", "float", 1800.0, "Entry time-to-live (0 = never expires).", minimum=0, group="cache"),
     Spec("PROMPT_CACHE_SESSION_MAX_IDLE_SECONDS", "float", 1800.0, "Idle sessions are forgotten after this (0 = never).", minimum=0, group="cache"),

@@ -78,3 +78,35 @@ def live_bytes(scheduler: Any) -> int:
         drafter = getattr(seq.spec, "drafter", None)
         objects.append(getattr(getattr(drafter, "then", drafter), "cache", None))
     return resident_bytes(objects)
+
+
+def _token_part(layer: Any) -> tuple[int, int]:
+    """(bytes that grow with the tokens, bytes that do not) of one cache layer holding ``n``
+    tokens in ``cap`` allocated positions: keys / values (plain or quantised tuples) scale with
+    the positions; anything else (recurrent / conv state, offsets) is per sequence."""
+    grows, fixed, seen = 0, 0, set()
+    for name, value in vars(layer).items() if hasattr(layer, "__dict__") else ():
+        parts = value if isinstance(value, (list, tuple)) else [value]
+        for a in parts:
+            if not isinstance(a, mx.array) or id(a) in seen:
+                continue
+            seen.add(id(a))
+            if name in ("keys", "values") and a.ndim >= 3 and a.shape[-2] > 0:
+                grows += a.nbytes // a.shape[-2]
+            else:
+                fixed += a.nbytes
+    for child in getattr(layer, "caches", ()) or ():
+        g, f = _token_part(child)
+        grows, fixed = grows + g, fixed + f
+    return grows, fixed
+
+
+def token_bytes(live: LiveCache) -> tuple[int, int]:
+    """(bytes per token, bytes per sequence) of a model's cache, from a ``live`` cache that was fed
+    at least one token (pure over its arrays): what one more request will hold is about
+    ``per_token * tokens + per_sequence`` (a sliding window counts as if it never rotated)."""
+    grows, fixed = 0, 0
+    for layer in live.layers:
+        g, f = _token_part(layer)
+        grows, fixed = grows + g, fixed + f
+    return grows, fixed

@@ -16,10 +16,17 @@ One step:
    of its chunks (short work and long chunks alternate while both wait);
 2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup).
 
-Admission is FIFO up to ``max_sequences`` in flight; the worker's bounded queue (503 when full)
-holds the rest. A sequence that finished prefill joins the decode batch; one that finished or
-was abandoned (hang-up, watchdog) leaves it, and only it. Everything runs on the caller's thread:
-no MLX call ever leaves the inference thread.
+Admission is FIFO up to ``max_sequences`` in flight and within the KV byte budget
+(PROMPT_CACHE_MAX_BYTES). A request is started (rendered, looked up, checked out); when the KV
+held in flight (measured: ``live_kv_bytes``), what the requests in flight will still add and what
+it will add (uncached prompts, up to ``GROWTH`` generated tokens each, at the model's bytes per
+token) would pass the budget while others are in flight, it is parked -- one at most, no row,
+nothing admitted behind it -- until enough of them finish; alone, a request always runs. The RAM
+cache tier makes room for what a starting request will hold (spilled / evicted in its usual
+order: a hot session's entries last). The worker's bounded queue (503 when full) holds the rest.
+A sequence that finished prefill joins the decode batch; one that finished or was abandoned
+(hang-up, watchdog) leaves it, and only it. Everything runs on the caller's thread: no MLX call
+ever leaves the inference thread.
 
 A failure fails the requests it touched, and every future is resolved: a request whose prefill,
 start, sampler or detokenizer failed gets its exception (the others go on, token for token); a
@@ -35,10 +42,14 @@ import logging
 import time
 from concurrent.futures import Future
 
+import mlx.core as mx
+
+from ..runtime.generate import feed
+from ..runtime.mlx_stream import generation_stream
 from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
-from .kv_bytes import live_bytes
+from .kv_bytes import live_bytes, token_bytes
 from .shared_prefill import fork, plan_follow, ready
 from .worker import resolve
 
@@ -63,6 +74,13 @@ def shortest_fitting(remainders: list[int], budget: int) -> int | None:
     return min(fits, key=lambda i: remainders[i])
 
 
+GROWTH = 256   # generated tokens a request in flight is counted for beyond what it holds (admission)
+
+
+def _growth(seq: Sequence) -> int:
+    return max(0, min(GROWTH, seq.params.max_tokens - seq.produced))
+
+
 class Scheduler:
     def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
         self.engine = engine
@@ -80,13 +98,59 @@ class Scheduler:
         self.failed = 0               # requests failed by the scheduler (not by their own finish)
         self.recoveries = 0           # times the whole state was thrown away (recover)
         self.shared_prefills = 0      # requests that took a common prompt prefix from another's prefill
+        self.parked: Sequence | None = None   # started, waiting for KV memory (admission by bytes)
+        self.parked_total = 0         # requests that had to wait for memory
+        self._token_bytes: tuple[int, int] | None = None
 
     @property
     def active(self) -> int:
-        return len(self.prefilling) + len(self.group)
+        return len(self.prefilling) + len(self.group) + (self.parked is not None)
 
     def has_room(self) -> bool:
-        return self.active < self.max_sequences
+        return self.active < self.max_sequences and self.parked is None
+
+    # ------------------------------------------------------------------ admission by memory
+    def need_bytes(self, seq: Sequence) -> int:
+        """KV bytes ``seq`` will add while in flight: its uncached prompt and up to ``GROWTH``
+        generated tokens, at the model's bytes per token (measured once, on a fresh cache fed one
+        token); the reused prefix is held by reference (a rooted checkout, the slab's prefix)."""
+        per_token, per_seq = self._per_token()
+        return per_token * (len(seq.prep.model_tokens) - seq.start + _growth(seq)) + per_seq
+
+    def _per_token(self) -> tuple[int, int]:
+        if self._token_bytes is None:
+            try:
+                with mx.stream(generation_stream()):
+                    live = self.engine.new_cache()
+                    feed(self.engine.loaded.model, live, [0], 1)
+                self._token_bytes = token_bytes(live)
+            except Exception:  # noqa: BLE001 - admission then reads the measured bytes alone
+                log.warning("could not measure the KV bytes per token; admission by memory counts "
+                            "only what is held", exc_info=True)
+                self._token_bytes = (0, 0)
+        return self._token_bytes
+
+    def committed_bytes(self) -> int:
+        """KV held in flight (measured at the last step) plus what the requests in flight will still
+        add: the prompt they have not fed and up to ``GROWTH`` more generated tokens each."""
+        per_token, _ = self._per_token()
+        ahead = sum(remaining(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
+        return self.engine.state.live_kv_bytes + per_token * ahead
+
+    def _must_wait(self, seq: Sequence) -> bool:
+        """Whether ``seq`` would take the KV in flight past the budget (never when it is alone)."""
+        state = self.engine.state
+        budget = state.cache_budget
+        if not budget or state.replicated or not (self.prefilling or len(self.group)):
+            return False
+        return self.committed_bytes() + self.need_bytes(seq) > budget
+
+    def _unpark(self) -> None:
+        seq = self.parked
+        if seq is None or (not seq.job.is_cancelled() and self._must_wait(seq)):
+            return                # a client that left is let in: its first prefill step ends it
+        self.parked = None
+        self._enter(seq)
 
     def idle(self) -> bool:
         return self.active == 0
@@ -101,6 +165,17 @@ class Scheduler:
             return
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
+        if self._must_wait(seq):
+            self.parked = seq
+            self.parked_total += 1
+            return
+        self._enter(seq)
+
+    def _enter(self, seq: Sequence) -> None:
+        """``seq`` starts prefilling: the RAM cache tier first makes room for what it will hold."""
+        budget = self.engine.state.cache_budget
+        if budget and not self.engine.state.replicated and (self.prefilling or len(self.group)):
+            self.engine.state.prompt_cache.fit(budget - self.committed_bytes() - self.need_bytes(seq))
         if self.group.dense and self.group.min_shared is not None:
             plan = plan_follow(seq, self.prefilling, self.group.min_shared)
             if plan is not None:
@@ -130,6 +205,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         self.steps += 1
+        self._unpark()
         short = self._short_batch()
         if len(short) >= 2:
             self._prefill_short(short)
@@ -169,6 +245,7 @@ class Scheduler:
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
         self.account()
+        self._unpark()                    # room freed by this step: the parked request starts next
 
     def account(self) -> None:
         """What the requests in flight hold in RAM (engine state's ``live_kv_bytes``: the
@@ -187,6 +264,7 @@ class Scheduler:
         err.__cause__ = exc
         futures, self.futures = self.futures, {}
         self.prefilling = []
+        self.parked = None
         self.group.reset()
         self.group.take_failed()
         self._rr, self._short_last = -1, False

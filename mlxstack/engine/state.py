@@ -44,6 +44,9 @@ class EngineState:
         # an entry's bytes as the cache budget counts them: one process, its own; several ranks
         # (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions
         self.group_bytes: Callable[[int], int] = lambda n: n
+        # several ranks: what differs per rank (its live KV bytes) must not steer a decision
+        # every rank makes (the scheduler's admission by memory is off then)
+        self.replicated = False
         budget = settings.prompt_cache_max_bytes or default_cache_budget()
         self.cache_budget = budget
         # A cache class we do not understand is never stored half-understood: prefix caching
@@ -101,6 +104,7 @@ class EngineState:
         and what each rank's disk tier restored at start, and does from now on, is agreed, so every
         rank keeps the same entries. Runs on every rank at the same point (collectives)."""
         self.group_bytes = lock.sum_bytes
+        self.replicated = True
         self.prompt_cache.clock = self.turns.clock = self.sessions.clock = lock.clock
         disk = self.disk
         if not lock.all_ok(disk is not None):
