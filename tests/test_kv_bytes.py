@@ -147,3 +147,43 @@ def test_a_request_alone_always_runs_whatever_the_budget(tiny_dense_path):
     while not sched.idle():
         sched.step()
     assert all(f.result().completion_tokens == 8 for f in futures) and sched.parked_total == 1
+
+
+def test_a_request_waits_for_memory_over_http_and_says_so(tiny_dense_path):
+    """Through the server: while a long streamed reply is in flight, a second request under a
+    budget that leaves no room waits (stats and /metrics say so), then gets the reply it gets alone."""
+    import json
+    import threading
+
+    server = LiveServer(engine_settings(tiny_dense_path, speculative="off", prompt_cache_max_bytes=4096,
+                                        max_concurrent_sequences=4))
+    try:
+        def post(messages, max_tokens, stream=False):
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+            return urllib.request.urlopen(urllib.request.Request(
+                server.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}), timeout=120)
+
+        alone = json.load(post(COPY, 12))["choices"][0]["message"]["content"]
+        first = post(LOOP, 400, stream=True)
+        first.readline()                       # the long reply is streaming: it is in flight
+        out: dict = {}
+        second = threading.Thread(target=lambda: out.update(r=json.load(post(COPY, 12))))
+        second.start()
+        seen_waiting = False
+        while second.is_alive():
+            with urllib.request.urlopen(server.base + "/v1/cache/stats", timeout=30) as resp:
+                sched = json.load(resp)["scheduler"]
+            seen_waiting |= sched["waiting_for_memory"] == 1
+            second.join(0.01)
+        rest = first.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert out["r"]["choices"][0]["message"]["content"] == alone
+        with urllib.request.urlopen(server.base + "/v1/cache/stats", timeout=30) as resp:
+            sched = json.load(resp)["scheduler"]
+        assert sched["waited_for_memory_total"] == 1 and sched["waiting_for_memory"] == 0 and seen_waiting
+        with urllib.request.urlopen(server.base + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        assert "mlxstack_waited_for_memory_total 1.0" in metrics and "mlxstack_waiting_for_memory 0.0" in metrics
+    finally:
+        server.close()
