@@ -148,7 +148,7 @@ class Scheduler:
     def _unpark(self) -> None:
         seq = self.parked
         if seq is None or (not seq.job.is_cancelled() and self._must_wait(seq)):
-            return                # a client that left is let in: its first prefill step ends it
+            return                # a client that left is let in: its prefill stops after one chunk
         self.parked = None
         self._enter(seq)
 
