@@ -317,3 +317,31 @@ def test_private_files_and_dirs(tmp_path):
         os.umask(old)
     assert mask_secret("sk-abcdefghijklmnopqrstuvwxyz") == "sk-abc…xyz"
     assert mask_secret("short") == "sh…" and mask_secret("") == "(empty)"
+
+
+def test_get_json_treats_an_answer_cut_short_as_no_answer():
+    """A server killed while answering /health leaves a body shorter than its Content-Length: the
+    supervisor must see no answer (OSError), not die of http.client.IncompleteRead."""
+    import socket
+    import threading
+
+    from mlxstack.launcher.stack import get_json
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer_half():
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 97\r\n\r\n{\"st")
+        conn.close()
+
+    t = threading.Thread(target=answer_half)
+    t.start()
+    try:
+        with pytest.raises(OSError, match="cut short"):
+            get_json(f"http://127.0.0.1:{srv.getsockname()[1]}/health", timeout=10)
+    finally:
+        t.join(timeout=10)
+        srv.close()

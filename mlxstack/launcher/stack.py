@@ -22,6 +22,7 @@ child processes and ports; backends, LiteLLM config, ports and restarts already 
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -66,12 +67,20 @@ def _raise_stop(signum, frame):  # noqa: ARG001
 
 
 def get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, object]:
+    """(status, JSON body or None). A server that dies mid-answer (the body cut short, a bad status
+    line) raises ConnectionError -- an OSError, like one that never answered: callers treat both
+    as no answer (a supervisor thread once died of the IncompleteRead instead)."""
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             body = r.read()
             status = r.status
     except urllib.error.HTTPError as e:
-        body, status = e.read(), e.code
+        try:
+            body, status = e.read(), e.code
+        except http.client.HTTPException as exc:
+            raise ConnectionError(f"{url}: answer cut short ({type(exc).__name__})") from exc
+    except http.client.HTTPException as exc:
+        raise ConnectionError(f"{url}: answer cut short ({type(exc).__name__})") from exc
     try:
         return status, json.loads(body or b"null")
     except ValueError:
