@@ -17,6 +17,8 @@ from typing import Any, Iterable
 import mlx.core as mx
 
 from ..cache.kv_ops import LiveCache
+from ..runtime.generate import feed
+from ..runtime.mlx_stream import generation_stream
 
 _CACHE_MODULES = ("mlx_lm.", "mlx_vlm.", "mlxstack.")
 
@@ -110,3 +112,11 @@ def token_bytes(live: LiveCache) -> tuple[int, int]:
         g, f = _token_part(layer)
         grows, fixed = grows + g, fixed + f
     return grows, fixed
+
+
+def measured_token_bytes(engine: Any) -> tuple[int, int]:
+    """``token_bytes`` of ``engine``'s model: a fresh cache fed one token (one small forward)."""
+    with mx.stream(generation_stream()):
+        live = engine.new_cache()
+        feed(engine.loaded.model, live, [0], 1)
+    return token_bytes(live)

@@ -42,14 +42,10 @@ import logging
 import time
 from concurrent.futures import Future
 
-import mlx.core as mx
-
-from ..runtime.generate import feed
-from ..runtime.mlx_stream import generation_stream
 from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
-from .kv_bytes import live_bytes, token_bytes
+from .kv_bytes import live_bytes, measured_token_bytes
 from .shared_prefill import fork, plan_follow, ready
 from .worker import resolve
 
@@ -120,10 +116,7 @@ class Scheduler:
     def _per_token(self) -> tuple[int, int]:
         if self._token_bytes is None:
             try:
-                with mx.stream(generation_stream()):
-                    live = self.engine.new_cache()
-                    feed(self.engine.loaded.model, live, [0], 1)
-                self._token_bytes = token_bytes(live)
+                self._token_bytes = measured_token_bytes(self.engine)
             except Exception:  # noqa: BLE001 - admission then reads the measured bytes alone
                 log.warning("could not measure the KV bytes per token; admission by memory counts "
                             "only what is held", exc_info=True)
@@ -137,20 +130,35 @@ class Scheduler:
         ahead = sum(remaining(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
         return self.engine.state.live_kv_bytes + per_token * ahead
 
-    def _must_wait(self, seq: Sequence) -> bool:
-        """Whether ``seq`` would take the KV in flight past the budget (never when it is alone)."""
+    def _room(self, seq: Sequence) -> int | None:
+        """KV bytes the budget leaves once ``seq`` is in flight beside the others (negative: it
+        would pass the budget); None when admission by memory does not apply -- no budget, several
+        ranks, or nothing else in flight (alone, a request always runs)."""
         state = self.engine.state
-        budget = state.cache_budget
-        if not budget or state.replicated or not (self.prefilling or len(self.group)):
+        if not state.cache_budget or state.replicated or not (self.prefilling or len(self.group)):
+            return None
+        return state.cache_budget - self.committed_bytes() - self.need_bytes(seq)
+
+    def _admit_or_park(self, seq: Sequence) -> bool:
+        """``seq`` starts prefilling (the RAM cache tier first gives up what the budget no longer
+        leaves it), or waits for memory (False)."""
+        room = self._room(seq)
+        if room is not None and room < 0:
             return False
-        return self.committed_bytes() + self.need_bytes(seq) > budget
+        if room is not None:
+            self.engine.state.prompt_cache.fit(room)
+        self._enter(seq)
+        return True
 
     def _unpark(self) -> None:
         seq = self.parked
-        if seq is None or (not seq.job.is_cancelled() and self._must_wait(seq)):
-            return                # a client that left is let in: its prefill stops after one chunk
-        self.parked = None
-        self._enter(seq)
+        if seq is None:
+            return
+        if seq.job.is_cancelled():        # a client that left is let in: its prefill stops after one chunk
+            self.parked = None
+            self._enter(seq)
+        elif self._admit_or_park(seq):
+            self.parked = None
 
     def idle(self) -> bool:
         return self.active == 0
@@ -165,17 +173,12 @@ class Scheduler:
             return
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
-        if self._must_wait(seq):
+        if not self._admit_or_park(seq):
             self.parked = seq
             self.parked_total += 1
-            return
-        self._enter(seq)
 
     def _enter(self, seq: Sequence) -> None:
-        """``seq`` starts prefilling: the RAM cache tier first makes room for what it will hold."""
-        budget = self.engine.state.cache_budget
-        if budget and not self.engine.state.replicated and (self.prefilling or len(self.group)):
-            self.engine.state.prompt_cache.fit(budget - self.committed_bytes() - self.need_bytes(seq))
+        """``seq`` starts prefilling."""
         if self.group.dense and self.group.min_shared is not None:
             plan = plan_follow(seq, self.prefilling, self.group.min_shared)
             if plan is not None:

@@ -71,14 +71,12 @@ def get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = No
     line) raises ConnectionError -- an OSError, like one that never answered: callers treat both
     as no answer (a supervisor thread once died of the IncompleteRead instead)."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
-            body = r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
         try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+                body = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
             body, status = e.read(), e.code
-        except http.client.HTTPException as exc:
-            raise ConnectionError(f"{url}: answer cut short ({type(exc).__name__})") from exc
     except http.client.HTTPException as exc:
         raise ConnectionError(f"{url}: answer cut short ({type(exc).__name__})") from exc
     try:
