@@ -98,3 +98,50 @@ def test_preload_env_activates_openblas_in_child():
     assert out.returncode == 0, out.stderr
     assert "openblas" in out.stdout.splitlines()[0].lower()
     assert "optimised" in out.stdout
+
+
+def test_better_coretype_only_upgrades_a_generic_pick():
+    skx = {"fma", "avx", "avx2", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+    # OpenBLAS 0.3.21 on a CPU model it does not know (this machine: family 6 model 207) says Prescott
+    assert blas.better_coretype("Prescott", skx) == "SkylakeX"
+    assert blas.better_coretype("Prescott", {"avx", "avx2", "fma"}) == "Haswell"
+    assert blas.better_coretype("Nehalem", {"avx"}) == "Sandybridge"
+    assert blas.better_coretype("Haswell", skx) == "SkylakeX"
+    # already as good as the CPU allows, or better than its flags say: left alone
+    assert blas.better_coretype("SkylakeX", skx) is None
+    assert blas.better_coretype("Cooperlake", skx) is None
+    assert blas.better_coretype("Haswell", {"avx", "avx2", "fma"}) is None
+    assert blas.better_coretype("Zen", {"avx", "avx2", "fma"}) is None
+    assert blas.better_coretype("Prescott", {"sse3"}) is None
+    # AVX-512 foundation without the rest SkylakeX's kernels use (Knights Landing): AVX2's
+    assert blas.better_coretype("Prescott", {"avx", "avx2", "fma", "avx512f", "avx512cd"}) == "Haswell"
+    # a name it does not know (another release's, ARM's) or no answer: its pick stands
+    assert blas.better_coretype("NEOVERSEN1", skx) is None
+    assert blas.better_coretype(None, skx) is None
+
+
+def test_cpu_flags_reads_the_first_cpu(tmp_path: Path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel\t\t: 207\nflags\t\t: fpu sse3 avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert blas.cpu_flags(str(info)) == {"fpu", "sse3", "avx2", "fma"}
+    assert blas.cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_coretype_env_keeps_a_value_already_set(tmp_path: Path):
+    lib = _fake_lib(tmp_path / "libopenblas.so.0")
+    assert blas.coretype_env(lib, {"OPENBLAS_CORETYPE": "Haswell"}) == {}
+    # a file that is not a loadable OpenBLAS: the child cannot say what it picks, nothing is set
+    assert blas.openblas_corename(lib) is None
+    assert blas.coretype_env(lib, {}) == {}
+
+
+@pytest.mark.skipif(_REAL is None, reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)")
+def test_coretype_env_on_this_machine():
+    """The real library: what it picks, and what the env adds, agree with the pure rule."""
+    detected = blas.openblas_corename(_REAL)
+    assert detected
+    want = blas.better_coretype(detected, blas.cpu_flags())
+    env = blas.coretype_env(_REAL, {})
+    assert env == ({"OPENBLAS_CORETYPE": want} if want else {})
+    if want:
+        assert blas.openblas_corename(_REAL, want).lower() == want.lower()

@@ -12,6 +12,14 @@ What the wheel links (mlx / mlx-cpu 0.32.4, manylinux x86_64):
 
 The MLX server is started with ``blas_preload_env(settings)`` merged into its environment;
 LD_PRELOAD only works for a process at exec time, so it cannot be applied to the current one.
+
+Kernels: a DYNAMIC_ARCH OpenBLAS picks its kernels from a table of the CPU models it knows; on a
+newer CPU it falls back to a generic one. Debian's 0.3.21 calls this machine's Xeon (family 6,
+model 207, AVX-512) ``Prescott`` -- SSE3 kernels -- and a 1024^3 sgemm runs at 35-40 GFLOPS instead
+of ~200 with the SkylakeX kernels (measured). ``blas_preload_env`` asks the library what it picked
+(``openblas_corename``, a short child process) and, when that is below what the CPU's flags
+support, sets ``OPENBLAS_CORETYPE`` (``better_coretype``) -- only once the library has confirmed
+it knows the name, and never over a value already in the environment.
 """
 from __future__ import annotations
 
@@ -121,6 +129,87 @@ def _cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# OpenBLAS's x86 kernel families, by the instruction set their sgemm uses (its DYNAMIC_ARCH names,
+# lower-cased); a name not here is left alone (another vendor's table, a newer release)
+_KERNEL_LEVEL = {
+    **dict.fromkeys(("katmai", "coppermine", "northwood", "prescott", "banias", "core2", "penryn", "dunnington",
+                     "atom", "nano", "opteron", "opteron(sse3)"), 0),
+    **dict.fromkeys(("nehalem", "barcelona", "bobcat"), 1),
+    **dict.fromkeys(("sandybridge", "bulldozer", "piledriver", "steamroller", "excavator"), 2),
+    **dict.fromkeys(("haswell", "zen"), 3),
+    **dict.fromkeys(("skylakex", "cooperlake", "sapphirerapids"), 4),
+}
+# what a CPU's flags allow, best first: (level, OpenBLAS name, flags it needs)
+_BY_FLAGS = (
+    (4, "SkylakeX", ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl")),
+    (3, "Haswell", ("avx2", "fma")),
+    (2, "Sandybridge", ("avx",)),
+)
+
+
+def better_coretype(detected: Optional[str], flags: Iterable[str]) -> Optional[str]:
+    """The ``OPENBLAS_CORETYPE`` to set when OpenBLAS's own pick (``detected``) uses an older
+    instruction set than the CPU's ``flags`` (from /proc/cpuinfo) support; None: keep its pick
+    (pure)."""
+    level = _KERNEL_LEVEL.get((detected or "").strip().lower())
+    if level is None:
+        return None
+    have = set(flags)
+    for rank, name, need in _BY_FLAGS:
+        if all(f in have for f in need):
+            return name if rank > level else None
+    return None
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's feature flags (empty when unreadable)."""
+    try:
+        with open(cpuinfo) as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+_CORENAME_PROBE = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); f = lib.openblas_get_corename; "
+                   "f.restype = ctypes.c_char_p; print(f().decode())")
+_corenames: dict[tuple[str, str], Optional[str]] = {}
+
+
+def openblas_corename(lib: os.PathLike[str] | str, coretype: Optional[str] = None) -> Optional[str]:
+    """The kernel family ``lib`` picks in a fresh process (with ``OPENBLAS_CORETYPE=coretype``
+    when given), or None when it cannot say (not OpenBLAS, no such symbol, the child failed)."""
+    key = (os.path.realpath(lib), coretype or "")
+    if key not in _corenames:
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
+        env["OPENBLAS_NUM_THREADS"] = "1"
+        if coretype:
+            env["OPENBLAS_CORETYPE"] = coretype
+        try:
+            out = subprocess.run([sys.executable, "-c", _CORENAME_PROBE, str(lib)], env=env, capture_output=True,
+                                 text=True, timeout=30)
+            _corenames[key] = out.stdout.strip() or None if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            _corenames[key] = None
+    return _corenames[key]
+
+
+def coretype_env(lib: os.PathLike[str] | str, environ: Mapping[str, str]) -> dict[str, str]:
+    """``{"OPENBLAS_CORETYPE": name}`` when ``lib`` would run older kernels than this CPU supports
+    and accepts ``name`` (module doc); {} otherwise, or when the environment already sets one."""
+    if "OPENBLAS_CORETYPE" in environ:
+        return {}
+    detected = openblas_corename(lib)
+    name = better_coretype(detected, cpu_flags())
+    if name is None or (openblas_corename(lib, name) or "").lower() != name.lower():
+        return {}
+    log.info("OpenBLAS picks %s kernels for this CPU; its flags support %s: OPENBLAS_CORETYPE=%s", detected, name, name)
+    return {"OPENBLAS_CORETYPE": name}
+
+
 def blas_preload_env(
     settings: Any,
     *,
@@ -129,7 +218,8 @@ def blas_preload_env(
     roots: Optional[Sequence[os.PathLike[str] | str]] = None,
     use_ldconfig: bool = True,
 ) -> dict[str, str]:
-    """Environment additions for the MLX server process: ``LD_PRELOAD`` (+ ``OPENBLAS_NUM_THREADS``).
+    """Environment additions for the MLX server process: ``LD_PRELOAD`` (+ ``OPENBLAS_NUM_THREADS``,
+    ``OPENBLAS_CORETYPE`` where OpenBLAS would pick kernels older than the CPU: module doc).
 
     ``settings.blas_preload``: ``auto`` (find OpenBLAS), ``off``, or an explicit library path.
     Returns {} off Linux, when off, or when auto finds nothing (with a warning). An existing
@@ -167,6 +257,7 @@ def blas_preload_env(
     out = {"LD_PRELOAD": ":".join(entries)}  # ld.so accepts ':' or ' ' separators
     if "OPENBLAS_NUM_THREADS" not in env:
         out["OPENBLAS_NUM_THREADS"] = str(_cpu_count())
+    out.update(coretype_env(lib, env))
     return out
 
 
@@ -235,7 +326,9 @@ def blas_status() -> str:
     active = optimized_blas_active()
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     if active:
-        return f"BLAS: optimised, cblas_sgemm from {active} (OPENBLAS_NUM_THREADS={threads})"
+        core = os.environ.get("OPENBLAS_CORETYPE")
+        return (f"BLAS: optimised, cblas_sgemm from {active} (OPENBLAS_NUM_THREADS={threads}"
+                + (f", OPENBLAS_CORETYPE={core})" if core else ")"))
     bundled = [p for p in _mapped_libraries() if "mlx_cpu.libs" in p and "blas" in os.path.basename(p)]
     if bundled:
         return (
