@@ -133,3 +133,42 @@ def test_capture_checkout_round_trip_and_trim(model):
     else:
         with pytest.raises(ValueError):
             checkout(state, 10)
+
+
+def test_a_short_rest_is_fed_with_its_last_token_in_one_forward(model):
+    """A warm turn's few new tokens (<= FOLD_MAX) are one forward that also yields the first
+    token's logits, not a chunk plus a second forward for the last token: the same greedy reply
+    and logits as the two-forward path, on a hit exactly as cold."""
+    from mlxstack.runtime import generate
+
+    toks = tokens(60, 7)
+    calls: list[int] = []
+
+    class Counting:
+        def __init__(self, m):
+            self.m = m
+
+        def __call__(self, x, cache=None):
+            calls.append(int(x.shape[1]))
+            return self.m(x, cache=cache)
+
+    base = LiveCache(make_prompt_cache(model))
+    feed(model, base, toks[:47], step=16)
+    entry = capture(base)
+    rest = toks[47:]
+    assert 1 < len(rest) <= generate.FOLD_MAX
+    folded = checkout(entry)
+    logits = prefill(Counting(model), folded, rest, step=16)
+    assert calls == [len(rest)] and folded.depth == len(toks)
+    two = checkout(entry)
+    feed(model, two, rest[:-1], step=16)
+    ref = generate.last_logits(model, two, rest[-1])
+    assert mx.allclose(logits, ref, atol=ATOL).item()
+    assert int(mx.argmax(logits).item()) == int(mx.argmax(ref).item())
+    out = list(decode(model, folded, logits, toks, SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    ref_out = list(decode(model, two, ref, toks, SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    assert out == ref_out and len(out) == N_GEN
+    # a rest longer than FOLD_MAX keeps the separate forward for its last token
+    calls.clear()
+    prefill(Counting(model), LiveCache(make_prompt_cache(model)), tokens(generate.FOLD_MAX + 1, 8), step=512)
+    assert calls == [generate.FOLD_MAX, 1]
