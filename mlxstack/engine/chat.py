@@ -24,7 +24,7 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.render import encode
 from ..pipeline.tokenize import encoder_for
-from ..runtime.generate import FOLD_MAX, Aborted, decode, feed, last_logits, prefill
+from ..runtime.generate import Aborted, decode, feed, folds, last_logits, prefill
 from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
@@ -337,7 +337,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
     def prefill_step(self, seq: Sequence, budget: int, defer_last: bool = False) -> bool:
         """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
         True once the prompt is done (``seq.logits`` set) or the request was abandoned between
-        chunks (``seq.prefill_aborted``). A rest of at most FOLD_MAX tokens is fed with the last one,
+        chunks (``seq.prefill_aborted``). A short rest (runtime/generate ``folds``) is fed with the last one,
         in one forward; otherwise, with ``defer_last``, the last prompt token is left for the first
         batched decode step (``seq.logits`` stays None, ``seq.pos`` is ``n - 1``)."""
         tokens = seq.prep.model_tokens
@@ -350,7 +350,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         end = min(n - 1, seq.pos + max(1, budget))
         stop_at = min([k for k in (*seq.checkpoints, *seq.stops) if seq.pos < k <= end], default=end)
         faults.hit("prefill_chunk", seq.job.request_id)
-        if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and 1 < n - seq.pos <= FOLD_MAX:
+        if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
             # the rest is short: its forward yields the first token's logits too (runtime/generate
             # FOLD_MAX) -- no second forward for the last token, alone or in the batch's next step
             seq.logits = feed(self.loaded.model, seq.live, tokens[seq.pos:], self.settings.prefill_step_size,

@@ -43,6 +43,11 @@ def cache_arrays(live: LiveCache) -> list[Any]:
 FOLD_MAX = 64
 
 
+def folds(rest: int) -> bool:
+    """Whether a prompt's last ``rest`` tokens are fed in one forward that yields the logits."""
+    return 1 < rest <= FOLD_MAX
+
+
 def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
          should_stop: Callable[[], bool] | None = None,
          boundary: Callable[[LiveCache], int | None] | None = None,
@@ -115,7 +120,7 @@ def prefill(
         if checkpoint is not None:
             checkpoint(live)
     rest = tokens[done:]
-    if 1 < len(rest) <= FOLD_MAX:   # one forward, not two (FOLD_MAX)
+    if folds(len(rest)):   # one forward, not two (FOLD_MAX)
         return feed(model, live, rest, step, should_stop, boundary, logits=True)
     feed(model, live, rest[:-1], step, should_stop, boundary)
     return last_logits(model, live, tokens[-1])

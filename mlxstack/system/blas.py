@@ -191,7 +191,7 @@ def openblas_corename(lib: os.PathLike[str] | str, coretype: Optional[str] = Non
         try:
             out = subprocess.run([sys.executable, "-c", _CORENAME_PROBE, str(lib)], env=env, capture_output=True,
                                  text=True, timeout=30)
-            _corenames[key] = out.stdout.strip() or None if out.returncode == 0 else None
+            _corenames[key] = (out.stdout.strip() or None) if out.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
             _corenames[key] = None
     return _corenames[key]
