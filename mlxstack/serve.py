@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from .system.blas import reexec_with_blas
+    from .system.process_env import reexec_with
 
-    reexec_with_blas(settings, ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
+    reexec_with(settings, ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])])
     rank = os.environ.get("MLX_RANK") if settings.distributed != "off" else None
     tag = f"[rank {rank}] " if rank not in (None, "0") else ""
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("mlxstack").info("MLX server listening on http://%s:%d (loading model)", host, port)
     try:
         from .system.blas import blas_status
+        from .system.hugepages import hugepage_status
 
         logging.getLogger("mlxstack").info("%s", blas_status())
+        logging.getLogger("mlxstack").info("%s", hugepage_status())
     except Exception:  # noqa: BLE001
         pass
     exit_code = 0

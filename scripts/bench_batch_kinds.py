@@ -101,9 +101,9 @@ def main() -> int:
     args = ap.parse_args()
     if sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs (re-exec once)
         from mlxstack.config.settings import load_settings
-        from mlxstack.system.blas import reexec_with_blas
+        from mlxstack.system.process_env import reexec_with
 
-        reexec_with_blas(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
+        reexec_with(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
     print(f"| layout | context | 1 sequence tok/s | {args.rows} sequences tok/s | ratio | max logit diff |")
     print("|---|---|---|---|---|---|")
     for kind in args.kinds:

@@ -75,9 +75,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     if sys.platform.startswith("linux"):
-        from mlxstack.system.blas import reexec_with_blas
+        from mlxstack.system.process_env import reexec_with
 
-        reexec_with_blas(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
+        reexec_with(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
     system = SYSTEM * args.system_repeat
     one = run(1, system, args.max_tokens)
     many = run(args.sessions, system, args.max_tokens)

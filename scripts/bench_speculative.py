@@ -96,9 +96,9 @@ def main() -> None:
     ap.add_argument("--skip-ngram", action="store_true", help="only the draft-model section")
     args = ap.parse_args()
     if sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs
-        from mlxstack.system.blas import reexec_with_blas
+        from mlxstack.system.process_env import reexec_with
 
-        reexec_with_blas(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
+        reexec_with(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
     engines = {"off": make("off", args.max_draft), "auto": make("auto", args.max_draft)}
     print(f"speculation: {engines['auto'].speculation.describe()}")
     loads = {"copy": [[c] for c in COPY], "free": [[f] for f in FREE], "mix8": [COPY * 2 + FREE * 2],

@@ -138,9 +138,9 @@ def main() -> None:
     args = ap.parse_args()
     if not args.no_engine and sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs
         from mlxstack.config.settings import load_settings
-        from mlxstack.system.blas import reexec_with_blas
+        from mlxstack.system.process_env import reexec_with
 
-        reexec_with_blas(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
+        reexec_with(load_settings(), [str(Path(__file__).resolve()), *sys.argv[1:]])
     path = args.tokenizer
     if not path:
         from mlxstack.models.embedded_model import ensure_embedded_model

@@ -108,11 +108,11 @@ def free_port(kind: str, host: str, port: int, repo: Path, pidfile: Path, extra:
 def mlx_env(settings: Settings) -> dict[str, str]:
     env = {**os.environ, **settings.as_env(), "PYTHONUNBUFFERED": "1"}
     try:
-        from mlxstack.system.blas import blas_preload_env
+        from mlxstack.system.process_env import server_env
     except ImportError:
         return env
-    # it keeps an existing LD_PRELOAD from ``environ`` (BLAS first), so its value replaces ours
-    return {**env, **(blas_preload_env(settings, environ=env) or {})}
+    # it keeps an existing LD_PRELOAD / GLIBC_TUNABLES from ``environ``, so its values replace ours
+    return {**env, **server_env(settings, environ=env)}
 
 
 def litellm_env(settings: Settings, backends: list[Backend] | None = None, repo: Path = REPO_ROOT) -> dict[str, str]:

@@ -14,9 +14,9 @@ def main(argv: list[str]) -> None:
     args = argv or ["tests", "-q"]
     try:
         from ..config.settings import load_settings
-        from ..system.blas import reexec_with_blas
+        from ..system.process_env import reexec_with
 
-        reexec_with_blas(load_settings(env=dict(os.environ)), ["-m", "mlxstack.launcher.test_runner", *args])
+        reexec_with(load_settings(env=dict(os.environ)), ["-m", "mlxstack.launcher.test_runner", *args])
     except Exception as exc:  # noqa: BLE001 - tests still run, only slower
         print(f"[tests] optimised BLAS not applied: {exc}", file=sys.stderr)
     os.execv(sys.executable, [sys.executable, "-m", "pytest", *args])

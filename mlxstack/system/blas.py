@@ -358,21 +358,3 @@ def describe_mlx_blas_linking(lib_paths: Iterable[str] = ()) -> str:  # pragma: 
             out = str(exc)
         lines.append(f"{p}:\n" + "\n".join(l for l in out.splitlines() if "blas" in l or "lapack" in l))
     return "\n".join(lines)
-
-
-REEXEC_MARK = "MLXSTACK_BLAS_APPLIED"
-
-
-def reexec_with_blas(settings: Any, argv: list[str]) -> None:
-    """Re-execute this process with the optimised BLAS preloaded, once (LD_PRELOAD only takes
-    effect at process start). Returns normally when there is nothing to do."""
-    if os.environ.get(REEXEC_MARK):
-        return
-    env = dict(os.environ)
-    env[REEXEC_MARK] = "1"
-    extra = blas_preload_env(settings, environ=env)
-    if not extra.get("LD_PRELOAD") or extra["LD_PRELOAD"] == os.environ.get("LD_PRELOAD"):
-        os.environ[REEXEC_MARK] = "1"
-        return
-    env.update(extra)
-    os.execve(sys.executable, [sys.executable, *argv], env)

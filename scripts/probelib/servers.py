@@ -23,13 +23,14 @@ from .client import ProbeError, free_port, setting
 
 # ----------------------------------------------------------------------------- server processes
 def blas_env() -> dict[str, str]:
-    """LD_PRELOAD of OpenBLAS, as start_llm.py gives the MLX server (fair for both servers)."""
+    """LD_PRELOAD of OpenBLAS and huge pages for malloc, as the launcher gives the MLX server
+    (system/process_env.py; fair for both servers)."""
     try:
         sys.path.insert(0, str(REPO_ROOT))
         from mlxstack.config.settings import load_settings
-        from mlxstack.system.blas import blas_preload_env
+        from mlxstack.system.process_env import server_env
 
-        return blas_preload_env(load_settings(env={}))
+        return server_env(load_settings(env={}))
     except Exception:  # noqa: BLE001 - best effort
         return {}
 
