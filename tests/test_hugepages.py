@@ -65,3 +65,9 @@ def test_a_process_started_with_it_gets_huge_pages():
                              timeout=120, check=True).stdout.strip())
     assert off == 0
     assert on >= 32 * 1024          # kB: at least half of the array in 2 MiB pages
+
+
+def test_the_start_up_line_says_which():
+    assert hugepages.hugepage_status({"GLIBC_TUNABLES": f"x=1:{TUNABLE}=1"}).startswith("memory: malloc asks for")
+    assert hugepages.hugepage_status({}).startswith("memory: the allocator's default pages")
+    assert hugepages.hugepage_status({"GLIBC_TUNABLES": f"{TUNABLE}=0"}).startswith("memory: the allocator's default")

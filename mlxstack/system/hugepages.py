@@ -74,5 +74,7 @@ def hugepage_status(environ: Optional[Mapping[str, str]] = None) -> str:
     """One line for the start-up log: whether this process asked for huge pages."""
     env = os.environ if environ is None else environ
     on = re.search(rf"(^|:){re.escape(TUNABLE)}=1", env.get("GLIBC_TUNABLES", ""))
-    return (f"memory: malloc asks for transparent huge pages ({TUNABLE}=1, kernel THP {thp_mode()})" if on
-            else f"memory: 4 KiB pages (HUGE_PAGES off or not available; kernel THP {thp_mode()})")
+    mode = thp_mode()
+    kernel = f"kernel THP {mode}" if mode else "no transparent huge pages here"
+    return (f"memory: malloc asks for transparent huge pages ({TUNABLE}=1, {kernel})" if on
+            else f"memory: the allocator's default pages (HUGE_PAGES off or not available; {kernel})")
