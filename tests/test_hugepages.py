@@ -9,7 +9,7 @@ import pytest
 
 from mlxstack.config.settings import load_settings
 from mlxstack.system import hugepages
-from mlxstack.system.hugepages import TUNABLE, glibc_version, plan, thp_mode
+from mlxstack.system.hugepages import TUNABLE, glibc_version, plan, thp_mode, tunable_value
 
 
 def test_plan_sets_the_tunable_where_the_kernel_grants_huge_pages():
@@ -31,6 +31,13 @@ def test_plan_sets_the_tunable_where_the_kernel_grants_huge_pages():
 ])
 def test_plan_leaves_the_environment_alone(choice, thp, glibc, existing):
     assert plan(choice, thp, glibc, existing) == {}
+
+
+def test_tunable_value_reads_only_our_tunable():
+    assert tunable_value(f"glibc.malloc.arena_max=2:{TUNABLE}=1") == "1"
+    assert tunable_value(f"{TUNABLE}=0") == "0"
+    assert tunable_value(f"{TUNABLE}x=1:glibc.malloc.arena_max=2") is None
+    assert tunable_value("") is None
 
 
 def test_glibc_version_and_thp_mode_parse(tmp_path):

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
 
         reexec_with(load_settings(env=dict(os.environ)), ["-m", "mlxstack.launcher.test_runner", *args])
     except Exception as exc:  # noqa: BLE001 - tests still run, only slower
-        print(f"[tests] optimised BLAS not applied: {exc}", file=sys.stderr)
+        print(f"[tests] process environment (optimised BLAS, huge pages) not applied: {exc}", file=sys.stderr)
     os.execv(sys.executable, [sys.executable, "-m", "pytest", *args])
 
 

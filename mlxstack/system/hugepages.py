@@ -24,7 +24,6 @@ from typing import Any, Mapping, Optional
 TUNABLE = "glibc.malloc.hugetlb"
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)      # the first glibc with glibc.malloc.hugetlb
-_OFF = ("off", "false", "0", "no", "none")
 
 
 def thp_mode(path: str = THP_ENABLED) -> Optional[str]:
@@ -49,14 +48,24 @@ def glibc_version(confstr: Optional[str] = None) -> Optional[tuple[int, int]]:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def tunable_value(tunables: str) -> Optional[str]:
+    """The value ``GLIBC_TUNABLES`` (``name=value`` pairs joined by ``:``) gives ``TUNABLE``, or None
+    where it does not name it (pure)."""
+    for pair in tunables.split(":"):
+        name, sep, value = pair.partition("=")
+        if sep and name == TUNABLE:
+            return value
+    return None
+
+
 def plan(choice: str, thp: Optional[str], glibc: Optional[tuple[int, int]], existing: str = "") -> dict[str, str]:
-    """The environment that asks glibc for huge pages (pure): ``choice`` ``auto`` / ``on`` sets the
-    tunable where the kernel grants them (``thp`` madvise / always) and glibc knows it; ``off``,
+    """The environment that asks glibc for huge pages (pure): ``choice`` ``auto`` (HUGE_PAGES) sets
+    the tunable where the kernel grants them (``thp`` madvise / always) and glibc knows it; ``off``,
     a kernel mode ``never``, an older glibc or a ``GLIBC_TUNABLES`` that already names the tunable
     (the user's word wins) give {}. Other tunables in ``existing`` are kept."""
-    if choice.strip().lower() in _OFF or thp not in ("madvise", "always") or glibc is None or glibc < MIN_GLIBC:
+    if choice.strip().lower() == "off" or thp not in ("madvise", "always") or glibc is None or glibc < MIN_GLIBC:
         return {}
-    if re.search(rf"(^|:){re.escape(TUNABLE)}=", existing):
+    if tunable_value(existing) is not None:
         return {}
     return {"GLIBC_TUNABLES": f"{existing}:{TUNABLE}=1" if existing else f"{TUNABLE}=1"}
 
@@ -73,7 +82,7 @@ def hugepage_env(settings: Any, environ: Optional[Mapping[str, str]] = None, sys
 def hugepage_status(environ: Optional[Mapping[str, str]] = None) -> str:
     """One line for the start-up log: whether this process asked for huge pages."""
     env = os.environ if environ is None else environ
-    on = re.search(rf"(^|:){re.escape(TUNABLE)}=1", env.get("GLIBC_TUNABLES", ""))
+    on = tunable_value(env.get("GLIBC_TUNABLES", "")) == "1"
     mode = thp_mode()
     kernel = f"kernel THP {mode}" if mode else "no transparent huge pages here"
     return (f"memory: malloc asks for transparent huge pages ({TUNABLE}=1, {kernel})" if on
