@@ -364,6 +364,9 @@ def test_concurrent_http_streams_through_the_scheduler(dense):
         stats = json.loads(urllib.request.urlopen(server.base + "/v1/cache/stats", timeout=10).read())
         assert stats["scheduler"]["max_sequences"] == 4 and stats["scheduler"]["batched"] is True
         assert max(r.get("batch_size_max", 1) for r in stats["recent"]) >= 2
+        # speculation's cost model, measured: the 4-row batch's plain steps timed (milliseconds)
+        assert set(stats["speculation"]) == {"plain_step_ms", "speculative_cost", "prior_cost_per_position"}
+        assert stats["speculation"]["plain_step_ms"]["4"] > 0
     finally:
         server.close()
 

@@ -25,10 +25,14 @@ from tests.test_speculation import COPY, FREE, LOOP, alone, spec_totals
 
 
 def draft_engines(path, draft, mode="draft", **extra):
-    """(speculating engine, SPECULATIVE=off engine); the draft model's cost is set to zero so every
-    step drafts (the adaptive switch is tested apart: these tests are about what drafts do)."""
+    """(speculating engine, SPECULATIVE=off engine); the draft model's cost and the wider step's are
+    set to zero so every step drafts (the adaptive switch and the measured costs are tested apart:
+    these tests are about what drafts do)."""
     on = build_engine(engine_settings(path, speculative=mode, draft_model=str(draft), **extra))
     on.speculation.draft.cost = 0.0
+    free = on.speculation.costs                # and wider steps measured as free, no plain yardstick
+    free.wants_plain = lambda rows: False
+    free.cost = lambda rows, width: 1.0
     off = build_engine(engine_settings(path, speculative="off", **extra))
     return on, off
 

@@ -379,3 +379,38 @@ def test_constrained_replies_with_drafts(embedded_model_path, temperature):
         assert [o.raw_text for o in spec] == [o.raw_text for o in pair(off, "j1")]
     else:
         assert [o.raw_text for o in pair(on, "j2")] == [o.raw_text for o in spec]
+
+
+# ------------------------------------------------------------------ the measured cost model
+def test_steps_are_timed_by_rows_and_width(embedded_model_path):
+    """A copy-heavy batch: the decode group takes a plain step first (the yardstick), then records
+    its clean plain and speculative steps (runtime/step_costs.py) under the forward's row count;
+    /v1/cache/stats shows them."""
+    on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    spec = on.speculation
+    assert spec.costs.seen == {}
+    outs, _ = run_batched(on, [job(COPY, max_tokens=40, session=f"t{i}")[0] for i in range(2)])
+    plain, _ = run_batched(off, [job(COPY, max_tokens=40, session=f"t{i}")[0] for i in range(2)])
+    assert [o.raw_text for o in outs] == [o.raw_text for o in plain]
+    widths = {w for (r, w) in spec.costs.seen if r == 2}
+    assert 1 in widths and any(w > 1 for w in widths), spec.costs.seen
+    assert 2 in spec.costs.plain and all(spec.costs.cost(2, w) >= 1.0 for w in widths)
+    proposed, accepted = spec_totals(outs)
+    assert accepted > proposed / 2                                 # copying: most drafts accepted
+    stats = spec.stats()
+    assert stats["plain_step_ms"]["2"] == round(spec.costs.plain[2] * 1000, 1)
+    assert set(stats["speculative_cost"]) == {f"2x{w}" for (r, w) in spec.costs.ratio if r == 2}
+
+
+def test_where_a_wider_step_is_measured_dear_rows_stop_drafting_and_replies_stay_the_same(embedded_model_path):
+    """The same copy-heavy request on a machine where every wider step was measured at 10 plain
+    steps: no drafts (a plain step is best), the same reply as with cheap positions."""
+    cheap, _ = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    dear, _ = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    dear.speculation.costs.record(1, 1, 0.1)
+    for w in range(2, 10):
+        dear.speculation.costs.record(1, w, 1.0)
+    a = alone(cheap, job(COPY, max_tokens=30, session="a")[0])
+    b = alone(dear, job(COPY, max_tokens=30, session="b")[0])
+    assert a.raw_text == b.raw_text
+    assert a.timings["spec_accepted"] > 0 and b.timings["spec_proposed"] == 0

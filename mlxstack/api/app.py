@@ -290,6 +290,8 @@ class App:
                                "waiting_for_memory": int(sched.parked is not None),
                                "waited_for_memory_total": sched.parked_total}
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
+        if sched is not None and sched.engine.speculation.enabled:
+            stats["speculation"] = sched.engine.speculation.stats()
         with self._status_lock:
             stats["status_counts"] = {str(k): v for k, v in self.status_counts.items()}
         if self.lockstep is not None:

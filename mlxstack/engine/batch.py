@@ -36,6 +36,7 @@ the group is empty and consistent again, ready for the next join.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -93,6 +94,8 @@ class DecodeGroup:
         self._failed: list[tuple[Sequence, BaseException]] = []   # rows that failed in step()
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
+        self.last_width = 1                    # positions per row the last speculative step fed
+        self._joined = False                   # members joined / left since the last step (not timed)
         want = getattr(engine.settings, "shared_prefix_min_tokens", MIN_SHARED)
         # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
         self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
@@ -175,6 +178,7 @@ class DecodeGroup:
             with mx.stream(generation_stream()):
                 seq.pending = self._sample(seq, logits)
             mx.async_eval(seq.pending)
+        self._joined = True
         if self.batching and self.seqs:
             self._atomic([seq], lambda: self._join_one(seq))
             return
@@ -200,6 +204,7 @@ class DecodeGroup:
         its last prompt token, which rides in the next decode step."""
         for seq in seqs:
             seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
+        self._joined = True
 
         def join() -> None:
             self._split(seqs[0].live.layers)
@@ -290,6 +295,7 @@ class DecodeGroup:
         else (a failed row) its KV is dropped. Their rows are free; ``seqs`` is the rest."""
         gone_ids = {id(s) for s in gone}
         rest = [s for s in self.seqs if id(s) not in gone_ids]
+        self._joined = True                                # a compaction's copies land in the next forward
         if self.slab is None:
             self.seqs = rest
             return
@@ -325,8 +331,21 @@ class DecodeGroup:
         if not self.seqs:
             return []
         budgets = spec_budgets(self.seqs)
+        rows, members, t0 = (self.rows if self.slab is not None else 1), len(self.seqs), time.perf_counter()
+        settled, self._joined = not self._joined, False   # a join's lazy copies land in the next forward
         if wants_step(self, budgets):
-            return speculative_step(self, budgets)
+            done = speculative_step(self, budgets)
+            width = self.last_width
+        else:
+            done, width = self._plain_step(), 1
+        clean = settled and not done and not self._failed and len(self.seqs) == members \
+            and (self.rows if self.slab is not None else 1) == rows and (self.slab is not None or members == 1)
+        if clean:   # what a step costs here, by rows and width: speculation's cost model (runtime/step_costs.py)
+            self.engine.speculation.costs.record(rows, width, time.perf_counter() - t0)
+        return done
+
+    def _plain_step(self) -> list[Sequence]:
+        """One token for every member (the forward, then the previous tokens read back)."""
         stream = generation_stream()
         model = self.engine.decode_model
         seqs = list(self.seqs)

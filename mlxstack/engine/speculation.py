@@ -41,6 +41,7 @@ from ..runtime.drafting import Chained, DraftControl, NgramDrafter, accepted_pre
 from ..runtime.generate import cache_arrays
 from ..runtime.mlx_stream import generation_stream
 from ..runtime.sampling import Sampler
+from ..runtime.step_costs import StepCosts
 from .draft_model import DraftModel
 from .request import Sequence
 
@@ -67,6 +68,11 @@ class Speculation:
         # request (engine/vlm_chat.py): drafts are not verified there yet
         self.enabled = (self.mode in MODES and self.max_draft > 0 and not vlm
                         and (self.lookup or self.draft is not None))
+        # what a wider step costs here, timed by the decode group: speculation's cost model
+        self.costs = StepCosts(prior=COST_PER_POSITION)
+
+    def stats(self) -> dict:
+        return self.costs.snapshot()
 
     def describe(self) -> str:
         if not self.enabled:
@@ -91,7 +97,8 @@ class Speculation:
 
 # One more token position through the model, per row, costs this fraction of a plain decode step
 # (measured on the embedded model, 2-core CPU, ~500 tokens of context: 8 rows x 7 positions cost
-# 2.27 plain steps, 1 row x 7 positions 1.27). A GPU has more room (cheaper positions).
+# 2.27 plain steps, 1 row x 7 positions 1.27). A GPU has more room (cheaper positions). Only the
+# prior: once steps have been timed here, ``Speculation.costs`` (runtime/step_costs.py) answers.
 COST_PER_POSITION = 0.03
 
 
@@ -105,27 +112,43 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     place). The drafts a row would get are estimated from its tokens read so far (the pending
     token is not read yet: reading it would stall the pipeline), weighted by its acceptance so far;
     a speculative step runs when it is expected to produce more tokens per unit of time than a
-    plain one (``best_width``). Rows on their own caches are costed one by one."""
+    plain one (``best_width``), at what steps of each width were measured to cost here
+    (``Speculation.costs``; a plain step first, and now and then, as the yardstick). Rows on their
+    own caches are costed one by one."""
     if not budgets or (group.slab is not None and not group.dense):
         return False
+    costs = group.engine.speculation.costs
+    if any(_seeded(s) for s in group.seqs):
+        # a seeded sampled row's draws follow where drafts are verified: decide from tokens alone
+        # (the prior), never from wall times, so the same request gives the same reply again
+        costs = StepCosts(prior=costs.prior)
+    elif (group.slab is not None or len(group.seqs) == 1) \
+            and costs.wants_plain(group.rows if group.slab is not None else 1):
+        return False                       # the yardstick a wider step is measured against (timed)
     rows = []
     for s in group.seqs:
         k = budgets.get(id(s), 0)
         k, cost = plan(s, k) if k > 0 else (0, 0.0)
         rows.append((s, (k, s.spec.control.rate if s.spec is not None else 0.0, cost)))
     if group.slab is not None:
-        width = best_width([r for _, r in rows], COST_PER_POSITION)
+        n = group.rows
+        width = best_width([r for _, r in rows], lambda w: costs.cost(n, w))
         for s, _ in rows:
             if id(s) in budgets:
                 budgets[id(s)] = min(budgets[id(s)], width - 1)
         return width > 1
     any_row = False
     for s, r in rows:
-        width = best_width([r], COST_PER_POSITION)
+        width = best_width([r], lambda w: costs.cost(1, w))
         if id(s) in budgets:
             budgets[id(s)] = min(budgets[id(s)], width - 1)
         any_row |= width > 1
     return any_row
+
+
+def _seeded(s: Sequence) -> bool:
+    """A row that samples from a seeded stream (its reply must be the same every time)."""
+    return s.sampler is not None and not s.sampler.greedy and s.params.seed is not None
 
 
 def _row_limit(group: Any, s: Sequence, budget: int) -> int:
@@ -189,6 +212,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
         drafts[id(s)] = (row_work(s, lambda s=s, k=k: propose(s, k)) or []) if k > 0 else []
     going = [s for s in going if id(s) not in failed]
     width = 1 + max((len(d) for d in drafts.values()), default=0)
+    group.last_width = width
 
     # 3. one forward
     stream = generation_stream()

@@ -23,7 +23,7 @@ a while that doubles each time it fails again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 __all__ = ["NgramDrafter", "Chained", "DraftControl", "accepted_prefix", "expected_accepted", "best_width"]
 
@@ -49,21 +49,23 @@ def expected_accepted(rate: float, k: int) -> float:
     return total
 
 
-def best_width(rows: Sequence[tuple], cost_per_position: float) -> int:
+def best_width(rows: Sequence[tuple], cost: float | Callable[[int], float]) -> int:
     """The forward width (1 + drafts per row) that maximises expected tokens per unit of step
     time for a batch whose rows could draft ``k`` tokens with acceptance ``rate`` each
     (``rows``: one (k, rate) or (k, rate, draft_cost) per row; rows that cannot draft count with
-    k = 0). A step of width w costs ``1 + cost_per_position * B * (w - 1)`` plain steps (each
-    extra position is one more token per row through the model) plus, for a row whose drafts come
-    from a draft model, ``draft_cost`` plain steps per draft token. 1 means a plain step is best."""
+    k = 0). A step of width w costs ``cost(w)`` plain steps (measured: runtime/step_costs.py), or,
+    with a number, ``1 + cost * B * (w - 1)`` (each extra position one more token per row through
+    the model), plus, for a row whose drafts come from a draft model, ``draft_cost`` plain steps
+    per draft token. 1 means a plain step is best."""
     b = len(rows)
     if not b:
         return 1
+    step_cost = cost if callable(cost) else (lambda w: 1.0 + cost * b * (w - 1))
     best, best_gain = 1, 1.0
     for w in range(2, max((r[0] for r in rows), default=0) + 2):
         tokens = b + sum(expected_accepted(r[1], min(r[0], w - 1)) for r in rows)
         drafting = sum(r[2] * min(r[0], w - 1) for r in rows if len(r) > 2)
-        gain = tokens / b / (1.0 + cost_per_position * b * (w - 1) + drafting)
+        gain = tokens / b / (step_cost(w) + drafting)
         if gain > best_gain * 1.02:          # a clear win only: a speculative step is not pipelined
             best, best_gain = w, gain
     return best

@@ -1,0 +1,97 @@
+"""What a speculative step costs here, measured: decode-step wall times by batch rows and width.
+
+Pure (no MLX, no I/O). Speculation pays only when the tokens it adds outweigh what the wider
+forward costs, and that cost is a property of the machine: on this 2-core CPU one more position
+for 8 rows costs ~0.3 of a plain step (the first extra position more than the next ones: a
+speculative step also loses the pipelining and reads its tokens back twice), on a GPU almost
+nothing. A constant guessed on one machine is wrong on the next, so the scheduler times its
+steps and asks this table:
+
+    costs = StepCosts(prior=0.03)
+    costs.record(rows=8, width=1, seconds=0.150)      # a plain step of 8 rows
+    costs.record(rows=8, width=2, seconds=0.200)      # a speculative step, one draft per row
+    costs.cost(8, 2)      # -> 1.333...: that step cost 1.33 plain steps (measured)
+    costs.cost(8, 4)      # -> 1.813...: not seen yet: the measured width plus the prior's 0.03 * 8 a position
+    costs.cost(16, 2)     # -> 1.48: nothing seen at 16 rows, the prior (1 + 0.03 * 16 * 1)
+
+Each figure is an exponential moving average (``alpha``), so it follows the context growing and
+the machine's speed drifting; a speculative step is compared with the plain steps of the same row
+count, so a slower minute slows both. Only clean steps are recorded (no row joined, left or
+failed in them: those steps also copy rows). A row count that only ever speculates (a batch
+copying a file) takes a plain step now and then (``wants_plain``): the yardstick.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["StepCosts"]
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+@dataclass
+class StepCosts:
+    prior: float = 0.03            # cost of one more position per row, in plain steps, until measured
+    alpha: float = 0.2
+    plain: dict[int, float] = field(default_factory=dict)                 # rows -> seconds
+    ratio: dict[tuple[int, int], float] = field(default_factory=dict)     # (rows, width) -> plain steps
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)        # (rows, width) -> steps recorded
+    since_plain: dict[int, int] = field(default_factory=dict)             # rows -> wider steps since a plain one
+    refresh: int = 64              # a plain step at least this often while rows keep speculating
+
+    def wants_plain(self, rows: int) -> bool:
+        """Whether the next step of ``rows`` rows should be plain to keep the measure honest: none of
+        that row count timed yet (a wider step has nothing to be compared with), or ``refresh``
+        wider steps since the last one (the context grew, the machine drifted). One plain step in
+        ``refresh`` is what that costs a row that copies all the time."""
+        return rows not in self.plain or self.since_plain.get(rows, 0) >= self.refresh
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """One clean decode step of ``rows`` rows (the forward's batch, free rows included) that
+        fed ``width`` positions per row, and its wall time. A speculative step counts only once a
+        plain step of the same row count has been timed (its cost is relative to that)."""
+        if rows < 1 or width < 1 or not seconds > 0:
+            return
+        key = (rows, width)
+        if width == 1:
+            self.plain[rows] = _ema(self.plain.get(rows), seconds, self.alpha)
+            self.since_plain[rows] = 0
+        elif rows in self.plain:
+            self.ratio[key] = _ema(self.ratio.get(key), seconds / self.plain[rows], self.alpha)
+            self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
+        else:
+            return
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+    def cost(self, rows: int, width: int) -> float:
+        """A step of ``width`` positions per row over ``rows`` rows, in plain steps (never below 1):
+        measured at that width; else on the line through the two measured widths nearest to it at
+        that row count; else from the one measured width, adding the prior's ``prior * rows`` per
+        position; else the prior ``1 + prior * rows * (width - 1)``. (A wider step has a fixed part
+        -- it is not pipelined, it reads its tokens back twice -- so one measured width scaled in
+        proportion would price a wide step of a copying batch at several plain steps: measured,
+        the first extra position for 8 rows here costs ~0.4 of a step, each further one ~0.2.)"""
+        if width <= 1:
+            return 1.0
+        got = self.ratio.get((rows, width))
+        if got is not None:
+            return max(1.0, got)
+        near = sorted((w for (r, w) in self.ratio if r == rows), key=lambda w: (abs(w - width), w))
+        if len(near) >= 2:
+            (w0, w1) = sorted(near[:2])
+            r0, r1 = self.ratio[(rows, w0)], self.ratio[(rows, w1)]
+            slope = max(0.0, (r1 - r0) / (w1 - w0))
+            return max(1.0, r0 + slope * (width - w0))
+        if near:
+            w0 = near[0]
+            return max(1.0, self.ratio[(rows, w0)] + self.prior * rows * (width - w0))
+        return 1.0 + self.prior * rows * (width - 1)
+
+    def snapshot(self) -> dict:
+        """For /v1/cache/stats: plain step ms by rows, measured speculative costs by rows x width."""
+        plain, ratio = dict(self.plain), dict(self.ratio)      # copies: the inference thread writes them
+        return {"plain_step_ms": {str(r): round(s * 1000, 1) for r, s in sorted(plain.items())},
+                "speculative_cost": {f"{r}x{w}": round(v, 3) for (r, w), v in sorted(ratio.items())},
+                "prior_cost_per_position": self.prior}
