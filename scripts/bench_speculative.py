@@ -18,6 +18,10 @@ mlx_lm.server with and without ``--draft-model`` (the same draft, one stream at 
 decode tok/s from the first streamed token to the last).
 
     .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 160] [--max-draft 6] [--draft-layers 6]
+    .venv/bin/python scripts/bench_speculative.py --compare-prior --draft-layers 0   # measured costs vs the prior
+
+``--compare-prior`` adds the same loads with speculation deciding from the step costs measured on
+this machine (runtime/step_costs.py, the default) against deciding from the constant prior alone.
 """
 from __future__ import annotations
 
@@ -94,6 +98,8 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=6)
     ap.add_argument("--draft-layers", type=int, default=6, help="draft model: the embedded model's first N layers (0: skip)")
     ap.add_argument("--skip-ngram", action="store_true", help="only the draft-model section")
+    ap.add_argument("--compare-prior", action="store_true",
+                    help="also: speculation deciding from measured step costs vs from the constant prior alone")
     args = ap.parse_args()
     if sys.platform.startswith("linux"):   # OpenBLAS preloaded, as the server runs
         from mlxstack.system.process_env import reexec_with
@@ -105,8 +111,21 @@ def main() -> None:
              "copy8": [COPY * 4]}
     if not args.skip_ngram:
         compare(engines, loads, args.rounds, args.max_tokens, "auto")
+    if args.compare_prior:
+        engines["prior"] = make("auto", args.max_draft)
+        prior_only(engines["prior"].speculation.costs)
+        print("\n## measured step costs (auto) vs the constant prior alone (prior), both speculating")
+        compare(engines, loads, args.rounds, args.max_tokens, "auto", base="prior")
+        print(f"measured costs: {engines['auto'].speculation.stats()}")
     if args.draft_layers:
         draft_model_section(engines, args)
+
+
+def prior_only(costs) -> None:
+    """Make a ``StepCosts`` answer the constant prior and never ask for a plain yardstick step: the
+    cost model before steps were timed (``--compare-prior``)."""
+    costs.wants_plain = lambda rows: False
+    costs.cost = lambda rows, width: 1.0 if width <= 1 else 1.0 + costs.prior * rows * (width - 1)
 
 
 def draft_model_section(engines: dict, args: argparse.Namespace) -> None:
@@ -154,12 +173,14 @@ def draft_model_section(engines: dict, args: argparse.Namespace) -> None:
     print(f"  replies identical with and without the draft: {texts['plain'] == texts['draft']}")
 
 
-def compare(engines: dict, loads: dict, rounds: int, max_tokens: int, on: str) -> None:
+def compare(engines: dict, loads: dict, rounds: int, max_tokens: int, on: str, base: str = "off") -> None:
+    """``engines[on]`` against ``engines[base]`` (keyed "off" in the loop below), interleaved rounds."""
+    engines = {"off": engines[base], on: engines[on]}
     for name, batches in loads.items():
         for convos in batches:          # warm-up (graph caches, allocator) outside the timings
             for eng in engines.values():
                 run(eng, convos, 8)
-    print(f"{'load':6} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} {'accepted/proposed':>18} "
+    print(f"{'load':6} {base + ' tok/s':>10} {on + ' tok/s':>10} {'ratio':>7} {'accepted/proposed':>18} "
           f"{'from drafts':>12} {'identical':>10}")
     for name, batches in loads.items():
         ratios, speeds = [], {"off": [], on: []}

@@ -414,3 +414,16 @@ def test_where_a_wider_step_is_measured_dear_rows_stop_drafting_and_replies_stay
     b = alone(dear, job(COPY, max_tokens=30, session="b")[0])
     assert a.raw_text == b.raw_text
     assert a.timings["spec_accepted"] > 0 and b.timings["spec_proposed"] == 0
+
+
+def test_ranks_in_lockstep_decide_from_the_prior_never_from_their_clocks(embedded_model_path):
+    """With several ranks every rank must take the same steps (the same collectives in the same
+    order): wall times differ per rank, so a replicated engine ignores what it measured -- here a
+    measured 10 plain steps for any wider step -- and drafts as the prior says."""
+    eng, _ = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    eng.state.replicated = True
+    eng.speculation.costs.record(1, 1, 0.1)
+    for w in range(2, 10):
+        eng.speculation.costs.record(1, w, 1.0)
+    out = alone(eng, job(COPY, max_tokens=30, session="r")[0])
+    assert out.timings["spec_accepted"] > 0

@@ -95,7 +95,7 @@ class DecodeGroup:
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
         self.last_width = 1                    # positions per row the last speculative step fed
-        self._joined = False                   # members joined / left since the last step (not timed)
+        self._moved = False                    # members joined / left since the last step (not timed)
         want = getattr(engine.settings, "shared_prefix_min_tokens", MIN_SHARED)
         # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
         self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
@@ -178,7 +178,7 @@ class DecodeGroup:
             with mx.stream(generation_stream()):
                 seq.pending = self._sample(seq, logits)
             mx.async_eval(seq.pending)
-        self._joined = True
+        self._moved = True
         if self.batching and self.seqs:
             self._atomic([seq], lambda: self._join_one(seq))
             return
@@ -204,7 +204,7 @@ class DecodeGroup:
         its last prompt token, which rides in the next decode step."""
         for seq in seqs:
             seq.pending, seq.tail = mx.array(seq.prep.model_tokens[-1], dtype=mx.int32), True
-        self._joined = True
+        self._moved = True
 
         def join() -> None:
             self._split(seqs[0].live.layers)
@@ -295,7 +295,7 @@ class DecodeGroup:
         else (a failed row) its KV is dropped. Their rows are free; ``seqs`` is the rest."""
         gone_ids = {id(s) for s in gone}
         rest = [s for s in self.seqs if id(s) not in gone_ids]
-        self._joined = True                                # a compaction's copies land in the next forward
+        self._moved = True                                 # a compaction's copies land in the next forward
         if self.slab is None:
             self.seqs = rest
             return
@@ -332,7 +332,7 @@ class DecodeGroup:
             return []
         budgets = spec_budgets(self.seqs)
         rows, members, t0 = (self.rows if self.slab is not None else 1), len(self.seqs), time.perf_counter()
-        settled, self._joined = not self._joined, False   # a join's lazy copies land in the next forward
+        settled, self._moved = not self._moved, False    # a join's lazy copies land in the next forward
         if wants_step(self, budgets):
             done = speculative_step(self, budgets)
             width = self.last_width

@@ -118,9 +118,10 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     if not budgets or (group.slab is not None and not group.dense):
         return False
     costs = group.engine.speculation.costs
-    if any(_seeded(s) for s in group.seqs):
-        # a seeded sampled row's draws follow where drafts are verified: decide from tokens alone
-        # (the prior), never from wall times, so the same request gives the same reply again
+    if group.engine.state.replicated or any(_seeded(s) for s in group.seqs):
+        # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
+        # the same steps (each rank's clock differs: they would part and wait on each other's
+        # collectives forever), and a seeded sampled row's draws follow where drafts are verified
         costs = StepCosts(prior=costs.prior)
     elif (group.slab is not None or len(group.seqs) == 1) \
             and costs.wants_plain(group.rows if group.slab is not None else 1):
