@@ -309,3 +309,35 @@ def test_a_batch_row_on_another_prefix_than_the_slabs_is_placed_whole(dense_engi
         back = s.take(1)
         assert back.offset == 15
         assert mx.array_equal(back.keys[..., :15, :], lives[0].layers[li].keys[..., :15, :]).item()
+
+
+def test_followers_and_fresh_requests_arriving_together_all_get_their_replies(embedded_model_path):
+    """Regression (found by bench_speculative's 8-session load, prompt cache off): two long prompts
+    (an agent's file edit) and two short ones, each sent by two agents at once. The followers of a
+    shared prefill hold the leader's prefix by reference; a fresh short request with nothing
+    prefilled yet must not be batched onto slab rows with them (an empty row cannot be placed:
+    every request failed with "a decoding sequence holds at least its prompt"). Each reply is the
+    one it gets alone."""
+    code = "\n".join(f"def handle_{n}(request, store):\n    item = store.get(request.{n}_id)\n"
+                     f"    if item is None:\n        raise NotFound('{n}')\n    return render(item, status={200 + i})"
+                     for i, n in enumerate(["user", "order", "invoice", "product", "cart", "payment"]))
+    long_ = [[{"role": "system", "content": "You are a code editor. You output only code."},
+              {"role": "user", "content": "```python\n" + code + "\n```\nRename `render` to `render_item`."}],
+             [{"role": "user", "content": "Rewrite this with KeyError for NotFound:\n" + code}]]
+    short = [[{"role": "user", "content": "Write a short story about a robot."}],
+             [{"role": "user", "content": "Explain a hash map."}]]
+    convos = long_ * 2 + short * 2
+    alone = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
+    solo = [alone.run(job(m, max_tokens=4, session=f"a{i}")[0]) for i, m in enumerate(convos)]
+    eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
+    sched = Scheduler(eng, 16, 512, batching=batching_support(eng)[0])   # the bench's chunk: one step fits all
+    futures = []
+    for i, m in enumerate(convos):
+        futures.append(Future())
+        futures[-1].set_running_or_notify_cancel()
+        sched.admit(job(m, max_tokens=4, session=f"b{i}")[0], futures[-1])
+    while not sched.idle():
+        sched.step()
+    outs = [f.result() for f in futures]
+    assert [o.text for o in outs] == [o.text for o in solo]
+    assert sched.shared_prefills >= 2 and sched.failed == 0

@@ -72,11 +72,18 @@ def _forward_padded(model: Any, layers: list[Any], rows: list[list[int]]) -> Non
     mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
 
 
+def holds_prefixed(lives: list[Any]) -> bool:
+    """Whether any of these LiveCaches holds a prefix by reference (a shared prefill's follower,
+    a finished sharing row): such rows batch only on slab layers, which need every row to hold
+    at least one token already."""
+    return any(isinstance(layer, PrefixedKVCache) for lv in lives for layer in lv.layers)
+
+
 def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
     """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
     ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
     once (engine/batch_cache.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
-    prefixed = any(isinstance(layer, PrefixedKVCache) for lv in lives for layer in lv.layers)
+    prefixed = holds_prefixed(lives)
     if prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
             and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
         from .batch_cache import stack_layers

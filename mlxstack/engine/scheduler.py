@@ -43,7 +43,7 @@ import time
 from concurrent.futures import Future
 
 from .batch import DecodeGroup, GroupReset
-from .batch_prefill import choose_short, feed_together, prefill_together, remaining
+from .batch_prefill import choose_short, feed_together, holds_prefixed, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
 from .kv_bytes import live_bytes, measured_token_bytes
 from .shared_prefill import fork, plan_follow, ready
@@ -340,6 +340,8 @@ class Scheduler:
             return []
         cands = [s for s in self.prefilling if s.follows is None
                  and not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
+        if holds_prefixed([s.live for s in cands]):   # slab rows: an empty one cannot be placed,
+            cands = [s for s in cands if s.live.depth > 0]   # it prefills on its own
         chosen = [cands[i] for i in choose_short([remaining(s) for s in cands], self.prefill_budget)]
         if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):
             return []
