@@ -125,7 +125,7 @@ def prior_only(costs) -> None:
     """Make a ``StepCosts`` answer the constant prior and never ask for a plain yardstick step: the
     cost model before steps were timed (``--compare-prior``)."""
     costs.wants_plain = lambda rows: False
-    costs.cost = lambda rows, width: 1.0 if width <= 1 else 1.0 + costs.prior * rows * (width - 1)
+    costs.cost = costs.prior_cost
 
 
 def draft_model_section(engines: dict, args: argparse.Namespace) -> None:

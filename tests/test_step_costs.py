@@ -14,6 +14,11 @@ def test_nothing_measured_answers_the_prior():
     assert c.cost(8, 1) == 1.0
     assert c.cost(8, 2) == pytest.approx(1.24)
     assert c.cost(1, 7) == pytest.approx(1.18)
+    c.record(8, 1, 0.1)
+    c.record(8, 2, 0.3)                       # measured: 3 plain steps; the prior still says 1.24
+    assert c.cost(8, 2) == pytest.approx(3.0) and c.prior_cost(8, 2) == pytest.approx(1.24)
+    assert c.prior_cost(8, 1) == 1.0
+    c = StepCosts(prior=0.03)
     assert c.snapshot() == {"plain_step_ms": {}, "speculative_cost": {}, "prior_cost_per_position": 0.03}
 
 

@@ -103,6 +103,11 @@ class DecodeGroup:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    @property
+    def forward_rows(self) -> int:
+        """Rows one forward of this group computes: the batch's (free rows too), else one."""
+        return self.rows if self.slab is not None else 1
+
     # ------------------------------------------------------------------ failure handling
     def take_failed(self) -> list[tuple[Sequence, BaseException]]:
         """Rows that failed in the last step() (they already left the batch), with their errors."""
@@ -331,7 +336,7 @@ class DecodeGroup:
         if not self.seqs:
             return []
         budgets = spec_budgets(self.seqs)
-        rows, members, t0 = (self.rows if self.slab is not None else 1), len(self.seqs), time.perf_counter()
+        rows, members, t0 = self.forward_rows, len(self.seqs), time.perf_counter()
         settled, self._moved = not self._moved, False    # a join's lazy copies land in the next forward
         if wants_step(self, budgets):
             done = speculative_step(self, budgets)
@@ -339,7 +344,7 @@ class DecodeGroup:
         else:
             done, width = self._plain_step(), 1
         clean = settled and not done and not self._failed and len(self.seqs) == members \
-            and (self.rows if self.slab is not None else 1) == rows and (self.slab is not None or members == 1)
+            and self.forward_rows == rows and (self.slab is not None or members == 1)
         if clean:   # what a step costs here, by rows and width: speculation's cost model (runtime/step_costs.py)
             self.engine.speculation.costs.record(rows, width, time.perf_counter() - t0)
         return done

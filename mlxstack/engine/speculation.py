@@ -118,13 +118,13 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     if not budgets or (group.slab is not None and not group.dense):
         return False
     costs = group.engine.speculation.costs
+    price = costs.cost
     if group.engine.state.replicated or any(_seeded(s) for s in group.seqs):
         # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
         # the same steps (each rank's clock differs: they would part and wait on each other's
         # collectives forever), and a seeded sampled row's draws follow where drafts are verified
-        costs = StepCosts(prior=costs.prior)
-    elif (group.slab is not None or len(group.seqs) == 1) \
-            and costs.wants_plain(group.rows if group.slab is not None else 1):
+        price = costs.prior_cost
+    elif (group.slab is not None or len(group.seqs) == 1) and costs.wants_plain(group.forward_rows):
         return False                       # the yardstick a wider step is measured against (timed)
     rows = []
     for s in group.seqs:
@@ -133,14 +133,14 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
         rows.append((s, (k, s.spec.control.rate if s.spec is not None else 0.0, cost)))
     if group.slab is not None:
         n = group.rows
-        width = best_width([r for _, r in rows], lambda w: costs.cost(n, w))
+        width = best_width([r for _, r in rows], lambda w: price(n, w))
         for s, _ in rows:
             if id(s) in budgets:
                 budgets[id(s)] = min(budgets[id(s)], width - 1)
         return width > 1
     any_row = False
     for s, r in rows:
-        width = best_width([r], lambda w: costs.cost(1, w))
+        width = best_width([r], lambda w: price(1, w))
         if id(s) in budgets:
             budgets[id(s)] = min(budgets[id(s)], width - 1)
         any_row |= width > 1

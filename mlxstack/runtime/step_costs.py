@@ -87,7 +87,12 @@ class StepCosts:
         if near:
             w0 = near[0]
             return max(1.0, self.ratio[(rows, w0)] + self.prior * rows * (width - w0))
-        return 1.0 + self.prior * rows * (width - 1)
+        return self.prior_cost(rows, width)
+
+    def prior_cost(self, rows: int, width: int) -> float:
+        """The prior alone, ``1 + prior * rows * (width - 1)``: for decisions that must not depend
+        on wall times (ranks in lockstep, seeded rows)."""
+        return 1.0 if width <= 1 else 1.0 + self.prior * rows * (width - 1)
 
     def snapshot(self) -> dict:
         """For /v1/cache/stats: plain step ms by rows, measured speculative costs by rows x width."""
