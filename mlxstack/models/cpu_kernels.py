@@ -4,24 +4,47 @@
 
 On: every mlx-lm / mlx-vlm model module's ``scaled_dot_product_attention`` goes through
 models/shared_attention.py for float caches (decode, prefill, speculation's verification: one
-exp per score, grouped-query products without repeating the KV heads), and ``swiglu`` (the MLP
-of Llama, Qwen, Mistral... families) through ``fast_swiglu``. Quantised KV caches keep mlx-lm's
+exp per score, grouped-query products without repeating the KV heads), decode-sized calls
+through the native kernel where it builds here (models/native_attention.py), and ``swiglu``
+(the MLP of Llama, Qwen, Mistral... families) through ``fast_swiglu``. Quantised KV caches keep mlx-lm's
 attention. Off (or on a GPU): mlx-lm's own functions, untouched.
 """
 from __future__ import annotations
 
 import sys
 
-from . import shared_attention
+from typing import Any
+
+import mlx.core as mx
+
+from . import native_attention, shared_attention
 from .fast_math import fast_swiglu, wanted
 
+_NOT_LOADED = object()
+_native: Any = _NOT_LOADED
 
-def install_cpu_kernels(mode: str) -> bool:
-    """``mode``: "auto" (on where the CPU's exp is the slow one, measured), "on", "off".
+
+def native_kernel() -> Any:
+    """The native decode-attention kernel (built and checked once per process), or None."""
+    global _native
+    if _native is _NOT_LOADED:
+        _native = native_attention.load()
+    return _native
+
+
+def native_attention_on() -> bool:
+    """Whether decode-sized attention goes through the native kernel now."""
+    return shared_attention.native_in_use()
+
+
+def install_cpu_kernels(mode: str, native: str = "auto") -> bool:
+    """``mode``: "auto" (on where the CPU's exp is the slow one, measured), "on", "off";
+    ``native`` ("auto" / "off"): the native decode-attention kernel with them, where it builds.
     Returns whether they are on. Idempotent; call again after loading another model module."""
     on = mode == "on" or (mode == "auto" and wanted())
     shared_attention.install()
     shared_attention.use_fast_exp(on)
+    shared_attention.use_native(native_kernel() if on and native != "off" and mx.default_device() == mx.cpu else None)
     from mlx_lm.models import activations
 
     for name, mod in list(sys.modules.items()):

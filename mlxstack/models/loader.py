@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config.settings import Settings
 from .context import context_window
-from .cpu_kernels import install_cpu_kernels
+from .cpu_kernels import install_cpu_kernels, native_attention_on
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 from .vlm_loader import is_vlm_config, load_vlm
@@ -110,7 +110,7 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
             raise ModelLoadError(f"DISTRIBUTED={settings.distributed}: vision-language models are served by one "
                                  "process only (mlx-vlm has no sharding here); use DISTRIBUTED=off.")
         vlm = load_vlm(path, name, config, settings)
-        install_cpu_kernels(settings.cpu_kernels)
+        install_cpu_kernels(settings.cpu_kernels, native=settings.native_attention)
         return vlm
     say(f"loading {name} from {path}")
     from mlx_lm import load as mlx_load
@@ -122,8 +122,9 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     extra: dict = {}
     if distributed:
         extra["group"] = _shard(model, config, name, settings, say, files_ready)
-    if install_cpu_kernels(settings.cpu_kernels):
-        say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)")
+    if install_cpu_kernels(settings.cpu_kernels, native=settings.native_attention):
+        say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
+            + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else ""))
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(

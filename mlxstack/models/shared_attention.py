@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -140,9 +140,32 @@ def _attend_one(q5: mx.array, part: Part) -> _Partial:
     return _Partial(out, den, top)
 
 
+_native: Optional[Callable[..., Optional[mx.array]]] = None   # models/native_attention.py, when on
+
+
+def use_native(attend: Optional[Callable[..., Optional[mx.array]]]) -> None:
+    """Decode-sized calls through the native kernel (``attend``), or MLX ops only (None)."""
+    global _native
+    _native = attend
+
+
+def native_in_use() -> bool:
+    return _native is not None
+
+
 def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Optional[mx.array] = None) -> mx.array:
     """Softmax attention of ``queries`` [B, Hq, L, D] over the concatenation of ``parts``; at
-    least one part must leave every query something to attend (a causal tail always does)."""
+    least one part must leave every query something to attend (a causal tail always does).
+    The native kernel where it is on and takes the call, else MLX ops (``attend_parts_mlx``)."""
+    if _native is not None:
+        out = _native(queries, parts, scale, sinks)
+        if out is not None:
+            return out
+    return attend_parts_mlx(queries, parts, scale, sinks)
+
+
+def attend_parts_mlx(queries: mx.array, parts: list[Part], scale: float, sinks: Optional[mx.array] = None) -> mx.array:
+    """``attend_parts`` in MLX ops (any device, any shape)."""
     B, Hq, L, D = queries.shape
     Hkv = parts[0].keys.shape[1]
     rep = Hq // Hkv

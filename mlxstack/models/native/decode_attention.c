@@ -1,0 +1,162 @@
+/* Decode attention on the CPU in one call: a few queries per row (a decode step, a speculative
+   verification) against one or more parts of keys (a shared prefix held once, each row's own
+   tail), softmax over their concatenation. Built and bound by models/native_attention.py.
+
+   Per (row, KV head): every key is read once for the head group's queries; scores go to a
+   scratch row per query; one max, one exp pass (the Cephes 2**f polynomial MLX's CPU exp uses,
+   as models/fast_math.py), one pass over the values. A query that sees no key gives 0 (a free
+   slab row), as shared_attention.attend_parts does. Each row is computed on its own in a fixed
+   order: its result does not depend on which other rows share the call. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define MAXQ 64      /* queries per (row, KV head): heads per group x query length */
+#define MAXD 256
+
+typedef struct {
+    const float *k, *v;
+    int64_t kb, kh, kt, vb, vh, vt;   /* strides in floats; kb == 0: one copy for every row */
+    int64_t T;
+    const void *mask;                 /* NULL, or float (additive) / uint8 (1 = visible) */
+    int64_t mask_is_bool;
+    int64_t mb, mh, ml, mt;           /* mask strides in elements (0: broadcast) */
+    int64_t causal;                   /* the queries are the last L of the T keys */
+    const uint8_t *rows;              /* NULL, or per row: 0 = this part is hidden from the row */
+} part_t;
+
+static inline __attribute__((always_inline)) float hsum16(const float *a) {
+    float b[8], c[4];
+    for (int i = 0; i < 8; i++) b[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) c[i] = b[i] + b[i + 4];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, const int64_t D) {
+#ifdef __AVX512F__
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc[16] = {0};
+    for (int64_t d = 0; d < D; d += 16)
+        for (int i = 0; i < 16; i++) acc[i] += a[d + i] * b[d + i];
+    return hsum16(acc);
+#endif
+}
+
+static inline __attribute__((always_inline)) float maxv(const float *s, int64_t n) {
+    float top = -INFINITY;
+    int64_t t = 0;
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    top = _mm512_reduce_max_ps(m);
+#endif
+    for (; t < n; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
+static void exp_shift(float *restrict s, int64_t n, float top, float *restrict sum) {
+    const float c0 = 1.535336188319500e-4f, c1 = 1.339887440266574e-3f, c2 = 9.618437357674640e-3f,
+                c3 = 5.550332471162809e-2f, c4 = 2.402264791363012e-1f, c5 = 6.931472028550421e-1f;
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i < n; i++) {
+        float t = (s[i] - top) * 1.4426950408889634f;
+        t = t < -127.f ? -127.f : t;
+        float u = t + 12582912.0f;
+        float f = t - (u - 12582912.0f);
+        float p = ((((((c0 * f + c1) * f + c2) * f + c3) * f + c4) * f + c5) * f + 1.0f);
+        int32_t bits;
+        memcpy(&bits, &u, 4);
+        bits = (bits - (0x4B400000 - 127)) << 23;
+        float e;
+        memcpy(&e, &bits, 4);
+        s[i] = e * p;
+    }
+    float tot = 0.f;
+    for (i = 0; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += s[i + j];
+    for (; i < n; i++) tot += s[i];
+    *sum = tot + hsum16(acc);
+}
+
+static inline __attribute__((always_inline)) void body(
+        const float *restrict q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, const int64_t D, const int64_t Dv,
+        const part_t *parts, int64_t np, float *restrict out, float *restrict S) {
+    const int64_t rep = Hq / Hkv, n = rep * L;
+    int64_t Tall = 0;
+    for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
+    const float NEG = -INFINITY;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t g = 0; g < Hkv; g++) {
+            const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
+            int64_t off = 0;
+            for (int64_t p = 0; p < np; p++) {
+                const part_t *P = &parts[p];
+                const int64_t T = P->T;
+                int64_t last[MAXQ];
+                const int64_t hidden = P->rows && !P->rows[b];
+                for (int64_t j = 0; j < n; j++)
+                    last[j] = hidden ? -1 : (P->causal ? T - L + j % L : T - 1);
+                const float *kp = P->k + b * P->kb + g * P->kh;
+                for (int64_t t = 0; t < T; t++, kp += P->kt) {
+                    for (int64_t j = 0; j < n; j++) {
+                        float s = NEG;
+                        if (t <= last[j]) {
+                            s = dot(qg + j * D, kp, D);
+                            if (P->mask) {
+                                const int64_t h = g * rep + j / L, l = j % L;
+                                const int64_t at = b * P->mb + h * P->mh + l * P->ml + t * P->mt;
+                                if (P->mask_is_bool) s = ((const uint8_t *)P->mask)[at] ? s : NEG;
+                                else s += ((const float *)P->mask)[at];
+                            }
+                        }
+                        S[j * Tall + off + t] = s;
+                    }
+                }
+                off += T;
+            }
+            float den[MAXQ];
+            for (int64_t j = 0; j < n; j++) {
+                float *s = S + j * Tall, top = maxv(s, Tall);
+                if (top == NEG) { memset(s, 0, Tall * sizeof(float)); den[j] = 0.f; continue; }
+                exp_shift(s, Tall, top, &den[j]);
+            }
+            float acc[MAXQ][MAXD] __attribute__((aligned(64)));
+            for (int64_t j = 0; j < n; j++) memset(acc[j], 0, Dv * sizeof(float));
+            off = 0;
+            for (int64_t p = 0; p < np; p++) {
+                const part_t *P = &parts[p];
+                const float *vp = P->v + b * P->vb + g * P->vh;
+                for (int64_t t = 0; t < P->T; t++, vp += P->vt) {
+                    for (int64_t j = 0; j < n; j++) {
+                        const float w = S[j * Tall + off + t];
+                        float *a = acc[j];
+                        for (int64_t d = 0; d < Dv; d++) a[d] += w * vp[d];
+                    }
+                }
+                off += P->T;
+            }
+            for (int64_t j = 0; j < n; j++) {
+                float *o = out + ((b * Hq + g * rep) * L + j) * Dv;
+                const float inv = den[j] > 0.f ? 1.f / den[j] : 0.f;
+                for (int64_t d = 0; d < Dv; d++) o[d] = acc[j][d] * inv;
+            }
+        }
+    }
+}
+
+/* 0, or -1 when the shapes are outside what this kernel was built for (the caller falls back) */
+int64_t attend(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, int64_t Dv,
+               const part_t *parts, int64_t np, float *out, float *scratch) {
+    if (Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * L > MAXQ || Dv > MAXD || D % 16) return -1;
+    if (D == 64 && Dv == 64) body(q, B, Hq, Hkv, L, 64, 64, parts, np, out, scratch);
+    else if (D == 128 && Dv == 128) body(q, B, Hq, Hkv, L, 128, 128, parts, np, out, scratch);
+    else body(q, B, Hq, Hkv, L, D, Dv, parts, np, out, scratch);
+    return 0;
+}

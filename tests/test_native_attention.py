@@ -1,0 +1,180 @@
+"""The native decode-attention kernel (models/native_attention.py): the same softmax as the MLX
+ops path for every input shape the attention hook hands it, per-row results independent of the
+batch, None for what it does not take, no kernel where it cannot build, and an engine whose
+batched replies are the same with it on and off."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import mlx.core as mx
+import pytest
+
+from mlxstack.engine.batch import batching_support
+from mlxstack.engine.scheduler import Scheduler
+from mlxstack.models import cpu_kernels, native_attention
+from mlxstack.models import shared_attention as sa
+from mlxstack.models.shared_attention import Part, attend_parts_mlx
+from tests.conftest import build_engine, engine_settings
+from tests.test_engine import job
+
+attend = cpu_kernels.native_kernel()
+needs_kernel = pytest.mark.skipif(attend is None, reason="no C compiler here: the kernel is not built")
+
+
+def _rand(shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+def _close(parts, q, scale=0.125):
+    got = attend(q, parts, scale)
+    assert got is not None
+    want = attend_parts_mlx(q, parts, scale)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    assert mx.max(mx.abs(got - want)).item() < 2e-6
+    return got
+
+
+@needs_kernel
+@pytest.mark.parametrize("L", [1, 3])
+def test_shared_prefix_and_masked_tails_match_the_mlx_path(L):
+    """A decode slab: a prefix of batch 1 seen by some rows, each row's tail a view cut from a
+    longer buffer with its own length (a bool mask)."""
+    B, Hq, Hkv, D = 6, 9, 3, 64
+    q = _rand((B, Hq, L, D), 1)
+    pk, pv = _rand((1, Hkv, 37, D), 2), _rand((1, Hkv, 37, D), 3)
+    tk, tv = _rand((B, Hkv, 40, D), 4)[:, :, :29], _rand((B, Hkv, 40, D), 5)[:, :, :29]
+    rows = mx.array([True, True, False, True, False, True])
+    lengths = mx.array([29, 12, 5, 29, 1, 20]).reshape(B, 1, 1, 1)
+    seen = mx.arange(29)[None, None, None, :] < lengths
+    _close([Part(pk, pv, None, rows), Part(tk, tv, seen)], q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_one_causal_part_matches_the_mlx_path(L):
+    q = _rand((2, 4, L, 64), 6)
+    k, v = _rand((2, 2, 50, 64), 7), _rand((2, 2, 50, 64), 8)
+    _close([Part(k, v, "causal")], q)
+    _close([Part(k, v, None)], q)
+
+
+@needs_kernel
+def test_additive_and_broadcast_masks_and_wide_heads_match_the_mlx_path():
+    """A float (additive) mask per head, a mask broadcast over rows, head size 128, one query head
+    per KV head."""
+    q = _rand((3, 4, 2, 128), 9)
+    k, v = _rand((3, 4, 21, 128), 10), _rand((3, 4, 21, 128), 11)
+    additive = mx.where(_rand((3, 4, 2, 21), 12) > 0.5, -float("inf"), _rand((3, 4, 2, 21), 13))
+    additive[..., 0] = 0.0                                    # every query keeps a key
+    _close([Part(k, v, additive)], q)
+    window = (mx.arange(21)[None, :] >= mx.array([[3], [4]]))[None, None]   # [1, 1, L, T]
+    _close([Part(k, v, window)], q)
+
+
+@needs_kernel
+def test_a_query_that_sees_no_key_gives_zero_as_the_mlx_path_does():
+    """A free slab row: hidden from the prefix and its tail fully masked."""
+    q = _rand((2, 2, 1, 64), 14)
+    pk, pv = _rand((1, 1, 8, 64), 15), _rand((1, 1, 8, 64), 16)
+    tk, tv = _rand((2, 1, 5, 64), 17), _rand((2, 1, 5, 64), 18)
+    seen = mx.array([True] * 5 + [False] * 5).reshape(2, 1, 1, 5)
+    got = _close([Part(pk, pv, None, mx.array([True, False])), Part(tk, tv, seen)], q)
+    assert mx.array_equal(got[1], mx.zeros_like(got[1])).item()
+    assert mx.min(mx.abs(got[0])).item() > 0
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
+    """Each row is computed on its own, in a fixed order: batching rows changes nothing (the MLX
+    path's batched products may round differently with the batch)."""
+    B, Hq, Hkv, D = 5, 9, 3, 64
+    q = _rand((B, Hq, 1, D), 19)
+    pk, pv = _rand((1, Hkv, 60, D), 20), _rand((1, Hkv, 60, D), 21)
+    tk, tv = _rand((B, Hkv, 30, D), 22), _rand((B, Hkv, 30, D), 23)
+    seen = mx.arange(30)[None, None, None, :] < mx.array([30, 9, 17, 2, 25]).reshape(B, 1, 1, 1)
+    batch = attend(q, [Part(pk, pv), Part(tk, tv, seen)], 0.125)
+    for b in range(B):
+        one = attend(q[b:b + 1], [Part(pk, pv), Part(tk[b:b + 1], tv[b:b + 1], seen[b:b + 1])], 0.125)
+        assert mx.array_equal(one[0], batch[b]).item()
+
+
+@needs_kernel
+def test_what_the_kernel_does_not_take_goes_back_to_the_mlx_path():
+    q = _rand((1, 2, 1, 64), 24)
+    k, v = _rand((1, 2, 9, 64), 25), _rand((1, 2, 9, 64), 26)
+    assert attend(q, [Part(k, v)], 0.1, sinks=mx.zeros((2,))) is None                  # sinks
+    assert attend(_rand((1, 2, 17, 64), 27), [Part(k, v, "causal")], 0.1) is None       # a prefill
+    assert attend(q.astype(mx.float16), [Part(k, v)], 0.1) is None                     # float16
+    assert attend(q, [Part(k, v, mx.zeros((1, 1, 1, 9), mx.bfloat16))], 0.1) is None   # bf16 mask
+    assert attend(_rand((1, 2, 1, 40), 28), [Part(_rand((1, 2, 9, 40), 29), _rand((1, 2, 9, 40), 30))], 0.1) is None
+    # attend_parts then computes it with MLX ops
+    out = sa.attend_parts(q, [Part(k, v)], 0.1, sinks=mx.zeros((2,)))
+    assert mx.array_equal(out, attend_parts_mlx(q, [Part(k, v)], 0.1, sinks=mx.zeros((2,)))).item()
+
+
+def test_no_compiler_no_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSTACK_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native_attention.build() is None
+    assert native_attention.load() is None
+    assert list(tmp_path.iterdir()) == []                     # no half-written library left
+
+
+@needs_kernel
+def test_built_once_per_source_and_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSTACK_NATIVE_DIR", str(tmp_path))
+    first = native_attention.build()
+    assert first is not None and first.parent == tmp_path and first.name.startswith("decode_attention-")
+    stamp = first.stat().st_mtime_ns
+    assert native_attention.build() == first and first.stat().st_mtime_ns == stamp   # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]                       # no temporaries
+    assert native_attention.load() is not None
+
+
+@needs_kernel
+def test_the_switches(tiny_dense_path):
+    try:
+        assert cpu_kernels.install_cpu_kernels("on", native="off") is True
+        assert cpu_kernels.native_attention_on() is False
+        assert cpu_kernels.install_cpu_kernels("on") is True
+        assert cpu_kernels.native_attention_on() is True
+        assert cpu_kernels.install_cpu_kernels("off") is False
+        assert cpu_kernels.native_attention_on() is False       # never without the CPU kernels
+    finally:
+        cpu_kernels.install_cpu_kernels("auto")
+
+
+@needs_kernel
+def test_batched_replies_are_the_same_with_the_kernel_on_and_off(embedded_model_path, monkeypatch):
+    """The embedded model, 4 agents under one system prompt decoding together (a shared prefix in
+    the slab, speculation on): the replies with the kernel equal those without, and the kernel
+    took the decode steps."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 60}
+    convos = [[system, {"role": "user", "content": f"Tell me about the number {n}."}] for n in (3, 17, 42, 99)]
+    eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
+    assert cpu_kernels.native_attention_on()
+    calls = []
+    kernel = sa._native
+
+    def counted(q, parts, scale, sinks=None):
+        out = kernel(q, parts, scale, sinks)
+        calls.append((q.shape[0], len(parts), out is not None))
+        return out
+
+    def replies(tag):
+        sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
+        futures = []
+        for i, m in enumerate(convos):
+            futures.append(Future())
+            futures[-1].set_running_or_notify_cancel()
+            sched.admit(job(m, max_tokens=12, session=f"{tag}{i}")[0], futures[-1])
+        while not sched.idle():
+            sched.step()
+        return [f.result().text for f in futures]
+
+    monkeypatch.setattr(sa, "_native", counted)
+    on = replies("on")
+    assert any(b == 4 and n == 2 and took for b, n, took in calls)     # 4 rows over prefix + tails
+    monkeypatch.setattr(sa, "_native", None)
+    off = replies("off")
+    assert on == off and all(on)
