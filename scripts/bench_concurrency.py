@@ -201,6 +201,8 @@ def main() -> int:
                     help="add ours batched with SHARED_PREFIX_MIN_TOKENS=0 (every row its own copy of the prompt)")
     ap.add_argument("--compare-kernels", action="store_true",
                     help="add ours batched with CPU_KERNELS=off (MLX's own exp / attention / SiLU)")
+    ap.add_argument("--compare-native", action="store_true",
+                    help="add ours batched with NATIVE_ATTENTION=off (decode attention in MLX ops)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="R > 1: every server up at once, R rounds taking turns (ours, mlx_lm.server, ours, ...); "
                          "medians over the rounds and the median of each round's ratio (this VM's speed drifts "
@@ -217,6 +219,9 @@ def main() -> int:
     if args.compare_kernels:
         servers.append(("ours kernels off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
                                                      "CPU_KERNELS": "off"}))
+    if args.compare_native:
+        servers.append(("ours native off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
+                                                    "NATIVE_ATTENTION": "off"}))
     if not args.skip_fifo:
         servers.append(("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"}))
     if not args.skip_mlx_lm:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from concurrent.futures import Future
 
@@ -414,6 +415,42 @@ def test_the_worker_admits_everything_queued_at_once(dense):
         worker.stop()
     assert worker.scheduler.short_batches == 1          # all four prefilled in one forward
     assert all(o.completion_tokens == 4 for o in outs)
+
+
+def _staggered(worker, n, gap_s, tag):
+    """``n`` chat requests submitted ``gap_s`` apart (agents coming back a few ms apart)."""
+    futures = []
+    for i, p in enumerate(PROMPTS[:n]):
+        futures.append(worker.submit_chat(job(convo(p), max_tokens=3, session=f"{tag}{i}")[0]))
+        time.sleep(gap_s)
+    return [f.result(120) for f in futures]
+
+
+def test_requests_that_come_back_together_are_gathered_into_one_prefill(dense):
+    """ARRIVAL_WINDOW_MS: after a busy spell that decoded 4 rows at once, the idle worker that
+    wakes for the first of 4 requests arriving 5 ms apart waits for the other 3 (within the
+    window), so the 4 prefill in one forward; with no window, the first starts alone. A spell
+    of one row never makes the next request wait."""
+    from mlxstack.engine.worker import InferenceWorker
+
+    eng = build_engine(engine_settings(dense))
+    for window, gathered, batches in ((0.25, 3, 1), (0.0, 0, None)):
+        worker = InferenceWorker(max_queued=16, arrival_window_s=window)
+        worker.scheduler = Scheduler(eng, 8, 256, batching=True)
+        worker.start()
+        try:
+            worker.scheduler.batch_peak = 4                  # the last busy spell: 4 rows at once
+            before = worker.scheduler.short_batches
+            outs = _staggered(worker, 4, 0.005, f"w{window}")
+            assert worker.gathered == gathered and all(o.completion_tokens == 3 for o in outs)
+            if batches is not None:
+                assert worker.scheduler.short_batches - before == batches
+            assert worker.scheduler.batch_peak == 4 or window == 0.0
+            worker.scheduler.batch_peak = 1                  # then one client alone: no wait
+            worker.submit_chat(job(convo(PROMPTS[0]), max_tokens=1, session=f"solo{window}")[0]).result(120)
+            assert worker.gathered == gathered
+        finally:
+            worker.stop()
 
 
 def test_bench_batch_kinds_rows_match_alone_at_full_size():

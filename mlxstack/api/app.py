@@ -24,7 +24,7 @@ DEFAULT_MAX_SEQUENCES = 8   # MAX_CONCURRENT_SEQUENCES=0
 class App:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.worker = InferenceWorker(settings.max_queued_requests)
+        self.worker = InferenceWorker(settings.max_queued_requests, arrival_window_s=settings.arrival_window_ms / 1000)
         self.ready = False
         self.load_error: str | None = None
         self.model_id = "loading"

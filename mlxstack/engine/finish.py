@@ -41,9 +41,12 @@ class TurnFinish:
     call_id: int | None
     context_limit: int
 
-    def finish(self, seq: Sequence) -> ChatOutcome:
+    def finish(self, seq: Sequence, store: bool = True) -> ChatOutcome:
         """Close the turn, store what the KV holds, record the request. Never raises because
-        of a cache kind: a failed store is logged and counted, the reply still goes out."""
+        of a cache kind: a failed store is logged and counted, the reply still goes out.
+        ``store=False`` (a completed reply only): the reply without closing and storing the
+        turn, which ``store_turn`` does later (the scheduler sends a reply before its rows'
+        closing forward; engine/scheduler.py)."""
         st = self.state
         prep, job = seq.prep, seq.job
         aborted = False
@@ -61,19 +64,8 @@ class TurnFinish:
         if not aborted and seq.finish_reason == "stop" \
                 and (job.response_format or {}).get("type") in ("json_object", "json_schema"):
             self._check_json(seq, visible)
-        if st.prompt_cache.enabled:
-            try:
-                if aborted:
-                    self._salvage(seq)
-                elif job.prefill_only:
-                    self._store(seq, [])
-                else:
-                    continuation = seq.closed if seq.closed is not None else self._close_turn(seq, raw_ids)
-                    self._store(seq, continuation)
-            except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
-                log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
-                              job.request_id, st.layout.describe())
-                st.counters.bump("store_failures")
+        if store or aborted or job.prefill_only:     # an abort (a hang-up just now) salvages at once
+            self._store_turn(seq, aborted, raw_ids)
         if not aborted and not job.prefill_only:
             st.turns.update(seq.session.session_id, prep.canonical, history=prep.history_end)
             self._remember_reply(seq, raw_text, visible)
@@ -110,6 +102,28 @@ class TurnFinish:
         )
         st.record(job, outcome, prep)
         return outcome
+
+    def store_turn(self, seq: Sequence) -> None:
+        """The rest of ``finish(seq, store=False)``: close the turn and store it (once)."""
+        self._store_turn(seq, False, self.content_ids(seq))
+
+    def _store_turn(self, seq: Sequence, aborted: bool, raw_ids: list[int]) -> None:
+        st, job = self.state, seq.job
+        if not st.prompt_cache.enabled or seq.stored:
+            return
+        seq.stored = True
+        try:
+            if aborted:
+                self._salvage(seq)
+            elif job.prefill_only:
+                self._store(seq, [])
+            else:
+                continuation = seq.closed if seq.closed is not None else self._close_turn(seq, raw_ids)
+                self._store(seq, continuation)
+        except Exception:  # noqa: BLE001 - the reply is complete; only caching it failed
+            log.exception("%s storing the KV failed (cache layout %s); the reply is unaffected",
+                          job.request_id, st.layout.describe())
+            st.counters.bump("store_failures")
 
     def _check_json(self, seq: Sequence, visible: str) -> None:
         """A JSON-mode reply that ended on its own must hold one JSON object (a tool call instead

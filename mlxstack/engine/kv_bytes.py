@@ -71,10 +71,11 @@ def resident_bytes(objects: Iterable[Any]) -> int:
 
 def live_bytes(scheduler: Any) -> int:
     """Everything the scheduler's requests hold right now (the decode group's slab and rows,
-    prompts in prefill with their snapshots, the rows' draft model caches), each array once."""
+    prompts in prefill with their snapshots, replied turns waiting to be closed, the rows' draft
+    model caches), each array once."""
     group = scheduler.group
     objects: list[Any] = [group.slab]
-    for seq in list(group.seqs) + list(scheduler.prefilling):
+    for seq in list(group.seqs) + list(scheduler.prefilling) + list(getattr(scheduler, "closing", ())):
         objects.append(seq.live)
         objects.append(seq.snapshots)
         drafter = getattr(seq.spec, "drafter", None)

@@ -144,6 +144,7 @@ class Sequence:
     queued_at: float = 0.0            # when the HTTP layer submitted it (queue wait)
     batch_sizes: list[int] = field(default_factory=list)
     closed: list[int] | None = None   # the turn was closed in the KV already: what it holds after the prompt
+    stored: bool = False              # finish() / store_turn() stored (or salvaged) the turn: never twice
     spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)
     stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
     follows: Any = None               # (leader Sequence, depth): waits to take the leader's first tokens

@@ -88,9 +88,12 @@ class Scheduler:
         self._rr = -1
         self.steps = 0
         self.last_batch = 0
+        self.batch_peak = 0           # most rows in one decode forward since the worker last took work when idle
         self._short_last = False      # the previous step served short work out of turn (a batch or one)
         self.short_batches = 0        # steps that prefilled several sequences together
         self.closed_together = 0      # turns closed in a shared forward with others
+        self.closing: list[Sequence] = []   # replied while others decode; turn closed and stored later
+        self.replied_early = 0        # replies sent before their turn's closing forward
         self.failed = 0               # requests failed by the scheduler (not by their own finish)
         self.recoveries = 0           # times the whole state was thrown away (recover)
         self.shared_prefills = 0      # requests that took a common prompt prefix from another's prefill
@@ -165,7 +168,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def admit(self, job: ChatJob, future: Future, queued_at: float = 0.0) -> None:
-        """Start ``job`` now (render, lookup, checkout); a failure resolves its future at once."""
+        """Start ``job`` now (render, lookup, checkout); a failure resolves its future at once.
+        Turns still waiting to be closed are stored first: the lookup sees every reply sent."""
+        self._flush_closing()
         try:
             seq = self.engine.start(job)
         except Exception as exc:  # noqa: BLE001 - travels back to the handler (4xx / 5xx)
@@ -228,6 +233,7 @@ class Scheduler:
                 self._prefilled(seq)
         if len(self.group):
             self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
+            self.batch_peak = max(self.batch_peak, self.last_batch)
             try:
                 finished = self.group.step()
             except GroupReset as exc:   # the shared forward failed: the batch was dropped
@@ -243,10 +249,9 @@ class Scheduler:
                     self._fail(seq, exc)
                     continue
                 ended.append(seq)
-            self._close_together(ended)
-            for seq in ended:
-                seq.t_end = time.perf_counter()
-                self._finish(seq)
+            self._end(ended)
+        if not len(self.group):
+            self._flush_closing()         # the batch emptied (rows failed, or the last ones ended)
         self.account()
         self._unpark()                    # room freed by this step: the parked request starts next
 
@@ -267,6 +272,7 @@ class Scheduler:
         err.__cause__ = exc
         futures, self.futures = self.futures, {}
         self.prefilling = []
+        self.closing = []                 # replied already; their turns are simply not stored
         self.parked = None
         self.group.reset()
         self.group.take_failed()
@@ -302,6 +308,38 @@ class Scheduler:
         del self.prefilling[i]
         if i <= self._rr:
             self._rr -= 1
+
+    def _end(self, ended: list[Sequence]) -> None:
+        """Sequences that finished decoding this step. While other rows still decode, a completed
+        reply goes out now and its turn is closed (last token + the template's closer fed) and
+        stored later, together with every other that ends before the batch empties or a new
+        request is admitted: one closing forward for all of them instead of one in every step
+        where some row ended, and no reply waits for one. Once the batch is empty, the pending
+        ones and these close now, together, and these replies go out after their store."""
+        if len(self.group) and self.group.dense and self.engine.state.prompt_cache.enabled:
+            now, later = time.perf_counter(), [s for s in ended if self.engine.completed(s)]
+            for seq in later:
+                seq.t_end = now
+                if self._finish(seq, store=False):
+                    self.closing.append(seq)
+                    self.replied_early += 1
+            ended = [s for s in ended if not any(s is d for d in later)]
+        pending, self.closing = ([], self.closing) if len(self.group) else (self.closing, [])
+        self._close_together(pending + ended)
+        for seq in pending:
+            self.engine.store_turn(seq)
+        for seq in ended:
+            seq.t_end = time.perf_counter()
+            self._finish(seq)
+
+    def _flush_closing(self) -> None:
+        """Close and store the turns whose replies already went out (``_end``)."""
+        if not self.closing:
+            return
+        pending, self.closing = self.closing, []
+        self._close_together(pending)
+        for seq in pending:
+            self.engine.store_turn(seq)
 
     def _close_together(self, finished: list[Sequence]) -> None:
         """Sequences that finished in the same step close their turns (last sampled token + the
@@ -410,17 +448,20 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the join was rolled back: only this one fails
             self._fail(seq, exc)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, store: bool = True) -> bool:
+        """Resolve ``seq``'s future with its outcome (``store``: its turn closed and stored
+        first); False when it failed instead (nothing is to be stored then)."""
         future = self.futures.pop(id(seq), None)
         if future is None:   # failed already: its KV must not be stored as if it had finished
             log.error("request %s finished after it had failed; nothing stored", seq.job.request_id)
-            return
+            return False
         try:
-            outcome = self.engine.finish(seq)
+            outcome = self.engine.finish(seq, store=store)
         except Exception as exc:  # noqa: BLE001
             resolve(future, exc=exc)
-            return
+            return False
         resolve(future, outcome)
+        return True
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         future = self.futures.pop(id(seq), None)

@@ -65,8 +65,10 @@ class _Chat:
 
 
 class InferenceWorker:
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, arrival_window_s: float = 0.0) -> None:
         self.max_queued = max_queued
+        self.arrival_window_s = arrival_window_s   # ARRIVAL_WINDOW_MS (``_gather``)
+        self.gathered = 0                         # requests that arrived within a window after the first
         self._queue: "queue.Queue[tuple[Any, Future] | None]" = queue.Queue()
         self._waiting = 0                         # submitted, not yet started or admitted
         self._waiting_lock = threading.Lock()
@@ -180,7 +182,37 @@ class InferenceWorker:
                 items = [self._queue.get()]
             finally:
                 self._idle = False
+            items += self._gather(items[0])
         return items
+
+    def _gather(self, first: Any) -> list[Any]:
+        """After an idle spell: when ``first`` is a chat request and the last busy spell decoded
+        several rows at once, what else arrives within ``arrival_window_s`` -- until as many chat
+        requests as its largest batch held are here. Agents that fan out come back together, a few ms apart; taken
+        one turn apart, the first one's prompt prefills alone and the rest in a second forward."""
+        sched = self.scheduler
+        expect = getattr(sched, "batch_peak", 1) if sched is not None else 1
+        if sched is not None:
+            sched.batch_peak = 0          # a new busy spell: its own peak decides the next wait
+        if self.arrival_window_s <= 0 or expect < 2 or first is None or not isinstance(first[0], _Chat):
+            return []
+        out: list[Any] = []
+        deadline = time.monotonic() + self.arrival_window_s
+        chats = 1
+        while chats < expect:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            out.append(item)
+            if item is None:
+                break
+            chats += isinstance(item[0], _Chat)
+        self.gathered += chats - 1
+        return out
 
     def _loop(self) -> None:
         while True:
