@@ -122,7 +122,10 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     extra: dict = {}
     if distributed:
         extra["group"] = _shard(model, config, name, settings, say, files_ready)
-    if install_cpu_kernels(settings.cpu_kernels, native=settings.native_attention):
+    # several ranks: no native call -- its per-layer evaluation stalled a pipeline stage waiting on
+    # its neighbour's send (tests/test_distributed.py); their forward keeps the MLX ops
+    native = "off" if distributed else settings.native_attention
+    if install_cpu_kernels(settings.cpu_kernels, native=native):
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else ""))
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
