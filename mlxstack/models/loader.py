@@ -122,9 +122,9 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     extra: dict = {}
     if distributed:
         extra["group"] = _shard(model, config, name, settings, say, files_ready)
-    # several ranks: no native call -- its per-layer evaluation stalled a pipeline stage waiting on
-    # its neighbour's send (tests/test_distributed.py); their forward keeps the MLX ops
-    native = "off" if distributed else settings.native_attention
+    # pipeline stages: no native call -- its per-layer evaluation stalled a stage waiting on its
+    # neighbour's send (tests/test_distributed.py); tensor ranks each attend their own heads with it
+    native = "off" if settings.distributed == "pipeline" else settings.native_attention
     if install_cpu_kernels(settings.cpu_kernels, native=native):
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else ""))
