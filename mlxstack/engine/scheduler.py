@@ -14,7 +14,9 @@ One step:
    next chunk (never twice in a row while the longer one waits), else round-robin. A long cold
    prompt never freezes the others, and a short request that arrives during it waits at most one
    of its chunks (short work and long chunks alternate while both wait);
-2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup).
+2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup);
+   a reply that ends while other rows still decode goes out at once, its turn closed and stored
+   with the others' once the batch empties or a request is admitted (``_end``).
 
 Admission is FIFO up to ``max_sequences`` in flight and within the KV byte budget
 (PROMPT_CACHE_MAX_BYTES). A request is started (rendered, looked up, checked out); when the KV

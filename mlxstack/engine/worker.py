@@ -188,8 +188,9 @@ class InferenceWorker:
     def _gather(self, first: Any) -> list[Any]:
         """After an idle spell: when ``first`` is a chat request and the last busy spell decoded
         several rows at once, what else arrives within ``arrival_window_s`` -- until as many chat
-        requests as its largest batch held are here. Agents that fan out come back together, a few ms apart; taken
-        one turn apart, the first one's prompt prefills alone and the rest in a second forward."""
+        requests as its largest batch held are here. Agents that fan out come back together, a
+        few ms apart; taken one turn apart, the first one's prompt prefills alone and the rest in
+        a second forward. A lone client's next request never waits (its spell held one row)."""
         sched = self.scheduler
         expect = getattr(sched, "batch_peak", 1) if sched is not None else 1
         if sched is not None:
