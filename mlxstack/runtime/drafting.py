@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from .step_costs import prior_step_cost
+
 __all__ = ["NgramDrafter", "Chained", "DraftControl", "accepted_prefix", "expected_accepted", "best_width"]
 
 
@@ -60,7 +62,7 @@ def best_width(rows: Sequence[tuple], cost: float | Callable[[int], float]) -> i
     b = len(rows)
     if not b:
         return 1
-    step_cost = cost if callable(cost) else (lambda w: 1.0 + cost * b * (w - 1))
+    step_cost = cost if callable(cost) else (lambda w: prior_step_cost(cost, b, w))
     best, best_gain = 1, 1.0
     for w in range(2, max((r[0] for r in rows), default=0) + 2):
         tokens = b + sum(expected_accepted(r[1], min(r[0], w - 1)) for r in rows)

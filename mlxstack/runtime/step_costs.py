@@ -24,7 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepCosts"]
+__all__ = ["StepCosts", "prior_step_cost"]
+
+
+def prior_step_cost(prior: float, rows: int, width: int) -> float:
+    """A step of ``width`` positions per row over ``rows`` rows, in plain steps, by the prior
+    alone: ``1 + prior * rows * (width - 1)`` (each extra position one more token per row)."""
+    return 1.0 if width <= 1 else 1.0 + prior * rows * (width - 1)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -92,7 +98,7 @@ class StepCosts:
     def prior_cost(self, rows: int, width: int) -> float:
         """The prior alone, ``1 + prior * rows * (width - 1)``: for decisions that must not depend
         on wall times (ranks in lockstep, seeded rows)."""
-        return 1.0 if width <= 1 else 1.0 + self.prior * rows * (width - 1)
+        return prior_step_cost(self.prior, rows, width)
 
     def snapshot(self) -> dict:
         """For /v1/cache/stats: plain step ms by rows, measured speculative costs by rows x width."""
