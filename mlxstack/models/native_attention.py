@@ -102,13 +102,26 @@ def _view(a: mx.array) -> np.ndarray:
     return n
 
 
-def _mask_view(mask: mx.array, shape: tuple[int, int, int, int]) -> Optional[np.ndarray]:
-    if mask.dtype not in (mx.bool_, mx.float32) or mask.ndim > 4:
-        return None
-    try:
-        return np.broadcast_to(np.asarray(mask), shape)
-    except ValueError:
-        return None
+def _takes(queries: mx.array, parts: list, sinks: Optional[mx.array]) -> bool:
+    """Whether the kernel takes this call -- decided from shapes and dtypes alone, before anything
+    is evaluated (a call it does not take costs the MLX path nothing extra)."""
+    B, Hq, L, _ = queries.shape
+    if sinks is not None or L > MAX_QUERIES or queries.dtype != mx.float32:
+        return False
+    for p in parts:
+        if p.keys.dtype != mx.float32 or p.values.dtype != mx.float32:
+            return False
+        if isinstance(p.mask, str):
+            if p.mask != "causal":
+                return False
+        elif p.mask is not None:
+            if p.mask.dtype not in (mx.bool_, mx.float32) or p.mask.ndim > 4:
+                return False
+            try:
+                np.broadcast_shapes(tuple(p.mask.shape), (B, Hq, L, p.keys.shape[2]))
+            except ValueError:
+                return False
+    return True
 
 
 def binding(path: Path) -> Callable[..., Optional[mx.array]]:
@@ -120,10 +133,9 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
     fn.restype = _i64
 
     def attend(queries: mx.array, parts: list, scale: float, sinks: Optional[mx.array] = None) -> Optional[mx.array]:
-        B, Hq, L, D = queries.shape
-        if (sinks is not None or L > MAX_QUERIES or queries.dtype != mx.float32
-                or any(p.keys.dtype != mx.float32 or p.values.dtype != mx.float32 for p in parts)):
+        if not _takes(queries, parts, sinks):
             return None
+        B, Hq, L, D = queries.shape
         q = queries * mx.array(scale, mx.float32)
         arrays = [q]
         for p in parts:
@@ -135,8 +147,6 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
         table = (_Part * len(parts))()
         total = 0
         for c, p in zip(table, parts):
-            if isinstance(p.mask, str) and p.mask != "causal":
-                return None
             k, v = _view(p.keys), _view(p.values)
             held += [k, v]
             T = k.shape[2]
@@ -146,9 +156,7 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
             c.kh, c.kt, c.vh, c.vt = k.strides[1] // 4, k.strides[2] // 4, v.strides[1] // 4, v.strides[2] // 4
             c.causal = int(p.mask == "causal") if isinstance(p.mask, str) else 0
             if isinstance(p.mask, mx.array):
-                m = _mask_view(p.mask, (B, Hq, L, T))
-                if m is None:
-                    return None
+                m = np.broadcast_to(np.asarray(p.mask), (B, Hq, L, T))
                 held.append(m)
                 c.mask, c.mask_is_bool = m.ctypes.data, int(m.dtype == np.bool_)
                 c.mb, c.mh, c.ml, c.mt = (s // m.itemsize for s in m.strides)
