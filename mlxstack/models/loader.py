@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..config.settings import Settings
 from .context import context_window
+from . import host_forward
 from .cpu_kernels import install_cpu_kernels, native_attention_on
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
@@ -126,8 +127,10 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     # neighbour's send (tests/test_distributed.py); tensor ranks each attend their own heads with it
     native = "off" if settings.distributed == "pipeline" else settings.native_attention
     if install_cpu_kernels(settings.cpu_kernels, native=native):
+        host = not distributed and settings.host_forward != "off" and host_forward.install(model)
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
-            + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else ""))
+            + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")
+            + (", decode-sized forwards on the host path (HOST_FORWARD)" if host else ""))
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(

@@ -1,0 +1,309 @@
+"""Decode-sized forwards of a Llama-family model on the CPU without a graph of small MLX ops.
+
+    install(model)        # after the weights are loaded (models/loader.py): True when it applies
+    model(tokens, cache)  # unchanged for callers; <= 16 positions a row take the host path
+
+On MLX's CPU backend a decode step of a small model is bound by op count, not arithmetic: each
+of a layer's ~20 MLX ops (norms, projections, reshapes, RoPE, the KV write, the SwiGLU, the
+residuals) is a graph node, an allocation and a dispatch, and a weight product costs ~70 us more
+through MLX than the same ``sgemm`` called from numpy (measured here: the 210 products of an
+8-row SmolLM2-135M step, 65 ms through MLX, 45 ms through numpy). For calls of up to
+``MAX_POSITIONS`` positions a row (a decode step, a speculative verification, a turn's closer, a
+warm turn's short rest) this module runs the layer's dense arithmetic on numpy views of the
+model's own weight buffers (no copy), and keeps in MLX exactly what carries the cache semantics:
+RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call; the rotation is
+then bit for bit MLX's), the cache's own
+``update_and_fetch`` / ``make_mask`` (every cache layout -- a slab's rows, a shared prefix held
+once, ragged speculative ends -- works unchanged) and the model module's attention (the native
+kernel or shared_attention's ops). Longer calls, other architectures, quantised or sharded
+weights, biases of unusual shape, sliding layers, scaled RoPE variants: mlx-lm's forward.
+
+Within float rounding of mlx-lm's forward (RMSNorm and SiLU are computed in float32 by numpy,
+products by numpy's BLAS); checked against it on the loaded model at install, and a model whose
+weights are replaced afterwards (a new array object) falls back to mlx-lm's forward at once.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAX_POSITIONS = 16          # positions a row: decode-sized calls only (a prefill chunk stays in MLX)
+_ATTR = "_mlxstack_host"    # the plan, an attribute of the model instance (opt-in per instance)
+
+
+def _weight(linear: Any) -> Optional[mx.array]:
+    """A float32 ``nn.Linear``'s weight (None for any other layer: quantised, sharded, LoRA)."""
+    if type(linear) is not nn.Linear or linear.weight.dtype != mx.float32:
+        return None
+    return linear.weight
+
+
+class _Layer:
+    __slots__ = ("refs", "wq", "wk", "wv", "wo", "wg", "wu", "wd", "bias", "n_in", "n_post", "eps_in",
+                 "eps_post", "rope", "scale", "heads", "kv_heads", "head_dim")
+
+
+class Plan:
+    """Numpy views of one model's weights (no copies) and what each layer needs."""
+
+    def __init__(self, model: Any) -> None:
+        inner = model.model
+        self.model_refs: list[mx.array] = []
+        self.layers: list[_Layer] = []
+        for block in inner.layers:
+            a, m = block.self_attn, block.mlp
+            lay = _Layer()
+            linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            ws = [_weight(x) for x in linears]
+            if any(w is None for w in ws):
+                raise ValueError("a projection is not a float32 nn.Linear")
+            lay.bias = [np.asarray(x.bias) if "bias" in x else None for x in linears]
+            lay.refs = ws + [block.input_layernorm.weight, block.post_attention_layernorm.weight]
+            lay.wq, lay.wk, lay.wv, lay.wo, lay.wg, lay.wu, lay.wd = (np.asarray(w).T for w in ws)
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                if type(norm) is not nn.RMSNorm or norm.weight.dtype != mx.float32:
+                    raise ValueError("a norm is not a float32 RMSNorm")
+            lay.n_in, lay.eps_in = np.asarray(block.input_layernorm.weight), block.input_layernorm.eps
+            lay.n_post, lay.eps_post = np.asarray(block.post_attention_layernorm.weight), block.post_attention_layernorm.eps
+            if type(a.rope) is not nn.RoPE:
+                raise ValueError(f"RoPE variant {type(a.rope).__name__}")
+            lay.rope, lay.scale = a.rope, a.scale
+            lay.heads, lay.kv_heads, lay.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+            self.layers.append(lay)
+        if getattr(inner, "swa_idx", None) is not None:
+            raise ValueError("sliding-window layers")
+        if type(inner.norm) is not nn.RMSNorm or type(inner.embed_tokens) is not nn.Embedding:
+            raise ValueError("final norm / embedding of another kind")
+        self.embed_ref = inner.embed_tokens.weight
+        self.norm_ref = inner.norm.weight
+        if self.embed_ref.dtype != mx.float32:
+            raise ValueError("embedding not float32")
+        self.embed = np.asarray(self.embed_ref)
+        self.norm, self.eps = np.asarray(self.norm_ref), inner.norm.eps
+        if model.args.tie_word_embeddings:
+            self.head_ref = self.embed_ref
+        else:
+            w = _weight(model.lm_head)
+            if w is None or "bias" in model.lm_head:
+                raise ValueError("lm_head is not a float32 nn.Linear without bias")
+            self.head_ref = w
+        self.head = np.asarray(self.head_ref).T
+        self.fa_idx = getattr(inner, "fa_idx", 0)
+
+    def current(self, model: Any) -> bool:
+        """Whether the model still holds the very weight arrays this plan views."""
+        inner = model.model
+        if inner.embed_tokens.weight is not self.embed_ref or inner.norm.weight is not self.norm_ref:
+            return False
+        if len(inner.layers) != len(self.layers):
+            return False
+        for block, lay in zip(inner.layers, self.layers):
+            a, m = block.self_attn, block.mlp
+            now = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            if any(getattr(x, "weight", None) is not r for x, r in zip(now, lay.refs)) \
+                    or block.input_layernorm.weight is not lay.refs[7] or block.post_attention_layernorm.weight is not lay.refs[8]:
+                return False
+        return model.args.tie_word_embeddings or getattr(model.lm_head, "weight", None) is self.head_ref
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[1])
+    return (x * (1.0 / np.sqrt(ms + np.float32(eps)))).astype(np.float32, copy=False) * w
+
+
+def _proj(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray, bool]) -> np.ndarray:
+    """RoPE on ``x`` ``[B, T, heads, head_dim]`` with ``table``'s cos / sin ``[B or 1, T, 1, dims / 2]``
+    (pairs: the two halves of the rotated dims, or neighbours when ``traditional``): the products
+    and sums MLX's CPU ``fast.rope`` does, one rounding each, so the result is bit for bit its own."""
+    cos, sin, traditional = table
+    half = cos.shape[-1]
+    if traditional:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+    o1, o2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    out = np.stack([o1, o2], axis=-1).reshape(*x.shape[:-1], 2 * half) if traditional \
+        else np.concatenate([o1, o2], axis=-1)
+    return out if x.shape[-1] == 2 * half else np.concatenate([out, x[..., 2 * half:]], axis=-1)
+
+
+def _rope_table(rope: Any, offset: Any, rows: int, T: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """cos / sin of MLX's own RoPE at ``offset`` (an int or a per-row array) for ``T`` positions:
+    ``fast.rope`` applied to (1, 0) pairs returns them exactly (1 * c - 0 * s = c, 1 * s + 0 * c = s)."""
+    half = rope.dims // 2
+    b = rows if isinstance(offset, mx.array) and offset.size > 1 else 1
+    one, zero = mx.ones((b, 1, T, half)), mx.zeros((b, 1, T, half))
+    if rope.traditional:
+        probe = mx.stack([one, zero], axis=-1).reshape(b, 1, T, 2 * half)
+        tab = np.asarray(rope(probe, offset=offset))
+        return tab[:, 0, :, None, 0::2], tab[:, 0, :, None, 1::2], True
+    tab = np.asarray(rope(mx.concatenate([one, zero], axis=-1), offset=offset))
+    return tab[:, 0, :, None, :half], tab[:, 0, :, None, half:], False
+
+
+def _offset_key(offset: Any) -> tuple:
+    return (offset,) if isinstance(offset, int) else tuple(np.asarray(offset).reshape(-1).tolist())
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    e = np.exp(-g)
+    e += 1.0
+    np.divide(g, e, out=g)
+    g *= u
+    return g
+
+
+_CACHES: Optional[tuple] = None
+
+
+def _cache_types() -> tuple:
+    global _CACHES
+    if _CACHES is None:
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        from ..cache.prefixed_kv import PrefixedKVCache
+        from ..engine.batch_cache import SlabKVCache
+
+        _CACHES = (KVCache, BatchKVCache, SlabKVCache, PrefixedKVCache)
+    return _CACHES
+
+
+def _float_cache(c: Any) -> bool:
+    return type(c) in _cache_types() and (c.keys is None or c.keys.dtype == mx.float32)
+
+
+def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = None) -> Optional[mx.array]:
+    """The logits ``[B, T, vocab]`` of mlx-lm's ``Model.__call__``, computed on the host path;
+    None when this call is not one it takes (the caller runs mlx-lm's forward)."""
+    plan: Optional[Plan] = model.__dict__.get(_ATTR) if hasattr(model, "__dict__") else None
+    if plan is None or cache is None or input_embeddings is not None or inputs.ndim != 2 \
+            or not 0 < inputs.shape[1] <= MAX_POSITIONS or len(cache) != len(plan.layers):
+        return None
+    if not all(_float_cache(c) for c in cache):
+        return None
+    if not plan.current(model):
+        log.warning("host forward: the model's weights were replaced; mlx-lm's forward from now on")
+        model.__dict__[_ATTR] = None
+        return None
+    from mlx_lm.models import llama
+    from mlx_lm.models.base import create_attention_mask
+
+    B, T = inputs.shape
+    tokens = np.asarray(inputs).reshape(-1)
+    h = plan.embed[tokens]                                # [B*T, D], a copy
+    mask = create_attention_mask(inputs, cache[plan.fa_idx])
+    attend = llama.scaled_dot_product_attention         # the module's (shared_attention's) attention
+    mx.eval([c.offset for c in cache if isinstance(c.offset, mx.array)])
+    tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for lay, c in zip(plan.layers, cache):
+        rope = lay.rope
+        key = (rope.dims, rope.traditional, rope.base, rope.scale) + _offset_key(c.offset)
+        table = tables.get(key)
+        if table is None:
+            table = tables[key] = _rope_table(lay.rope, c.offset, B, T)
+        x = _rms(h, lay.n_in, lay.eps_in)
+        hd = lay.head_dim
+        q = _rotate(_proj(x, lay.wq, lay.bias[0]).reshape(B, T, lay.heads, hd), table)
+        k = _rotate(_proj(x, lay.wk, lay.bias[1]).reshape(B, T, lay.kv_heads, hd), table)
+        v = _proj(x, lay.wv, lay.bias[2]).reshape(B, T, lay.kv_heads, hd)
+        queries = mx.array(q.transpose(0, 2, 1, 3))
+        keys, values = c.update_and_fetch(mx.array(k.transpose(0, 2, 1, 3)), mx.array(v.transpose(0, 2, 1, 3)))
+        out = np.asarray(attend(queries, keys, values, cache=c, scale=lay.scale, mask=mask))
+        h = h + _proj(out.transpose(0, 2, 1, 3).reshape(B * T, lay.heads * hd), lay.wo, lay.bias[3])
+        x = _rms(h, lay.n_post, lay.eps_post)
+        act = _silu_mul(_proj(x, lay.wg, lay.bias[4]), _proj(x, lay.wu, lay.bias[5]))
+        h = h + _proj(act, lay.wd, lay.bias[6])
+    logits = _rms(h, plan.norm, plan.eps) @ plan.head
+    return mx.array(logits.reshape(B, T, -1))
+
+
+def _patch_llama() -> None:
+    from mlx_lm.models import llama
+
+    cls = llama.Model
+    if getattr(cls.__call__, "__mlxstack_host__", False):
+        return
+    original = cls.__call__
+
+    def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
+        if not kwargs:
+            out = forward(self, inputs, cache, input_embeddings)
+            if out is not None:
+                return out
+        return original(self, inputs, cache=cache, input_embeddings=input_embeddings, **kwargs)
+
+    __call__.__mlxstack_host__ = True  # type: ignore[attr-defined]
+    __call__.__wrapped__ = original    # type: ignore[attr-defined]
+    cls.__call__ = __call__
+
+
+def uninstall(model: Any) -> None:
+    if hasattr(model, "__dict__"):
+        model.__dict__.pop(_ATTR, None)
+
+
+def enabled(model: Any) -> bool:
+    return hasattr(model, "__dict__") and model.__dict__.get(_ATTR) is not None
+
+
+def install(model: Any) -> bool:
+    """Give ``model`` the host path where it applies (an mlx-lm ``llama.Model`` of float32
+    ``nn.Linear`` layers, plain RoPE, no sliding layers, on the CPU) and agrees with mlx-lm's
+    forward on the loaded weights; False (nothing changed) otherwise."""
+    from mlx_lm.models import llama
+
+    if type(model) is not llama.Model or mx.default_device() != mx.cpu:
+        return False
+    try:
+        plan = Plan(model)
+    except (ValueError, AttributeError, TypeError) as exc:
+        log.info("host forward: not for this model (%s)", exc)
+        return False
+    _patch_llama()
+    try:
+        ok = _agrees(model, plan)
+    except Exception as exc:  # noqa: BLE001 - a path that cannot run is simply not used
+        log.warning("host forward: not used (%s)", exc)
+        ok = False
+    if ok:
+        model.__dict__[_ATTR] = plan
+    return ok
+
+
+def _agrees(model: Any, plan: Plan) -> bool:
+    """A 5-token prompt then a 2-row decode step, host path vs mlx-lm's forward: logits and the
+    KV written within float rounding."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    vocab = plan.embed.shape[0]
+    prompt = mx.array([[1, 7, 3, 11, 5]]) % vocab
+    rows = mx.array([[2, 9, 4, 6], [8, 1, 2, 3]]) % vocab
+    results = []
+    for host in (True, False):
+        model.__dict__[_ATTR] = plan if host else None
+        try:
+            cache = [KVCache() for _ in plan.layers]
+            first = model(prompt, cache=cache)
+            batch = [BatchKVCache([1, 0]) for _ in plan.layers]
+            two = model(rows, cache=batch)
+            step = model(mx.array([[4], [5]]) % vocab, cache=batch)
+            results.append((first, two, step, cache[0].keys[..., :5, :], batch[-1].values))
+        finally:
+            model.__dict__[_ATTR] = None
+    for a, b in zip(*results):
+        scale = max(1.0, float(mx.abs(b).max().item()))
+        if not mx.allclose(a, b, rtol=1e-3, atol=1e-4 * scale).item():
+            log.warning("host forward: disagrees with mlx-lm's forward; not used")
+            return False
+    return True

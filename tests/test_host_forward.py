@@ -1,0 +1,214 @@
+"""The host path for decode-sized forwards (models/host_forward.py): RoPE bit for bit MLX's own,
+logits and KV within float rounding of mlx-lm's forward for every cache layout it takes, nothing
+taken that it cannot do, a model whose weights change falls back at once, and an engine whose
+batched replies are the same with it on and off."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxstack.cache.prefixed_kv import PrefixedKVCache
+from mlxstack.engine.batch import batching_support
+from mlxstack.engine.batch_cache import SlabKVCache
+from mlxstack.engine.scheduler import Scheduler
+from mlxstack.models import host_forward as hf
+from tests.conftest import build_engine, engine_settings
+from tests.test_engine import job
+
+
+def tiny_llama(seed=0, **over):
+    """A random-weight mlx-lm Llama in memory: 3 layers, 4 query heads over 2 KV heads."""
+    mx.random.seed(seed)
+    args = dict(model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97,
+                rope_theta=10000.0)
+    args.update(over)
+    model = llama.Model(llama.ModelArgs(**args))
+    # norms away from 1 and larger weights: the outputs depend on every term
+    for block in model.model.layers:
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.weight = mx.random.uniform(0.5, 1.5, norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def mlx_forward(model, tokens, cache):
+    plan = model.__dict__.get(hf._ATTR)
+    model.__dict__[hf._ATTR] = None
+    try:
+        return model(tokens, cache=cache)
+    finally:
+        model.__dict__[hf._ATTR] = plan
+
+
+def close(a, b, tol=2e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape
+    assert np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max()), np.abs(a - b).max()
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dims", [32, 16])
+@pytest.mark.parametrize("offset", [0, 4093, [7, 0, 5000]])
+def test_rope_is_bit_for_bit_mlx(traditional, dims, offset):
+    rope = nn.RoPE(dims, traditional=traditional, base=100000.0)
+    B, H, T = 3, 5, 4
+    x = mx.random.normal((B, H, T, 32), key=mx.random.key(3))
+    off = mx.array(offset) if isinstance(offset, list) else offset
+    want = np.asarray(rope(x, offset=off))
+    got = hf._rotate(np.asarray(x).transpose(0, 2, 1, 3), hf._rope_table(rope, off, B, T)).transpose(0, 2, 1, 3)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": False}, {"attention_bias": True, "mlp_bias": True},
+                                  {"rope_traditional": True, "head_dim": 32}])
+def test_same_logits_and_kv_as_mlx_lm(over):
+    model = tiny_llama(**over)
+    assert hf.install(model) and hf.enabled(model)
+    prompt = mx.array([[5, 17, 3, 88, 41, 9]])
+    ours, theirs = [KVCache() for _ in range(3)], [KVCache() for _ in range(3)]
+    close(model(prompt, cache=ours), mlx_forward(model, prompt, theirs))
+    for tok in (12, 60, 2):
+        step = mx.array([[tok]])
+        close(model(step, cache=ours), mlx_forward(model, step, theirs))
+    for a, b in zip(ours, theirs):
+        assert a.offset == b.offset == 9
+        close(a.keys[..., :9, :], b.keys[..., :9, :])
+        close(a.values[..., :9, :], b.values[..., :9, :])
+
+
+def test_batched_layouts_match_mlx_lm():
+    """Left-padded batch rows (mlx-lm's BatchKVCache), a slab with ragged ends after a rewind
+    (speculation), a shared prefix held once, a prefixed single cache: the same as mlx-lm."""
+    model = tiny_llama(1)
+    assert hf.install(model)
+    rows = mx.array([[3, 9, 4, 6], [8, 1, 2, 3], [70, 71, 72, 73]])
+
+    def run(forward, make):
+        cache = make()
+        out = [forward(model, rows, cache)]
+        for toks in ([[4], [5], [6]], [[7, 8], [9, 10], [11, 12]]):
+            out.append(forward(model, mx.array(toks), cache))
+        return out, cache
+
+    def ours(m, t, c):
+        return m(t, cache=c)
+
+    for make in (lambda: [BatchKVCache([1, 0, 2]) for _ in range(3)], lambda: [SlabKVCache([2, 0, 1]) for _ in range(3)]):
+        got, _ = run(ours, make)
+        want, _ = run(mlx_forward, make)
+        for a, b in zip(got, want):
+            close(a, b)
+
+    def ragged(forward):
+        cache = [SlabKVCache([0, 0, 0]) for _ in range(3)]
+        forward(model, rows, cache)
+        for layer in cache:
+            layer.rewind(1, 2)
+            layer.settle([0, 1, 2])
+        return forward(model, mx.array([[1, 2], [3, 4], [5, 6]]), cache)
+
+    close(ragged(ours), ragged(mlx_forward))
+
+    def prefixed(forward):
+        base = [KVCache() for _ in range(3)]
+        forward(model, mx.array([[11, 12, 13, 14, 15]]), base)
+        cache = [PrefixedKVCache((c.keys, c.values, 5)) for c in base]
+        return forward(model, mx.array([[16, 17]]), cache), forward(model, mx.array([[18]]), cache)
+
+    for a, b in zip(prefixed(ours), prefixed(mlx_forward)):
+        close(a, b)
+
+
+def test_takes_only_what_it_can_do():
+    model = tiny_llama(2)
+    fresh = lambda: [KVCache() for _ in range(3)]  # noqa: E731
+    assert hf.forward(model, mx.array([[1, 2]]), fresh()) is None          # not installed
+    assert hf.install(model)
+    assert hf.forward(model, mx.array([[1, 2]]), fresh()) is not None
+    assert hf.forward(model, mx.array([list(range(hf.MAX_POSITIONS + 1))]), fresh()) is None   # a prefill
+    assert hf.forward(model, mx.array([[1]]), None) is None
+    assert hf.forward(model, mx.array([[1]]), fresh(), input_embeddings=mx.zeros((1, 1, 64))) is None
+    assert hf.forward(model, mx.array([[1]]), [QuantizedKVCache() for _ in range(3)]) is None
+    assert hf.forward(model, mx.array([[1]]), [RotatingKVCache(max_size=8) for _ in range(3)]) is None
+    assert hf.forward(model, mx.array([[1]]), fresh()[:2]) is None
+    # a long call still runs (mlx-lm's forward) through the same entry point
+    long = mx.array([list(range(20))])
+    close(model(long, cache=fresh()), mlx_forward(model, long, fresh()))
+
+
+def test_models_it_does_not_take():
+    assert not hf.install(tiny_llama(3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                     sliding_window=4))
+    quantised = tiny_llama(3)
+    nn.quantize(quantised, group_size=32, bits=4)
+    assert not hf.install(quantised) and not hf.enabled(quantised)
+    from mlx_lm.models import qwen3
+
+    other = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                        vocab_size=97, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                                        tie_word_embeddings=True))
+    assert not hf.install(other)
+
+
+def test_replaced_weights_fall_back_at_once():
+    """Weights swapped after install (a reload, an adapter): never the old views -- mlx-lm's
+    forward from then on, with the new weights."""
+    model = tiny_llama(4)
+    assert hf.install(model)
+    proj = model.model.layers[1].mlp.down_proj
+    proj.weight = proj.weight * 3.0
+    mx.eval(proj.weight)
+    tokens = mx.array([[4, 5, 6]])
+    got = model(tokens, cache=[KVCache() for _ in range(3)])
+    assert not hf.enabled(model)
+    close(got, mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
+
+
+def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
+    """The embedded model (SmolLM2, a Llama), 4 agents under one system prompt decoding together
+    (a shared prefix in the slab, speculation on): the replies with the host path equal mlx-lm's
+    forward token for token, and the host path took the decode steps."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 60}
+    convos = [[system, {"role": "user", "content": f"Tell me about the number {n}."}] for n in (3, 17, 42, 99)]
+    eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
+    model = eng.loaded.model
+    assert hf.enabled(model)
+    plan = model.__dict__[hf._ATTR]
+    shapes = []
+    original = hf.forward
+
+    def counted(m, inputs, cache, input_embeddings=None):
+        out = original(m, inputs, cache, input_embeddings)
+        if out is not None:
+            shapes.append(tuple(inputs.shape))
+        return out
+
+    def replies(tag):
+        sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
+        futures = []
+        for i, m in enumerate(convos):
+            futures.append(Future())
+            futures[-1].set_running_or_notify_cancel()
+            sched.admit(job(m, max_tokens=12, session=f"{tag}{i}")[0], futures[-1])
+        while not sched.idle():
+            sched.step()
+        return [f.result().text for f in futures]
+
+    hf.forward = counted
+    try:
+        on = replies("on")
+        model.__dict__[hf._ATTR] = None
+        off = replies("off")
+    finally:
+        hf.forward = original
+        model.__dict__[hf._ATTR] = plan
+    assert (4, 1) in shapes                      # 4 rows, one token each: the decode steps
+    assert on == off and all(on)
