@@ -5,12 +5,14 @@
 
 On MLX's CPU backend a decode step of a small model is bound by op count, not arithmetic: each
 of a layer's ~20 MLX ops (norms, projections, reshapes, RoPE, the KV write, the SwiGLU, the
-residuals) is a graph node, an allocation and a dispatch, and a weight product costs ~70 us more
-through MLX than the same ``sgemm`` called from numpy (measured here: the 210 products of an
-8-row SmolLM2-135M step, 65 ms through MLX, 45 ms through numpy). For calls of up to
-``MAX_POSITIONS`` positions a row (a decode step, a speculative verification, a turn's closer, a
-warm turn's short rest) this module runs the layer's dense arithmetic on numpy views of the
-model's own weight buffers (no copy), and keeps in MLX exactly what carries the cache semantics:
+residuals) is a graph node, an allocation and a dispatch, and a weight product costs more
+through MLX than the same ``cblas_sgemm`` called directly (measured here: the 210 products of an
+8-row SmolLM2-135M step, 65 ms as MLX matmuls, 50 ms as direct calls into the same preloaded
+OpenBLAS). For calls of up to ``MAX_POSITIONS`` positions a row (a decode step, a speculative
+verification, a turn's closer, a warm turn's short rest) this module runs the layer's dense
+arithmetic on numpy views of the model's own weight buffers (no copy) -- products through the
+optimised BLAS MLX itself uses (``blas()``), norms and SwiGLU in numpy -- and keeps in MLX exactly
+what carries the cache semantics:
 RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call; the rotation is
 then bit for bit MLX's), the cache's own
 ``update_and_fetch`` / ``make_mask`` (every cache layout -- a slab's rows, a shared prefix held
@@ -18,9 +20,10 @@ once, ragged speculative ends -- works unchanged) and the model module's attenti
 kernel or shared_attention's ops). Longer calls, other architectures, quantised or sharded
 weights, biases of unusual shape, sliding layers, scaled RoPE variants: mlx-lm's forward.
 
-Within float rounding of mlx-lm's forward (RMSNorm and SiLU are computed in float32 by numpy,
-products by numpy's BLAS); checked against it on the loaded model at install, and a model whose
-weights are replaced afterwards (a new array object) falls back to mlx-lm's forward at once.
+Within float rounding of mlx-lm's forward (RMSNorm and SiLU are computed in float32 by numpy);
+checked against it on the loaded model at install, and a model whose weights are replaced
+afterwards (a new array object) falls back to mlx-lm's forward at once. Without an optimised BLAS
+preloaded for MLX (system/blas.py) it is not used.
 """
 from __future__ import annotations
 
@@ -44,6 +47,14 @@ def _weight(linear: Any) -> Optional[mx.array]:
     return linear.weight
 
 
+def _rows(w: mx.array) -> np.ndarray:
+    """A row-major numpy view of a weight (no copy)."""
+    view = np.asarray(w)
+    if not view.flags.c_contiguous:
+        raise ValueError("a weight is not row-major contiguous")
+    return view
+
+
 class _Layer:
     __slots__ = ("refs", "wq", "wk", "wv", "wo", "wg", "wu", "wd", "bias", "n_in", "n_post", "eps_in",
                  "eps_post", "rope", "scale", "heads", "kv_heads", "head_dim")
@@ -65,7 +76,7 @@ class Plan:
                 raise ValueError("a projection is not a float32 nn.Linear")
             lay.bias = [np.asarray(x.bias) if "bias" in x else None for x in linears]
             lay.refs = ws + [block.input_layernorm.weight, block.post_attention_layernorm.weight]
-            lay.wq, lay.wk, lay.wv, lay.wo, lay.wg, lay.wu, lay.wd = (np.asarray(w).T for w in ws)
+            lay.wq, lay.wk, lay.wv, lay.wo, lay.wg, lay.wu, lay.wd = (_rows(w) for w in ws)
             for norm in (block.input_layernorm, block.post_attention_layernorm):
                 if type(norm) is not nn.RMSNorm or norm.weight.dtype != mx.float32:
                     raise ValueError("a norm is not a float32 RMSNorm")
@@ -93,7 +104,7 @@ class Plan:
             if w is None or "bias" in model.lm_head:
                 raise ValueError("lm_head is not a float32 nn.Linear without bias")
             self.head_ref = w
-        self.head = np.asarray(self.head_ref).T
+        self.head = _rows(self.head_ref)
         self.fa_idx = getattr(inner, "fa_idx", 0)
 
     def current(self, model: Any) -> bool:
@@ -117,8 +128,37 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * (1.0 / np.sqrt(ms + np.float32(eps)))).astype(np.float32, copy=False) * w
 
 
+_sgemm: Any = None
+
+
+def blas() -> Any:
+    """``cblas_sgemm`` of the optimised BLAS MLX's own matmuls use in this process (the preloaded
+    OpenBLAS: system/blas.py), or None. Not numpy's bundled OpenBLAS: a second thread pool that
+    busy-waits beside MLX's, and under a loaded CPU (other processes on the cores) each of a step's
+    210 products then waits out scheduler slices -- measured 4 s a step instead of 0.1 s."""
+    global _sgemm
+    if _sgemm is None:
+        import ctypes
+
+        from ..system.blas import optimized_blas_active
+
+        fn = None
+        if optimized_blas_active():
+            fn = ctypes.CDLL(None).cblas_sgemm
+            fn.restype = None
+            fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        _sgemm = fn or False
+    return _sgemm or None
+
+
 def _proj(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
-    y = x @ w
+    """``x @ w.T`` (+ ``b``): ``x`` [M, K], ``w`` [N, K] row-major (an nn.Linear weight)."""
+    x = np.ascontiguousarray(x)
+    M, K = x.shape
+    N = w.shape[0]
+    y = np.empty((M, N), np.float32)
+    _sgemm(101, 111, 112, M, N, K, 1.0, x.ctypes.data, K, w.ctypes.data, K, 0.0, y.ctypes.data, N)
     return y if b is None else y + b
 
 
@@ -224,7 +264,7 @@ def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = No
         x = _rms(h, lay.n_post, lay.eps_post)
         act = _silu_mul(_proj(x, lay.wg, lay.bias[4]), _proj(x, lay.wu, lay.bias[5]))
         h = h + _proj(act, lay.wd, lay.bias[6])
-    logits = _rms(h, plan.norm, plan.eps) @ plan.head
+    logits = _proj(_rms(h, plan.norm, plan.eps), plan.head, None)
     return mx.array(logits.reshape(B, T, -1))
 
 
@@ -264,6 +304,9 @@ def install(model: Any) -> bool:
     from mlx_lm.models import llama
 
     if type(model) is not llama.Model or mx.default_device() != mx.cpu:
+        return False
+    if blas() is None:
+        log.info("host forward: no optimised BLAS preloaded for MLX here (system/blas.py); not used")
         return False
     try:
         plan = Plan(model)

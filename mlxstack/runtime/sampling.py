@@ -120,6 +120,13 @@ class Sampler:
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token for ``logits`` (lazy int32 scalar)."""
+        if self.greedy and not self.p.logprobs:
+            # the argmax of the processed (and masked) logits: normalising them first subtracts one
+            # number from every entry -- ~50k exps a row for nothing when no logprob is reported
+            logits = self._process(logits)
+            if self.constraint is not None:
+                logits = self._constrain(logits)
+            return mx.argmax(logits).astype(mx.int32)
         logprobs = self._logprobs(logits)
         if self.greedy:
             tok = mx.argmax(logprobs).astype(mx.int32)
