@@ -178,3 +178,20 @@ def test_batched_replies_are_the_same_with_the_kernel_on_and_off(embedded_model_
     monkeypatch.setattr(sa, "_native", None)
     off = replies("off")
     assert on == off and all(on)
+
+
+@needs_kernel
+def test_rows_split_over_two_threads_are_bit_for_bit_one_thread(monkeypatch):
+    """A call with enough work runs half its rows on a second thread: the same bits as one thread
+    (each row's arithmetic is the same), and the same as the MLX path within rounding."""
+    B, Hq, Hkv, D = 8, 9, 3, 64
+    q = _rand((B, Hq, 1, D), 21)
+    pk, pv = _rand((1, Hkv, 340, D), 22), _rand((1, Hkv, 340, D), 23)
+    tk, tv = _rand((B, Hkv, 130, D), 24), _rand((B, Hkv, 130, D), 25)
+    seen = mx.arange(130)[None, None, None, :] < mx.array([130, 90, 1, 64, 128, 7, 30, 100]).reshape(B, 1, 1, 1)
+    parts = [Part(pk, pv, None, mx.array([True] * 7 + [False])), Part(tk, tv, seen)]
+    monkeypatch.setattr(native_attention, "THREADS", 2)
+    two = _close(parts, q)
+    monkeypatch.setattr(native_attention, "THREADS", 1)
+    one = _close(parts, q)
+    assert mx.array_equal(one, two).item()

@@ -44,6 +44,16 @@ SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_QUERIES = 16            # per row: a decode step or a speculative verification, not a prefill
 
+
+def _threads() -> int:
+    try:
+        return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+    except (AttributeError, OSError):
+        return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+THREADS = _threads()        # a call with enough work splits its rows over two threads
+
 _i64 = ctypes.c_int64
 
 
@@ -129,7 +139,7 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
     lib = ctypes.CDLL(str(path))
     fn = lib.attend
     fn.argtypes = [ctypes.c_void_p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.POINTER(_Part), _i64,
-                   ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_void_p, ctypes.c_void_p, _i64, _i64]
     fn.restype = _i64
 
     def attend(queries: mx.array, parts: list, scale: float, sinks: Optional[mx.array] = None) -> Optional[mx.array]:
@@ -167,8 +177,10 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
             total += T
         Hkv, Dv = parts[0].keys.shape[1], parts[0].values.shape[-1]
         out = np.empty((B, Hq, L, Dv), np.float32)
-        scratch = np.empty(((Hq // max(Hkv, 1)) * L * total + 16,), np.float32)
-        if fn(qn.ctypes.data, B, Hq, Hkv, L, D, Dv, table, len(parts), out.ctypes.data, scratch.ctypes.data) != 0:
+        each = (Hq // max(Hkv, 1)) * L * total + 16
+        scratch = np.empty((each * THREADS,), np.float32)
+        if fn(qn.ctypes.data, B, Hq, Hkv, L, D, Dv, table, len(parts), out.ctypes.data, scratch.ctypes.data,
+              each, THREADS) != 0:
             return None
         return mx.array(out)
 

@@ -8,6 +8,7 @@
    slab row), as shared_attention.attend_parts does. Each row is computed on its own in a fixed
    order: its result does not depend on which other rows share the call. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -86,13 +87,13 @@ static void exp_shift(float *restrict s, int64_t n, float top, float *restrict s
 }
 
 static inline __attribute__((always_inline)) void body(
-        const float *restrict q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, const int64_t D, const int64_t Dv,
+        const float *restrict q, int64_t b0, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, const int64_t D, const int64_t Dv,
         const part_t *parts, int64_t np, float *restrict out, float *restrict S) {
     const int64_t rep = Hq / Hkv, n = rep * L;
     int64_t Tall = 0;
     for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
     const float NEG = -INFINITY;
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = b0; b < B; b++) {
         for (int64_t g = 0; g < Hkv; g++) {
             const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
             int64_t off = 0;
@@ -151,12 +152,36 @@ static inline __attribute__((always_inline)) void body(
     }
 }
 
-/* 0, or -1 when the shapes are outside what this kernel was built for (the caller falls back) */
+typedef struct {
+    const float *q; int64_t b0, b1, Hq, Hkv, L, D, Dv; const part_t *parts; int64_t np; float *out, *S;
+} job_t;
+
+static void run(const job_t *j) {
+    if (j->D == 64 && j->Dv == 64) body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, 64, 64, j->parts, j->np, j->out, j->S);
+    else if (j->D == 128 && j->Dv == 128) body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, 128, 128, j->parts, j->np, j->out, j->S);
+    else body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, j->D, j->Dv, j->parts, j->np, j->out, j->S);
+}
+
+static void *run_thread(void *arg) { run((const job_t *)arg); return NULL; }
+
+#define SPLIT_MIN 20000   /* query-key products below which a second thread costs more than it saves */
+
+/* 0, or -1 when the shapes are outside what this kernel was built for (the caller falls back).
+   ``scratch`` holds ``threads`` areas of ``scratch_each`` floats; with threads == 2 and enough
+   work, rows [B/2, B) run on a second thread (each row's arithmetic is the same either way). */
 int64_t attend(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, int64_t Dv,
-               const part_t *parts, int64_t np, float *out, float *scratch) {
+               const part_t *parts, int64_t np, float *out, float *scratch, int64_t scratch_each, int64_t threads) {
     if (Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * L > MAXQ || Dv > MAXD || D % 16) return -1;
-    if (D == 64 && Dv == 64) body(q, B, Hq, Hkv, L, 64, 64, parts, np, out, scratch);
-    else if (D == 128 && Dv == 128) body(q, B, Hq, Hkv, L, 128, 128, parts, np, out, scratch);
-    else body(q, B, Hq, Hkv, L, D, Dv, parts, np, out, scratch);
+    int64_t Tall = 0;
+    for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
+    job_t all = {q, 0, B, Hq, Hkv, L, D, Dv, parts, np, out, scratch};
+    if (threads < 2 || B < 2 || B * Hq * L * Tall < SPLIT_MIN) { run(&all); return 0; }
+    job_t first = all, second = all;
+    first.b1 = second.b0 = B / 2;
+    second.S = scratch + scratch_each;
+    pthread_t th;
+    if (pthread_create(&th, NULL, run_thread, &second) != 0) { run(&all); return 0; }
+    run(&first);
+    pthread_join(th, NULL);
     return 0;
 }
