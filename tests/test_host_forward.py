@@ -212,3 +212,72 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
         model.__dict__[hf._ATTR] = plan
     assert (4, 1) in shapes                      # 4 rows, one token each: the decode steps
     assert on == off and all(on)
+
+
+def test_replaced_bias_falls_back():
+    model = tiny_llama(5, attention_bias=True)
+    assert hf.install(model)
+    q = model.model.layers[0].self_attn.q_proj
+    q.bias = q.bias + 1.0
+    mx.eval(q.bias)
+    tokens = mx.array([[4, 5]])
+    close(model(tokens, cache=[KVCache() for _ in range(3)]), mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
+    assert not hf.enabled(model)
+
+
+def _prompted(model, tokens):
+    cache = [KVCache() for _ in range(3)]
+    mlx_forward(model, mx.array([tokens]), cache)
+    return cache
+
+
+def test_feed_rows_on_each_rows_own_cache():
+    """Three rows at different depths (one holding its prefix by reference) fed 3, 1 and 2 tokens
+    in one pass on their own layers: the KV each row's own mlx-lm forward writes, in place."""
+    model = tiny_llama(6)
+    assert hf.install(model)
+    prompts, feeds = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], [[20, 21, 22], [23], [24, 25]]
+
+    def rows():
+        out = [_prompted(model, p) for p in prompts]
+        out[2] = [PrefixedKVCache((c.keys, c.values, 6)) for c in out[2]]
+        return out
+
+    ours, theirs = rows(), rows()
+    assert hf.feed_rows(model, ours, feeds)
+    for cache, feed in zip(theirs, feeds):
+        mlx_forward(model, mx.array([feed]), cache)
+    for a_row, b_row, p, f in zip(ours, theirs, prompts, feeds):
+        for a, b in zip(a_row, b_row):
+            assert a.offset == b.offset == len(p) + len(f)
+            n = a.offset - (6 if isinstance(a, PrefixedKVCache) else 0)
+            close(a.keys[..., :n, :], b.keys[..., :n, :])
+            close(a.values[..., :n, :], b.values[..., :n, :])
+    step = mx.array([[3]])
+    for a_row, b_row in zip(ours, theirs):
+        close(model(step, cache=a_row), mlx_forward(model, step, b_row))
+
+
+def test_feed_rows_declines_or_puts_everything_back(monkeypatch):
+    model = tiny_llama(7)
+    assert hf.install(model)
+    assert not hf.feed_rows(model, [_prompted(model, [1, 2])], [list(range(hf.MAX_POSITIONS + 1))])
+    assert not hf.feed_rows(model, [[BatchKVCache([0]) for _ in range(3)]], [[1]])
+    caches = [_prompted(model, [1, 2, 3]), _prompted(model, [4, 5])]
+    before = [[(c.keys, c.offset) for c in row] for row in caches]
+    calls = []
+    real = hf._attend_rows
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:                       # the second layer's second row
+            raise RuntimeError("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(hf, "_attend_rows", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        hf.feed_rows(model, caches, [[7, 8], [9]])
+    assert all(c.keys is k and c.offset == o for row, was in zip(caches, before) for c, (k, o) in zip(row, was))
+    monkeypatch.setattr(hf, "_attend_rows", real)
+    assert hf.feed_rows(model, caches, [[7, 8], [9]])
+    assert [c.offset for c in caches[0]] == [5] * 3 and [c.offset for c in caches[1]] == [3] * 3

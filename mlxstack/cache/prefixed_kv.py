@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 
 class PrefixedKVCache:
     step = 256
+    plain_kv = True     # plain K / V with KVCache's semantics (models/host_forward.py takes it)
 
     def __init__(self, prefix: tuple[Any, Any, int] | None = None, keys: Any = None, values: Any = None,
                  tail: int = 0) -> None:

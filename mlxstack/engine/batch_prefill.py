@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from ..cache.prefixed_kv import PrefixedKVCache
 from ..config import faults
+from ..models import host_forward
 from ..runtime.mlx_stream import generation_stream
 from .request import Sequence
 
@@ -96,8 +97,14 @@ def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
 
 def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> None:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
-    layers (a copy of its row) and its depth advances by what it was fed."""
+    layers (a copy of its row) and its depth advances by what it was fed. On the host path
+    (models/host_forward.py) each row is fed on its own layers in place, the products shared:
+    nothing is merged into a batch and split again."""
     with mx.stream(generation_stream()):
+        if host_forward.feed_rows(model, [lv.layers for lv in lives], rows):
+            for lv, r in zip(lives, rows):
+                lv.advance(len(r))
+            return
         layers = _merged(lives, min_shared)
         _forward_padded(model, layers, rows)
         own = [[layer.extract(i) for layer in layers] for i in range(len(lives))]

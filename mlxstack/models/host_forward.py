@@ -55,6 +55,14 @@ def _rows(w: mx.array) -> np.ndarray:
     return view
 
 
+def _refs(block: Any) -> list[Any]:
+    """The arrays of one transformer block the plan views (weights, biases or None, norms)."""
+    a, m = block.self_attn, block.mlp
+    linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    return ([getattr(x, "weight", None) for x in linears] + [x.get("bias") for x in linears]
+            + [block.input_layernorm.weight, block.post_attention_layernorm.weight])
+
+
 class _Layer:
     __slots__ = ("refs", "wq", "wk", "wv", "wo", "wg", "wu", "wd", "bias", "n_in", "n_post", "eps_in",
                  "eps_post", "rope", "scale", "heads", "kv_heads", "head_dim")
@@ -65,7 +73,6 @@ class Plan:
 
     def __init__(self, model: Any) -> None:
         inner = model.model
-        self.model_refs: list[mx.array] = []
         self.layers: list[_Layer] = []
         for block in inner.layers:
             a, m = block.self_attn, block.mlp
@@ -74,8 +81,9 @@ class Plan:
             ws = [_weight(x) for x in linears]
             if any(w is None for w in ws):
                 raise ValueError("a projection is not a float32 nn.Linear")
-            lay.bias = [np.asarray(x.bias) if "bias" in x else None for x in linears]
-            lay.refs = ws + [block.input_layernorm.weight, block.post_attention_layernorm.weight]
+            biases = [x.bias if "bias" in x else None for x in linears]
+            lay.bias = [None if b is None else np.asarray(b) for b in biases]
+            lay.refs = _refs(block)
             lay.wq, lay.wk, lay.wv, lay.wo, lay.wg, lay.wu, lay.wd = (_rows(w) for w in ws)
             for norm in (block.input_layernorm, block.post_attention_layernorm):
                 if type(norm) is not nn.RMSNorm or norm.weight.dtype != mx.float32:
@@ -115,10 +123,7 @@ class Plan:
         if len(inner.layers) != len(self.layers):
             return False
         for block, lay in zip(inner.layers, self.layers):
-            a, m = block.self_attn, block.mlp
-            now = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            if any(getattr(x, "weight", None) is not r for x, r in zip(now, lay.refs)) \
-                    or block.input_layernorm.weight is not lay.refs[7] or block.post_attention_layernorm.weight is not lay.refs[8]:
+            if any(a is not b for a, b in zip(_refs(block), lay.refs)):
                 return False
         return model.args.tie_word_embeddings or getattr(model.lm_head, "weight", None) is self.head_ref
 
@@ -204,68 +209,141 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
-_CACHES: Optional[tuple] = None
-
-
-def _cache_types() -> tuple:
-    global _CACHES
-    if _CACHES is None:
-        from mlx_lm.models.cache import BatchKVCache, KVCache
-
-        from ..cache.prefixed_kv import PrefixedKVCache
-        from ..engine.batch_cache import SlabKVCache
-
-        _CACHES = (KVCache, BatchKVCache, SlabKVCache, PrefixedKVCache)
-    return _CACHES
-
-
 def _float_cache(c: Any) -> bool:
-    return type(c) in _cache_types() and (c.keys is None or c.keys.dtype == mx.float32)
+    """A cache layer of plain float32 K / V with mlx-lm's ``offset`` / ``update_and_fetch`` /
+    ``make_mask`` semantics: mlx-lm's ``KVCache`` and ``BatchKVCache`` (its subclasses too), or a
+    class that says so (``plain_kv = True``: cache/prefixed_kv.py; engine/batch_cache.py's slab is a ``BatchKVCache``). Not a
+    quantised, rotating or chunked cache (``ChunkedKVCache`` subclasses ``KVCache``: exact types)."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    kind = type(c)
+    ok = kind is KVCache or isinstance(c, BatchKVCache) or getattr(kind, "plain_kv", False)
+    return ok and (c.keys is None or c.keys.dtype == mx.float32)
 
 
-def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = None) -> Optional[mx.array]:
-    """The logits ``[B, T, vocab]`` of mlx-lm's ``Model.__call__``, computed on the host path;
-    None when this call is not one it takes (the caller runs mlx-lm's forward)."""
+def _plan(model: Any, caches: list) -> Optional[Plan]:
+    """The model's plan when every cache layer in ``caches`` (one list per row) is one the host
+    path takes and the model still holds the weights the plan views; else None."""
     plan: Optional[Plan] = model.__dict__.get(_ATTR) if hasattr(model, "__dict__") else None
-    if plan is None or cache is None or input_embeddings is not None or inputs.ndim != 2 \
-            or not 0 < inputs.shape[1] <= MAX_POSITIONS or len(cache) != len(plan.layers):
+    if plan is None or any(c is None or len(c) != len(plan.layers) for c in caches):
         return None
-    if not all(_float_cache(c) for c in cache):
+    if not all(_float_cache(layer) for c in caches for layer in c):
         return None
     if not plan.current(model):
         log.warning("host forward: the model's weights were replaced; mlx-lm's forward from now on")
         model.__dict__[_ATTR] = None
         return None
-    from mlx_lm.models import llama
-    from mlx_lm.models.base import create_attention_mask
+    return plan
 
-    B, T = inputs.shape
-    tokens = np.asarray(inputs).reshape(-1)
-    h = plan.embed[tokens]                                # [B*T, D], a copy
-    mask = create_attention_mask(inputs, cache[plan.fa_idx])
-    attend = llama.scaled_dot_product_attention         # the module's (shared_attention's) attention
-    mx.eval([c.offset for c in cache if isinstance(c.offset, mx.array)])
-    tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    for lay, c in zip(plan.layers, cache):
-        rope = lay.rope
-        key = (rope.dims, rope.traditional, rope.base, rope.scale) + _offset_key(c.offset)
-        table = tables.get(key)
-        if table is None:
-            table = tables[key] = _rope_table(lay.rope, c.offset, B, T)
+
+def _layers(plan: Plan, h: np.ndarray, attention: Any) -> np.ndarray:
+    """Every transformer block over ``h`` [positions, hidden]; ``attention(i, layer, q, k, v)``
+    (projections [positions, heads * head_dim], before RoPE) returns [positions, heads * head_dim].
+    Returns the final norm's output."""
+    for i, lay in enumerate(plan.layers):
         x = _rms(h, lay.n_in, lay.eps_in)
-        hd = lay.head_dim
-        q = _rotate(_proj(x, lay.wq, lay.bias[0]).reshape(B, T, lay.heads, hd), table)
-        k = _rotate(_proj(x, lay.wk, lay.bias[1]).reshape(B, T, lay.kv_heads, hd), table)
-        v = _proj(x, lay.wv, lay.bias[2]).reshape(B, T, lay.kv_heads, hd)
-        queries = mx.array(q.transpose(0, 2, 1, 3))
-        keys, values = c.update_and_fetch(mx.array(k.transpose(0, 2, 1, 3)), mx.array(v.transpose(0, 2, 1, 3)))
-        out = np.asarray(attend(queries, keys, values, cache=c, scale=lay.scale, mask=mask))
-        h = h + _proj(out.transpose(0, 2, 1, 3).reshape(B * T, lay.heads * hd), lay.wo, lay.bias[3])
+        out = attention(i, lay, _proj(x, lay.wq, lay.bias[0]), _proj(x, lay.wk, lay.bias[1]),
+                        _proj(x, lay.wv, lay.bias[2]))
+        h = h + _proj(out, lay.wo, lay.bias[3])
         x = _rms(h, lay.n_post, lay.eps_post)
         act = _silu_mul(_proj(x, lay.wg, lay.bias[4]), _proj(x, lay.wu, lay.bias[5]))
         h = h + _proj(act, lay.wd, lay.bias[6])
-    logits = _proj(_rms(h, plan.norm, plan.eps), plan.head, None)
+    return _rms(h, plan.norm, plan.eps)
+
+
+def _attend_rows(lay: _Layer, c: Any, table: tuple, mask: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 B: int, T: int) -> np.ndarray:
+    """One layer's attention for ``B`` rows of ``T`` positions on cache layer ``c``: RoPE, the
+    cache's own write, the model module's attention; [B * T, heads * head_dim]."""
+    from mlx_lm.models import llama
+
+    hd = lay.head_dim
+    q = _rotate(q.reshape(B, T, lay.heads, hd), table)
+    k = _rotate(k.reshape(B, T, lay.kv_heads, hd), table)
+    keys, values = c.update_and_fetch(mx.array(k.transpose(0, 2, 1, 3)),
+                                      mx.array(v.reshape(B, T, lay.kv_heads, hd).transpose(0, 2, 1, 3)))
+    out = llama.scaled_dot_product_attention(mx.array(q.transpose(0, 2, 1, 3)), keys, values, cache=c,
+                                             scale=lay.scale, mask=mask)
+    return np.asarray(out).transpose(0, 2, 1, 3).reshape(B * T, lay.heads * hd)
+
+
+class _Tables:
+    """RoPE tables per (RoPE parameters, offsets, positions): every layer's cache sits at the
+    same offsets, and every layer has its own ``nn.RoPE`` object with the same parameters."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, tuple] = {}
+
+    def get(self, rope: Any, offset: Any, rows: int, T: int) -> tuple:
+        key = (rope.dims, rope.traditional, rope.base, rope.scale, T) + _offset_key(offset)
+        if key not in self.seen:
+            self.seen[key] = _rope_table(rope, offset, rows, T)
+        return self.seen[key]
+
+
+def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = None) -> Optional[mx.array]:
+    """The logits ``[B, T, vocab]`` of mlx-lm's ``Model.__call__``, computed on the host path;
+    None when this call is not one it takes (the caller runs mlx-lm's forward)."""
+    if cache is None or input_embeddings is not None or inputs.ndim != 2 \
+            or not 0 < inputs.shape[1] <= MAX_POSITIONS:
+        return None
+    plan = _plan(model, [cache])
+    if plan is None:
+        return None
+    from mlx_lm.models.base import create_attention_mask
+
+    B, T = inputs.shape
+    h = plan.embed[np.asarray(inputs).reshape(-1)]       # [B*T, D], a copy
+    mask = create_attention_mask(inputs, cache[plan.fa_idx])
+    mx.eval([c.offset for c in cache if isinstance(c.offset, mx.array)])
+    tables = _Tables()
+
+    def attention(i: int, lay: _Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        c = cache[i]
+        return _attend_rows(lay, c, tables.get(lay.rope, c.offset, B, T), mask, q, k, v, B, T)
+
+    logits = _proj(_layers(plan, h, attention), plan.head, None)
     return mx.array(logits.reshape(B, T, -1))
+
+
+def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> bool:
+    """Feed ``rows[i]`` (up to ``MAX_POSITIONS`` tokens) into row i's own cache layers
+    ``caches[i]`` in one pass: the products for every row's positions together (one weight read,
+    no padding), each row's RoPE, KV write and attention on its own cache -- no merged batch to
+    build and split again. False (nothing done) when the host path does not take it; all or
+    nothing: a failure puts every cache back where it was, then raises."""
+    if not rows or any(not 0 < len(r) <= MAX_POSITIONS for r in rows):
+        return False
+    plan = _plan(model, caches)
+    if plan is None or any(isinstance(layer.offset, mx.array) for c in caches for layer in c):
+        return False
+    from mlx_lm.models.base import create_attention_mask
+
+    spans, at = [], 0
+    for r in rows:
+        spans.append((at, at + len(r)))
+        at += len(r)
+    masks = [create_attention_mask(mx.zeros((1, len(r))), c[plan.fa_idx]) for r, c in zip(rows, caches)]
+    tables = _Tables()
+
+    def attention(i: int, lay: _Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        outs = []
+        for (a, b), c, mask in zip(spans, caches, masks):
+            layer = c[i]
+            table = tables.get(lay.rope, layer.offset, 1, b - a)
+            outs.append(_attend_rows(lay, layer, table, mask, q[a:b], k[a:b], v[a:b], 1, b - a))
+        return np.concatenate(outs, axis=0)
+
+    saved = [[(layer, layer.keys, layer.values, layer.offset) for layer in c] for c in caches]
+    try:
+        _layers(plan, plan.embed[np.array([t for r in rows for t in r], dtype=np.int64)], attention)
+        mx.eval([x for c in caches for layer in c for x in (layer.keys, layer.values)])
+    except BaseException:
+        for row in saved:
+            for layer, keys, values, offset in row:
+                layer.keys, layer.values, layer.offset = keys, values, offset
+        raise
+    return True
 
 
 def _patch_llama() -> None:
