@@ -306,16 +306,23 @@ def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = No
     return mx.array(logits.reshape(B, T, -1))
 
 
+def _rows_plan(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> Optional[Plan]:
+    if len(rows) != len(caches) or not rows or any(not 0 < len(r) <= MAX_POSITIONS for r in rows):
+        return None
+    plan = _plan(model, caches)
+    if plan is None or any(isinstance(layer.offset, mx.array) for c in caches for layer in c):
+        return None
+    return plan
+
+
 def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> bool:
     """Feed ``rows[i]`` (up to ``MAX_POSITIONS`` tokens) into row i's own cache layers
     ``caches[i]`` in one pass: the products for every row's positions together (one weight read,
     no padding), each row's RoPE, KV write and attention on its own cache -- no merged batch to
     build and split again. False (nothing done) when the host path does not take it; all or
     nothing: a failure puts every cache back where it was, then raises."""
-    if not rows or any(not 0 < len(r) <= MAX_POSITIONS for r in rows):
-        return False
-    plan = _plan(model, caches)
-    if plan is None or any(isinstance(layer.offset, mx.array) for c in caches for layer in c):
+    plan = _rows_plan(model, caches, rows)
+    if plan is None:
         return False
     from mlx_lm.models.base import create_attention_mask
 
