@@ -468,3 +468,35 @@ def test_bench_batch_kinds_rows_match_alone_at_full_size():
         r = bench.run(kind, context=24, rows=3, steps=1, layers=6)
         assert r["max_logit_diff"] < 1e-3, (kind, r)
         assert r["single_tok_s"] > 0 and r["batched_tok_s"] > 0
+
+
+def test_no_forward_when_every_pending_token_is_its_rows_last(dense, monkeypatch):
+    """Rows that all reach max_tokens together: the step that would feed their last sampled
+    tokens only reads them back (nothing would use that forward: the closer feeds the last token
+    itself) -- one batched forward a token, not one more; replies and the next turn's hit unchanged."""
+    solo_engine, batch_engine = build_engine(engine_settings(dense)), build_engine(engine_settings(dense))
+    first = [convo(p) for p in PROMPTS[:3]]
+    solo = [solo_engine.run(job(m, max_tokens=8, session=f"n{i}")[0]) for i, m in enumerate(first)]
+    model_cls = type(batch_engine.loaded.model)
+    real = model_cls.__call__
+    widths = []
+
+    def counted(self, inputs, *a, **k):
+        if inputs.shape[0] >= 3:                # the batch: 3 rows (the slab holds 4), not the 2-row probe
+            widths.append(inputs.shape[1])
+        return real(self, inputs, *a, **k)
+
+    monkeypatch.setattr(model_cls, "__call__", counted)
+    batched, _ = run_batched(batch_engine, [job(m, max_tokens=8, session=f"n{i}")[0] for i, m in enumerate(first)],
+                             budget=512)
+    monkeypatch.setattr(model_cls, "__call__", real)
+    assert [o.raw_text for o in batched] == [o.raw_text for o in solo]
+    assert all(o.finish_reason == "length" and o.completion_tokens == 8 for o in batched)
+    # the rests' forward, 8 decode forwards (the last prompt token, then tokens 1..7), the closers'
+    assert widths.count(1) == 8 and run_batched.sched.closed_together == 3
+    second = [m + [{"role": "assistant", "content": o.text}, {"role": "user", "content": "Go on."}]
+              for m, o in zip(first, solo)]
+    again_solo = [solo_engine.run(job(m, max_tokens=8, session=f"n{i}")[0]) for i, m in enumerate(second)]
+    again = [batch_engine.run(job(m, max_tokens=8, session=f"n{i}")[0]) for i, m in enumerate(second)]
+    assert [o.cached_tokens for o in again] == [o.cached_tokens for o in again_solo]
+    assert [o.raw_text for o in again] == [o.raw_text for o in again_solo]

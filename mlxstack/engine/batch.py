@@ -1,9 +1,8 @@
 """Decode several sequences together: one forward pass, one token each, per step.
 
     group = DecodeGroup(engine, batching=True)
-    group.add(seq, first_logits)          # after its prefill; samples its first token (lazy)
-    finished = group.step()               # feeds every pending token, samples the next ones,
-                                          # then reads the previous ones (pipelined like decode())
+    group.add(seq, first_logits)   # after its prefill; samples its first token (lazy)
+    finished = group.step()        # feeds every pending token, samples the next, reads the previous
 
 With ``batching`` the members' KV layers live in one ``SlabKVCache`` per layer (engine/
 batch_cache.py: mlx-lm's ``BatchKVCache`` layout -- rows right-aligned with per-row left padding,
@@ -16,13 +15,10 @@ sequence's own cache.
 Layers of other kinds are batched with mlx-lm's own forms: sliding windows as one
 ``BatchRotatingKVCache``, recurrent / conv state as one batched ``ArraysCache`` -- rebuilt from
 every member's state (``extract`` then ``merge``) whenever a member joins or leaves; a window or a
-recurrent state is small and bounded, so the copy is too. Gemma 3, GPT-OSS, Mamba, LFM2 and
-Qwen3-Next batch this way (their global-attention layers are slab rows). Without ``batching``
-(chunked attention, CacheList, KV_BITS: no batched form), each member is stepped on its own
-cache in turn: streams interleave, the arithmetic is the sequential one.
-
-Each member keeps everything that is per request: its sampler and PRNG key (a seeded request
-keeps its own stream), stop strings, detokenizer, watchdog and hang-up checks.
+recurrent state is small and bounded, so the copy is too (Gemma 3, GPT-OSS, Mamba, LFM2,
+Qwen3-Next). Without ``batching`` (chunked attention, CacheList, KV_BITS) each member is stepped
+on its own cache in turn. Each member keeps everything per request: sampler and PRNG key, stop
+strings, detokenizer, checks.
 
 Failures stay with what they touch. Per-row work (the sampler, reading the token back, the
 detokenizer, stop checks) failing fails that row only: it leaves the batch (its KV is dropped,
@@ -350,7 +346,8 @@ class DecodeGroup:
         return done
 
     def _plain_step(self) -> list[Sequence]:
-        """One token for every member (the forward, then the previous tokens read back)."""
+        """One token for every member (the forward, then the previous tokens read back); when every
+        pending token is its row's last (max_tokens), only the read-back."""
         stream = generation_stream()
         model = self.engine.decode_model
         seqs = list(self.seqs)
@@ -360,6 +357,10 @@ class DecodeGroup:
         def row_work(s: Sequence, work: Callable[[], Any]) -> Any:
             return run_row(failed, s, work)
 
+        if all(not s.tail and s.produced + 1 >= s.params.max_tokens for s in seqs):
+            # every row's pending token is its last (max_tokens): no forward, only the read-back
+            done = [s for s, t in zip(seqs, current) if row_work(s, lambda s=s, t=t: self._read_back(s, t))]
+            return self.settle_rows(seqs, failed, [s for s in done if id(s) not in failed])
         nxt: list[Any] = [None] * len(seqs)
         with mx.stream(stream):
             for s in seqs:
