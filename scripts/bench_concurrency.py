@@ -203,6 +203,8 @@ def main() -> int:
                     help="add ours batched with CPU_KERNELS=off (MLX's own exp / attention / SiLU)")
     ap.add_argument("--compare-native", action="store_true",
                     help="add ours batched with NATIVE_ATTENTION=off (decode attention in MLX ops)")
+    ap.add_argument("--compare-host", action="store_true",
+                    help="add ours batched with HOST_FORWARD=off (decode-sized forwards through mlx-lm's forward)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="R > 1: every server up at once, R rounds taking turns (ours, mlx_lm.server, ours, ...); "
                          "medians over the rounds and the median of each round's ratio (this VM's speed drifts "
@@ -222,6 +224,9 @@ def main() -> int:
     if args.compare_native:
         servers.append(("ours native off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
                                                     "NATIVE_ATTENTION": "off"}))
+    if args.compare_host:
+        servers.append(("ours host off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
+                                                  "HOST_FORWARD": "off"}))
     if not args.skip_fifo:
         servers.append(("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"}))
     if not args.skip_mlx_lm:
@@ -248,7 +253,8 @@ def main() -> int:
     labels = {r["server"] for r in rows}
     for col in ("agg_decode_tok_s", "agg_turn_tok_s"):
         batched = {r["sessions"]: r[col] for r in rows if r["server"] == "ours batched"}
-        for other in ("ours FIFO", "ours unshared", "ours kernels off", "mlx_lm.server"):
+        for other in ("ours FIFO", "ours unshared", "ours kernels off", "ours native off", "ours host off",
+                      "mlx_lm.server"):
             base = {r["sessions"]: r[col] for r in rows if r["server"] == other}
             if base:
                 print(f"\n{col}, batched / {other}: " + ", ".join(
