@@ -4,8 +4,6 @@ taken that it cannot do, a model whose weights change falls back at once, and an
 batched replies are the same with it on and off."""
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -14,11 +12,10 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
-from mlxstack.engine.batch import batching_support
 from mlxstack.engine.batch_cache import SlabKVCache
-from mlxstack.engine.scheduler import Scheduler
 from mlxstack.models import host_forward as hf
 from tests.conftest import build_engine, engine_settings
+from tests.test_batching import run_batched
 from tests.test_engine import job
 
 
@@ -192,15 +189,8 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
         return out
 
     def replies(tag):
-        sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
-        futures = []
-        for i, m in enumerate(convos):
-            futures.append(Future())
-            futures[-1].set_running_or_notify_cancel()
-            sched.admit(job(m, max_tokens=12, session=f"{tag}{i}")[0], futures[-1])
-        while not sched.idle():
-            sched.step()
-        return [f.result().text for f in futures]
+        jobs = [job(m, max_tokens=12, session=f"{tag}{i}")[0] for i, m in enumerate(convos)]
+        return [o.text for o in run_batched(eng, jobs, budget=512)[0]]
 
     hf.forward = counted
     try:

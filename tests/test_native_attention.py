@@ -4,17 +4,14 @@ batch, None for what it does not take, no kernel where it cannot build, and an e
 batched replies are the same with it on and off."""
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import mlx.core as mx
 import pytest
 
-from mlxstack.engine.batch import batching_support
-from mlxstack.engine.scheduler import Scheduler
 from mlxstack.models import cpu_kernels, native_attention
 from mlxstack.models import shared_attention as sa
 from mlxstack.models.shared_attention import Part, attend_parts_mlx
 from tests.conftest import build_engine, engine_settings
+from tests.test_batching import run_batched
 from tests.test_engine import job
 
 attend = cpu_kernels.native_kernel()
@@ -162,15 +159,8 @@ def test_batched_replies_are_the_same_with_the_kernel_on_and_off(embedded_model_
         return out
 
     def replies(tag):
-        sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
-        futures = []
-        for i, m in enumerate(convos):
-            futures.append(Future())
-            futures[-1].set_running_or_notify_cancel()
-            sched.admit(job(m, max_tokens=12, session=f"{tag}{i}")[0], futures[-1])
-        while not sched.idle():
-            sched.step()
-        return [f.result().text for f in futures]
+        jobs = [job(m, max_tokens=12, session=f"{tag}{i}")[0] for i, m in enumerate(convos)]
+        return [o.text for o in run_batched(eng, jobs, budget=512)[0]]
 
     monkeypatch.setattr(sa, "_native", counted)
     on = replies("on")
