@@ -264,6 +264,11 @@ def test_alone_every_cache_kind_takes_back_rejected_drafts(kind, tiny_kind_paths
     b, ids = generated_ids(off, LOOP, 30, "l")
     prompt = on.prepare(job(LOOP, max_tokens=30, session="probe")[0]).model_tokens
     oracle_drafts(monkeypatch, list(prompt) + ids)
+    # whether drafting pays is decided from the prior (tokens alone), not from this run's wall
+    # times: under a loaded machine the timed costs could stop drafting before any rejection
+    costs = on.speculation.costs
+    monkeypatch.setattr(costs, "cost", costs.prior_cost)
+    monkeypatch.setattr(costs, "wants_plain", lambda rows: False)
     a = alone(on, job(LOOP, max_tokens=30, session="l")[0])
     assert a.raw_text == b.raw_text
     assert 0 < a.timings["spec_accepted"] < a.timings["spec_proposed"], kind
