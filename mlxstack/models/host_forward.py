@@ -55,10 +55,15 @@ def _rows(w: mx.array) -> np.ndarray:
     return view
 
 
+def _linears(block: Any) -> list[Any]:
+    """One transformer block's projections, in the plan's order (q, k, v, o, gate, up, down)."""
+    a, m = block.self_attn, block.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+
+
 def _refs(block: Any) -> list[Any]:
     """The arrays of one transformer block the plan views (weights, biases or None, norms)."""
-    a, m = block.self_attn, block.mlp
-    linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    linears = _linears(block)
     return ([getattr(x, "weight", None) for x in linears] + [x.get("bias") for x in linears]
             + [block.input_layernorm.weight, block.post_attention_layernorm.weight])
 
@@ -75,9 +80,9 @@ class Plan:
         inner = model.model
         self.layers: list[_Layer] = []
         for block in inner.layers:
-            a, m = block.self_attn, block.mlp
+            a = block.self_attn
             lay = _Layer()
-            linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            linears = _linears(block)
             ws = [_weight(x) for x in linears]
             if any(w is None for w in ws):
                 raise ValueError("a projection is not a float32 nn.Linear")
@@ -306,23 +311,16 @@ def forward(model: Any, inputs: mx.array, cache: Any, input_embeddings: Any = No
     return mx.array(logits.reshape(B, T, -1))
 
 
-def _rows_plan(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> Optional[Plan]:
-    if len(rows) != len(caches) or not rows or any(not 0 < len(r) <= MAX_POSITIONS for r in rows):
-        return None
-    plan = _plan(model, caches)
-    if plan is None or any(isinstance(layer.offset, mx.array) for c in caches for layer in c):
-        return None
-    return plan
-
-
 def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> bool:
     """Feed ``rows[i]`` (up to ``MAX_POSITIONS`` tokens) into row i's own cache layers
     ``caches[i]`` in one pass: the products for every row's positions together (one weight read,
     no padding), each row's RoPE, KV write and attention on its own cache -- no merged batch to
     build and split again. False (nothing done) when the host path does not take it; all or
     nothing: a failure puts every cache back where it was, then raises."""
-    plan = _rows_plan(model, caches, rows)
-    if plan is None:
+    if len(rows) != len(caches) or not rows or any(not 0 < len(r) <= MAX_POSITIONS for r in rows):
+        return False
+    plan = _plan(model, caches)
+    if plan is None or any(isinstance(layer.offset, mx.array) for c in caches for layer in c):
         return False
     from mlx_lm.models.base import create_attention_mask
 
