@@ -152,6 +152,55 @@ def test_control_channel_delivers_in_order_and_refuses_strangers():
         followers[2].recv()
 
 
+_AGREE_RANK = """
+import json, os, sys
+import mlx.core as mx
+from mlxstack.models.cpu_kernels import agreed_modes
+from mlxstack.models.sharding import agree
+group = mx.distributed.init(strict=True, backend="ring")
+cases = json.loads(os.environ["AGREE_CASES"])
+out = []
+for case in cases:
+    local = case[group.rank()]
+    out.append(list(agreed_modes(group, *local)) if isinstance(local[0], str) else list(agree(group, *local)))
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_ranks_agree_on_what_shapes_the_forward(tmp_path):
+    """Real ring collectives over 3 local ranks: ``agree`` gives every rank rank 0's say and
+    whether all can; ``agreed_modes`` (the loader's CPU-kernel choice with ranks) turns the
+    kernels on where rank 0 wants them and the native call only where every rank has it -- each
+    rank deciding alone once ran another forward than its peers and hung the group (LESSONS 60)."""
+    import subprocess
+    import sys
+
+    from mlxstack.launcher.ranks import free_ports
+
+    cases = [[[True, True], [False, True], [False, True]],         # rank 0 says yes; all can
+             [[False, True], [True, True], [True, False]],         # rank 0 says no; rank 2 cannot
+             [["on", "auto"], ["off", "auto"], ["off", "off"]],    # kernels as rank 0; native off on rank 2
+             [["off", "auto"], ["on", "auto"], ["on", "auto"]],    # rank 0 off: all off
+             [["on", "auto"], ["on", "auto"], ["on", "auto"]]]
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps(ring_hostfile(free_ports(3))))
+    env = {**os.environ, "AGREE_CASES": json.dumps(cases), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK], env=rank_env(env, r, str(hostfile)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    from mlxstack.models.cpu_kernels import native_kernel
+
+    native = "auto" if native_kernel() is not None else "off"     # the same build on this machine
+    want = [[True, True], [False, False], ["on", "off"], ["off", "off"], ["on", native]]
+    assert got == [want, want, want]
+
+
 # ----------------------------------------------------------------------------- real servers
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:

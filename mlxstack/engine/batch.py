@@ -494,7 +494,15 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
             lives2.append(live)
         batch = stack_layers([live.layers for live in lives2])
         together = model(nxt, cache=batch)[:, -1, :]
-        ok = all(mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2))
+        mx.eval(together, *alone)   # everything at once: ranks must run every forward's collectives
+        ok = all([mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2)])
+        why = "" if ok else "batched logits differ from single-sequence logits"
     except Exception as exc:  # noqa: BLE001 - any failure: this model decodes one sequence at a time
-        return False, f"batched forward failed ({type(exc).__name__}: {exc})"
-    return (True, "") if ok else (False, "batched logits differ from single-sequence logits")
+        ok, why = False, f"batched forward failed ({type(exc).__name__}: {exc})"
+    group = engine.loaded.extra.get("group")
+    if group is not None:   # ranks decide alike (a rank batching alone runs other collectives)
+        from ..models.sharding import agree
+
+        every = agree(group, False, ok)[1]
+        ok, why = every, ("" if every else why or "another rank's batched check failed")
+    return ok, why

@@ -37,6 +37,20 @@ def native_attention_on() -> bool:
     return shared_attention.native_in_use()
 
 
+def agreed_modes(group: Any, mode: str, native: str = "auto") -> tuple[str, str]:
+    """(mode, native) for ``install_cpu_kernels`` that every rank of ``group`` gets alike: the
+    kernels on where rank 0 wants them (its setting, or its measurement under "auto"), the native
+    call only where every rank built and checked it. Each rank deciding alone differed under load
+    (rank 2's timed ``wanted()`` said off): its forward evaluated in another order than its peers'
+    and the group hung at its first batched check (LESSONS 60). A collective: every rank calls it."""
+    from .sharding import agree
+
+    local_on = mode == "on" or (mode == "auto" and wanted())
+    local_native = native != "off" and mx.default_device() == mx.cpu and native_kernel() is not None
+    on, native_everywhere = agree(group, local_on, local_native)
+    return ("on" if on else "off"), ("auto" if on and native_everywhere else "off")
+
+
 def install_cpu_kernels(mode: str, native: str = "auto") -> bool:
     """``mode``: "auto" (on where the CPU's exp is the slow one, measured), "on", "off";
     ``native`` ("auto" / "off"): the native decode-attention kernel with them, where it builds.

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..config.settings import Settings
 from .context import context_window
 from . import host_forward
-from .cpu_kernels import install_cpu_kernels, native_attention_on
+from .cpu_kernels import agreed_modes, install_cpu_kernels, native_attention_on
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 from .vlm_loader import is_vlm_config, load_vlm
@@ -126,7 +126,10 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     # pipeline stages: no native call -- its per-layer evaluation stalled a stage waiting on its
     # neighbour's send (tests/test_distributed.py); tensor ranks each attend their own heads with it
     native = "off" if settings.distributed == "pipeline" else settings.native_attention
-    if install_cpu_kernels(settings.cpu_kernels, native=native):
+    kernels = settings.cpu_kernels
+    if distributed:      # every rank the same forward: rank 0's choice, the native call only where all have it
+        kernels, native = agreed_modes(extra["group"], kernels, native)
+    if install_cpu_kernels(kernels, native=native):
         host = not distributed and settings.host_forward != "off" and host_forward.install(model)
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")

@@ -107,6 +107,21 @@ def distributed_group(settings: Any) -> Any:
     return group
 
 
+def agree(group: Any, leader_says: bool, every_rank_can: bool) -> tuple[bool, bool]:
+    """(rank 0's ``leader_says``, whether ``every_rank_can`` holds on every rank), the same on
+    every rank: one all_sum, so every rank must call it at the same point. For choices that shape
+    the forward (which kernels run, whether decode batches): a rank deciding alone -- from a timing,
+    a build, a check -- runs its collectives in another order than its peers, which hangs the group
+    or silently mixes up the results (LESSONS 60)."""
+    import mlx.core as mx
+
+    votes = mx.array([int(bool(leader_says)) if group.rank() == 0 else 0, int(bool(every_rank_can))], dtype=mx.int32)
+    total = mx.distributed.all_sum(votes, group=group)
+    mx.eval(total)
+    lead, every = total.tolist()
+    return lead > 0, every == group.size()
+
+
 def shard(model: Any, mode: str, group: Any) -> None:
     """Split ``model`` in place for this rank (weights still lazy: only this rank's part is read)."""
     if mode == "tensor":
