@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"[rank {rank}] " if rank not in (None, "0") else ""
     logging.basicConfig(level=settings.log_level, format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
     hf_offline_env()
+    if settings.distributed != "off":    # local ranks share the cores: one OpenBLAS pool each, not one per core each
+        from .system.blas import share_cores_between_ranks
+
+        share_cores_between_ranks(settings)
     from .api.app import App, make_server
 
     if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:

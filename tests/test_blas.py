@@ -1,6 +1,8 @@
 """BLAS preload discovery / env logic (fake trees) and a real preload check where OpenBLAS exists."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +147,35 @@ def test_coretype_env_on_this_machine():
     assert env == ({"OPENBLAS_CORETYPE": want} if want else {})
     if want:
         assert blas.openblas_corename(_REAL, want).lower() == want.lower()
+
+
+def test_rank_threads_share_the_cores_between_local_ranks():
+    three = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3"})
+    two = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "2"})
+    one = load_settings(env={})
+    assert [blas.rank_threads(three, 2, cores=c) for c in (2, 3, 6, 16)] == [1, 1, 2, 2]
+    assert [blas.rank_threads(three, 8, cores=c) for c in (2, 3, 6, 16)] == [1, 1, 2, 5]
+    assert [blas.rank_threads(two, 8, cores=c) for c in (1, 2, 16)] == [1, 1, 8]   # never above what it had
+    assert [blas.rank_threads(one, n, cores=2) for n in (1, 2, 8)] == [1, 2, 8]    # one process: untouched
+
+
+def test_share_cores_sets_the_preloaded_pool(tmp_path: Path):
+    """In a fresh process with the preloaded OpenBLAS of this machine (the test runner's
+    environment): 3 local ranks on this machine's cores -> each pool cores // 3 threads (at least
+    1), read back from OpenBLAS itself; without ranks nothing changes."""
+    if not blas.optimized_blas_active():
+        pytest.skip("no preloaded OpenBLAS in this process")
+    code = ("import ctypes, os, json; from mlxstack.config.settings import load_settings; "
+            "from mlxstack.system import blas; "
+            "get = ctypes.CDLL(None).openblas_get_num_threads; before = get(); "
+            "one = blas.share_cores_between_ranks(load_settings(env={})); "
+            "three = blas.share_cores_between_ranks(load_settings(env={'DISTRIBUTED': 'tensor', "
+            "'DISTRIBUTED_LOCAL_RANKS': '3'})); "
+            "print(json.dumps([before, one, three, get(), os.environ['OPENBLAS_NUM_THREADS'], "
+            "len(os.sched_getaffinity(0))]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-1500:]
+    before, one, three, now, env, cores = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == 2 and one == 2
+    assert three == now == int(env) == max(1, min(2, cores // 3))

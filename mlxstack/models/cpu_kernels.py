@@ -56,6 +56,7 @@ def install_cpu_kernels(mode: str, native: str = "auto") -> bool:
     ``native`` ("auto" / "off"): the native decode-attention kernel with them, where it builds.
     Returns whether they are on. Idempotent; call again after loading another model module."""
     on = mode == "on" or (mode == "auto" and wanted())
+    native_attention.THREADS = native_attention.threads_here()   # after a rank took its share of the cores
     shared_attention.install()
     shared_attention.use_fast_exp(on)
     shared_attention.use_native(native_kernel() if on and native != "off" and mx.default_device() == mx.cpu else None)

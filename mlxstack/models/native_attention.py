@@ -45,14 +45,21 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_QUERIES = 16            # per row: a decode step or a speculative verification, not a prefill
 
 
-def _threads() -> int:
+def threads_here() -> int:
+    """2 where this process may use two cores: the usable ones, capped by OPENBLAS_NUM_THREADS
+    (the launcher shares the cores out between local ranks: system/blas.py blas_threads)."""
     try:
-        return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return 2 if (os.cpu_count() or 1) >= 2 else 1
+        cores = os.cpu_count() or 1
+    try:
+        cores = min(cores, int(os.environ.get("OPENBLAS_NUM_THREADS", "") or cores))
+    except ValueError:
+        pass
+    return 2 if cores >= 2 else 1
 
 
-THREADS = _threads()        # a call with enough work splits its rows over two threads
+THREADS = threads_here()    # a call with enough work splits its rows over two threads (install_cpu_kernels re-reads it)
 
 _i64 = ctypes.c_int64
 

@@ -210,6 +210,36 @@ def coretype_env(lib: os.PathLike[str] | str, environ: Mapping[str, str]) -> dic
     return {"OPENBLAS_CORETYPE": name}
 
 
+def rank_threads(settings: Any, current: int, cores: Optional[int] = None) -> int:
+    """OpenBLAS threads for one MLX process (pure): ``current``, capped at its share of the usable
+    cores where several local ranks of a DISTRIBUTED group run on this machine -- each rank keeps
+    its own busy-waiting pool: 3 ranks x 2 threads on 2 cores prefilled at 42 tok/s, 1 thread each
+    at 176 (scripts/bench_distributed.py --ranks 3)."""
+    cores = _cpu_count() if cores is None else cores
+    ranks = int(getattr(settings, "distributed_local_ranks", 0) or 0)
+    if str(getattr(settings, "distributed", "off")) == "off" or ranks < 2:
+        return max(1, current)
+    return max(1, min(current, cores // ranks))
+
+
+def share_cores_between_ranks(settings: Any) -> Optional[int]:
+    """Limit this process's OpenBLAS pool to ``rank_threads`` now (``openblas_set_num_threads`` of
+    the preloaded library; OPENBLAS_NUM_THREADS updated to say so, which the native attention's
+    thread count reads too). The threads it uses now, or None without OpenBLAS in the process."""
+    try:
+        proc = ctypes.CDLL(None)
+        get, put = proc.openblas_get_num_threads, proc.openblas_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+    now = int(get())
+    want = rank_threads(settings, now)
+    if want != now:
+        put(want)
+        os.environ["OPENBLAS_NUM_THREADS"] = str(want)
+    return want
+
+
 def blas_preload_env(
     settings: Any,
     *,
