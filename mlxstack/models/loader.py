@@ -148,7 +148,7 @@ def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callabl
     known here), join the ranks' group, keep this rank's part of the (still lazy) weights."""
     import mlx.core as mx
 
-    from .sharding import distributed_group, facts_from_config, refusal, shard
+    from .sharding import differing_settings, distributed_group, facts_from_config, refusal, shard, shared_settings
 
     facts = facts_from_config(config, name, model)
     why = refusal(settings.distributed, settings.distributed_local_ranks, facts) \
@@ -161,6 +161,10 @@ def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callabl
     why = refusal(settings.distributed, group.size(), facts)
     if why:
         raise ModelLoadError(why)
+    differ = differing_settings(group, shared_settings(settings))
+    if differ:
+        raise ModelLoadError(f"DISTRIBUTED: rank {group.rank()}'s settings differ from rank 0's in {', '.join(differ)}; "
+                             "every rank must run with the same values (give every host the same .env)")
     shard(model, settings.distributed, group)
     mx.eval(model.parameters())
     say(f"rank {group.rank()} of {group.size()}: {settings.distributed} parallel part loaded")

@@ -122,6 +122,44 @@ def agree(group: Any, leader_says: bool, every_rank_can: bool) -> tuple[bool, bo
     return lead > 0, every == group.size()
 
 
+# Settings a rank may hold for its own host: where its files are, how it is reached and logged,
+# how the launcher supervises it. Every other one shapes what the engine decides at each step
+# (budgets, batching, speculation, sampling defaults, kernels...) and must be the same on every rank.
+HOST_LOCAL_SETTINGS = frozenset({
+    "BACKENDS_FILE", "BLAS_PRELOAD", "DISK_CACHE_DIR", "DISTRIBUTED_HOSTS", "DRAFT_MODEL", "ENABLE_REQUEST_LOGGING",
+    "HUGE_PAGES", "LITELLM_MASTER_KEY", "LOG_LEVEL", "LOG_MAX_BYTES", "LOG_ROOT", "MLX_ALLOWED_HOSTS",
+    "MLX_ALLOWED_ORIGINS", "MLX_API_KEY", "MLX_HOST", "MLX_HTTP_THREADS", "MLX_MAX_RESTARTS", "MLX_PORT",
+    "MLX_REPLICAS", "MLX_RESTART_WINDOW_SECONDS", "MLX_STARTUP_TIMEOUT_SECONDS", "MLX_UNHEALTHY_RESTART_SECONDS",
+    "MODEL_CACHE_DIR", "MODEL_PATH", "PROXY_HOST", "PROXY_MODEL_ID", "PROXY_PORT", "PROXY_REQUEST_TIMEOUT_SECONDS",
+    "PROXY_STARTUP_TIMEOUT_SECONDS", "ROUTING", "ROUTING_AFFINITY_TTL_SECONDS", "VLM_CACHE_DEBUG", "WARM_PROMPTS",
+})
+
+
+def shared_settings(settings: Any) -> dict[str, str]:
+    """The settings every rank must run with alike, as text (pure): all but ``HOST_LOCAL_SETTINGS``."""
+    return {k: v for k, v in settings.as_env().items() if k not in HOST_LOCAL_SETTINGS}
+
+
+def differing_settings(group: Any, values: dict[str, str]) -> list[str]:
+    """The names in ``values`` whose value differs from rank 0's on some rank -- the same list on
+    every rank (two all_gathers of CRC32s: every rank must call it at the same point). Ranks on
+    other machines read their own .env; one with another MAX_CONCURRENT_SEQUENCES or SPECULATIVE
+    would take other steps than rank 0 and hang the group or mix up results."""
+    import zlib
+
+    import mlx.core as mx
+
+    names = sorted(values)
+    crc = lambda text: zlib.crc32(text.encode()) & 0x7FFFFFFF   # noqa: E731
+    shape = mx.distributed.all_gather(mx.array([[len(names), crc("\0".join(names))]], dtype=mx.int32), group=group)
+    if not bool((shape == shape[0:1]).all().item()):
+        return ["(the settings themselves: the ranks run different mlxstack versions)"]
+    mine = mx.array([[crc(f"{n}={values[n]}") for n in names]], dtype=mx.int32)
+    every = mx.distributed.all_gather(mine, group=group)
+    differs = (every != every[0:1]).any(axis=0).tolist()
+    return [n for n, d in zip(names, differs) if d]
+
+
 def shard(model: Any, mode: str, group: Any) -> None:
     """Split ``model`` in place for this rank (weights still lazy: only this rank's part is read)."""
     if mode == "tensor":
