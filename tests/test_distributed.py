@@ -524,6 +524,10 @@ def test_shared_settings_leave_out_what_is_host_local():
     other = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", "MLX_PORT": "9999",
                                "LOG_ROOT": "/elsewhere", "MODEL_CACHE_DIR": "/models", "MLX_API_KEY": "k"})
     assert shared_settings(base) == shared_settings(other)       # where files are, ports, keys: per host
+    one, two = (load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", "DRAFT_MODEL": p})
+                for p in ("/a/draft", "/b/draft"))
+    assert shared_settings(one) == shared_settings(two) and shared_settings(one)["DRAFT_MODEL"] == "set"
+    assert shared_settings(base)["DRAFT_MODEL"] == ""             # a draft model or none: the same on every rank
     assert set(base.as_env()) - set(shared_settings(base)) == HOST_LOCAL_SETTINGS
     for name, value in (("MAX_CONCURRENT_SEQUENCES", "2"), ("SPECULATIVE", "off"), ("CPU_KERNELS", "off"),
                         ("PROMPT_CACHE_MAX_BYTES", "1000000")):

@@ -126,7 +126,7 @@ def agree(group: Any, leader_says: bool, every_rank_can: bool) -> tuple[bool, bo
 # how the launcher supervises it. Every other one shapes what the engine decides at each step
 # (budgets, batching, speculation, sampling defaults, kernels...) and must be the same on every rank.
 HOST_LOCAL_SETTINGS = frozenset({
-    "BACKENDS_FILE", "BLAS_PRELOAD", "DISK_CACHE_DIR", "DISTRIBUTED_HOSTS", "DRAFT_MODEL", "ENABLE_REQUEST_LOGGING",
+    "BACKENDS_FILE", "BLAS_PRELOAD", "DISK_CACHE_DIR", "DISTRIBUTED_HOSTS", "ENABLE_REQUEST_LOGGING",
     "HUGE_PAGES", "LITELLM_MASTER_KEY", "LOG_LEVEL", "LOG_MAX_BYTES", "LOG_ROOT", "MLX_ALLOWED_HOSTS",
     "MLX_ALLOWED_ORIGINS", "MLX_API_KEY", "MLX_HOST", "MLX_HTTP_THREADS", "MLX_MAX_RESTARTS", "MLX_PORT",
     "MLX_REPLICAS", "MLX_RESTART_WINDOW_SECONDS", "MLX_STARTUP_TIMEOUT_SECONDS", "MLX_UNHEALTHY_RESTART_SECONDS",
@@ -136,8 +136,11 @@ HOST_LOCAL_SETTINGS = frozenset({
 
 
 def shared_settings(settings: Any) -> dict[str, str]:
-    """The settings every rank must run with alike, as text (pure): all but ``HOST_LOCAL_SETTINGS``."""
-    return {k: v for k, v in settings.as_env().items() if k not in HOST_LOCAL_SETTINGS}
+    """The settings every rank must run with alike, as text (pure): all but ``HOST_LOCAL_SETTINGS``;
+    DRAFT_MODEL by whether one is set (its folder may lie elsewhere on another host)."""
+    out = {k: v for k, v in settings.as_env().items() if k not in HOST_LOCAL_SETTINGS}
+    out["DRAFT_MODEL"] = "set" if out.get("DRAFT_MODEL", "").strip() else ""
+    return out
 
 
 def differing_settings(group: Any, values: dict[str, str]) -> list[str]:
