@@ -47,7 +47,7 @@ MAX_QUERIES = 16            # per row: a decode step or a speculative verificati
 
 def threads_here() -> int:
     """2 where this process may use two cores: the usable ones, capped by OPENBLAS_NUM_THREADS
-    (the launcher shares the cores out between local ranks: system/blas.py blas_threads)."""
+    (local ranks share the cores out at start: system/blas.py share_cores_between_ranks)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
