@@ -161,10 +161,11 @@ def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callabl
     why = refusal(settings.distributed, group.size(), facts)
     if why:
         raise ModelLoadError(why)
-    differ = differing_settings(group, shared_settings(settings))
+    alike = {**shared_settings(settings), "the model's config.json": json.dumps(config, sort_keys=True)}
+    differ = differing_settings(group, alike)
     if differ:
         raise ModelLoadError(f"DISTRIBUTED: rank {group.rank()}'s settings differ from rank 0's in {', '.join(differ)}; "
-                             "every rank must run with the same values (give every host the same .env)")
+                             "every rank must run with the same values (give every host the same .env and model)")
     shard(model, settings.distributed, group)
     mx.eval(model.parameters())
     say(f"rank {group.rank()} of {group.size()}: {settings.distributed} parallel part loaded")
