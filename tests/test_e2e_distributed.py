@@ -49,7 +49,7 @@ class RankStack:
     def chat(self, messages, max_tokens=8):
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
         try:
-            status, reply, _ = http_json(self.base + "/v1/chat/completions", body, headers=AUTH, timeout=300)
+            status, reply, _ = http_json(self.base + "/v1/chat/completions", body, headers=AUTH, timeout=600)
         except OSError as exc:     # a hung group: say where the ranks were, not only "timed out"
             pytest.fail(f"{type(exc).__name__}: {exc}; stack log:\n{self.log_path.read_text()[-6000:]}")
         assert status == 200, (reply, self.log_path.read_text()[-3000:])

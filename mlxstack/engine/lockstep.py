@@ -158,7 +158,9 @@ class Lockstep:
     def all_ok(self, ok: bool) -> bool:
         """Whether every rank's ``ok`` holds (a disk write, a disk read: one rank's failure is a
         failure everywhere, so every rank keeps the same entries)."""
-        return int(mx.distributed.all_sum(mx.array([0 if ok else 1], dtype=mx.int32), group=self.group).item()) == 0
+        from ..models.sharding import agree
+
+        return agree(self.group, False, ok)[1]
 
     def union(self, ids: list[int]) -> list[int]:
         """Every rank's ``ids`` together, sorted (entries some rank's disk tier dropped)."""
