@@ -152,64 +152,6 @@ def test_control_channel_delivers_in_order_and_refuses_strangers():
         followers[2].recv()
 
 
-_AGREE_RANK = """
-import json, os, sys
-import mlx.core as mx
-from mlxstack.models.cpu_kernels import agreed_modes
-from mlxstack.models.sharding import agree, differing_settings
-group = mx.distributed.init(strict=True, backend="ring")
-cases = json.loads(os.environ["AGREE_CASES"])
-out = []
-for case in cases:
-    local = case[group.rank()]
-    if isinstance(local, dict):
-        out.append(differing_settings(group, local))
-    else:
-        out.append(list(agreed_modes(group, *local)) if isinstance(local[0], str) else list(agree(group, *local)))
-print(json.dumps(out), flush=True)
-"""
-
-
-def test_ranks_agree_on_what_shapes_the_forward(tmp_path):
-    """Real ring collectives over 3 local ranks: ``agree`` gives every rank rank 0's say and
-    whether all can; ``agreed_modes`` (the loader's CPU-kernel choice with ranks) turns the
-    kernels on where rank 0 wants them and the native call only where every rank has it -- each
-    rank deciding alone once ran another forward than its peers and hung the group (LESSONS 60);
-    ``differing_settings`` names, on every rank alike, the settings some rank holds otherwise than
-    rank 0 (the loader refuses to start then), and says so when the ranks' setting names differ."""
-    import subprocess
-    import sys
-
-    from mlxstack.launcher.ranks import free_ports
-
-    cases = [[[True, True], [False, True], [False, True]],         # rank 0 says yes; all can
-             [[False, True], [True, True], [True, False]],         # rank 0 says no; rank 2 cannot
-             [["on", "auto"], ["off", "auto"], ["off", "off"]],    # kernels as rank 0; native off on rank 2
-             [["off", "auto"], ["on", "auto"], ["on", "auto"]],    # rank 0 off: all off
-             [["on", "auto"], ["on", "auto"], ["on", "auto"]],
-             [{"A": "1", "B": "x"}, {"A": "1", "B": "x"}, {"A": "1", "B": "x"}],          # settings alike
-             [{"A": "1", "B": "x", "C": "2"}, {"A": "1", "B": "y", "C": "2"}, {"A": "3", "B": "x", "C": "2"}],
-             [{"A": "1"}, {"A": "1"}, {"A": "1", "B": "x"}]]                               # another version
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps(ring_hostfile(free_ports(3))))
-    env = {**os.environ, "AGREE_CASES": json.dumps(cases), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK], env=rank_env(env, r, str(hostfile)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
-    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
-    from mlxstack.models.cpu_kernels import native_kernel
-
-    native = "auto" if native_kernel() is not None else "off"     # the same build on this machine
-    want = [[True, True], [False, False], ["on", "off"], ["off", "off"], ["on", native],
-            [], ["A", "B"], ["(the settings themselves: the ranks run different mlxstack versions)"]]
-    assert got == [want, want, want]
-
-
 # ----------------------------------------------------------------------------- real servers
 @pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:
@@ -516,20 +458,3 @@ def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_pa
     finally:
         third.stop()
 
-
-def test_shared_settings_leave_out_what_is_host_local():
-    from mlxstack.models.sharding import HOST_LOCAL_SETTINGS, shared_settings
-
-    base = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3"})
-    other = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", "MLX_PORT": "9999",
-                               "LOG_ROOT": "/elsewhere", "MODEL_CACHE_DIR": "/models", "MLX_API_KEY": "k"})
-    assert shared_settings(base) == shared_settings(other)       # where files are, ports, keys: per host
-    one, two = (load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", "DRAFT_MODEL": p})
-                for p in ("/a/draft", "/b/draft"))
-    assert shared_settings(one) == shared_settings(two) and shared_settings(one)["DRAFT_MODEL"] == "set"
-    assert shared_settings(base)["DRAFT_MODEL"] == ""             # a draft model or none: the same on every rank
-    assert set(base.as_env()) - set(shared_settings(base)) == HOST_LOCAL_SETTINGS
-    for name, value in (("MAX_CONCURRENT_SEQUENCES", "2"), ("SPECULATIVE", "off"), ("CPU_KERNELS", "off"),
-                        ("PROMPT_CACHE_MAX_BYTES", "1000000")):
-        changed = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", name: value})
-        assert {k for k, v in shared_settings(changed).items() if shared_settings(base)[k] != v} == {name}
