@@ -189,6 +189,16 @@ def interleaved(servers: list[tuple[str, str, dict]], args: argparse.Namespace) 
     return rows, texts
 
 
+# --compare-<flag>: ours batched with one setting changed (label, setting, value, what that means)
+COMPARE = {
+    "shared": ("ours unshared", "SHARED_PREFIX_MIN_TOKENS", "0", "every row its own copy of the prompt"),
+    "kernels": ("ours kernels off", "CPU_KERNELS", "off", "MLX's own exp / attention / SiLU"),
+    "native": ("ours native off", "NATIVE_ATTENTION", "off", "decode attention in MLX ops"),
+    "host": ("ours host off", "HOST_FORWARD", "off", "decode-sized forwards through mlx-lm's forward"),
+    "products": ("ours products off", "NATIVE_PRODUCTS", "off", "the host path's products through OpenBLAS's sgemm"),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -197,14 +207,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-fifo", action="store_true", help="leave out ours with MAX_CONCURRENT_SEQUENCES=1")
-    ap.add_argument("--compare-shared", action="store_true",
-                    help="add ours batched with SHARED_PREFIX_MIN_TOKENS=0 (every row its own copy of the prompt)")
-    ap.add_argument("--compare-kernels", action="store_true",
-                    help="add ours batched with CPU_KERNELS=off (MLX's own exp / attention / SiLU)")
-    ap.add_argument("--compare-native", action="store_true",
-                    help="add ours batched with NATIVE_ATTENTION=off (decode attention in MLX ops)")
-    ap.add_argument("--compare-host", action="store_true",
-                    help="add ours batched with HOST_FORWARD=off (decode-sized forwards through mlx-lm's forward)")
+    for flag, (_, setting, value, what) in COMPARE.items():
+        ap.add_argument(f"--compare-{flag}", action="store_true", help=f"add ours batched with {setting}={value} ({what})")
     ap.add_argument("--rounds", type=int, default=1,
                     help="R > 1: every server up at once, R rounds taking turns (ours, mlx_lm.server, ours, ...); "
                          "medians over the rounds and the median of each round's ratio (this VM's speed drifts "
@@ -215,18 +219,10 @@ def main() -> int:
     common = {"DEFAULT_TEMPERATURE": "0", "DEFAULT_REPETITION_PENALTY": "1.0", "ENABLE_REQUEST_LOGGING": "false",
               "DISK_CACHE_DIR": "off", "PREFILL_CHUNK_TOKENS": str(args.chunk), "MAX_QUEUED_REQUESTS": "64"}
     servers = [("ours batched", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions))})]
-    if args.compare_shared:
-        servers.append(("ours unshared", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
-                                                  "SHARED_PREFIX_MIN_TOKENS": "0"}))
-    if args.compare_kernels:
-        servers.append(("ours kernels off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
-                                                     "CPU_KERNELS": "off"}))
-    if args.compare_native:
-        servers.append(("ours native off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
-                                                    "NATIVE_ATTENTION": "off"}))
-    if args.compare_host:
-        servers.append(("ours host off", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
-                                                  "HOST_FORWARD": "off"}))
+    for flag, (label, setting, value, _) in COMPARE.items():
+        if getattr(args, "compare_" + flag):
+            servers.append((label, "ours", {**common, "MAX_CONCURRENT_SEQUENCES": str(max(args.sessions)),
+                                            setting: value}))
     if not args.skip_fifo:
         servers.append(("ours FIFO", "ours", {**common, "MAX_CONCURRENT_SEQUENCES": "1"}))
     if not args.skip_mlx_lm:

@@ -11,7 +11,8 @@ through MLX than the same ``cblas_sgemm`` called directly (measured here: the 21
 OpenBLAS). For calls of up to ``MAX_POSITIONS`` positions a row (a decode step, a speculative
 verification, a turn's closer, a warm turn's short rest) this module runs the layer's dense
 arithmetic on numpy views of the model's own weight buffers (no copy) -- products through the
-optimised BLAS MLX itself uses (``blas()``), norms and SwiGLU in numpy -- and keeps in MLX exactly
+optimised BLAS MLX itself uses (``blas()``) or, for up to 64 rows, a native loop that streams each
+weight once (models/native_products.py, NATIVE_PRODUCTS), norms and SwiGLU in numpy -- and keeps in MLX exactly
 what carries the cache semantics:
 RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call; the rotation is
 then bit for bit MLX's), the cache's own
@@ -35,6 +36,8 @@ import mlx.nn as nn
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+from .native_products import MAX_ROWS as _MAX_NATIVE_ROWS
 
 MAX_POSITIONS = 16          # positions a row: decode-sized calls only (a prefill chunk stays in MLX)
 _ATTR = "_mlxstack_host"    # the plan, an attribute of the model instance (opt-in per instance)
@@ -162,8 +165,15 @@ def blas() -> Any:
     return _sgemm or None
 
 
+_products: Any = None       # models/native_products.py's loop, when NATIVE_PRODUCTS is on and it loaded
+
+
 def _proj(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
-    """``x @ w.T`` (+ ``b``): ``x`` [M, K], ``w`` [N, K] row-major (an nn.Linear weight)."""
+    """``x @ w.T`` (+ ``b``): ``x`` [M, K], ``w`` [N, K] row-major (an nn.Linear weight); up to
+    ``native_products.MAX_ROWS`` rows through the native loop where it is on, else sgemm."""
+    if _products is not None and x.shape[0] <= _MAX_NATIVE_ROWS:
+        y = _products(x, w)
+        return y if b is None else y + b
     x = np.ascontiguousarray(x)
     M, K = x.shape
     N = w.shape[0]
@@ -380,10 +390,25 @@ def enabled(model: Any) -> bool:
     return hasattr(model, "__dict__") and model.__dict__.get(_ATTR) is not None
 
 
-def install(model: Any) -> bool:
+def use_native_products(on: bool) -> bool:
+    """The host path's products through models/native_products.py's loop (``on`` and it loads
+    here) or OpenBLAS's sgemm; returns whether the loop is in use."""
+    global _products
+    from . import native_products
+
+    _products = native_products.load() if on else None
+    return _products is not None
+
+
+def native_products_on() -> bool:
+    return _products is not None
+
+
+def install(model: Any, native_products: bool = False) -> bool:
     """Give ``model`` the host path where it applies (an mlx-lm ``llama.Model`` of float32
     ``nn.Linear`` layers, plain RoPE, no sliding layers, on the CPU) and agrees with mlx-lm's
-    forward on the loaded weights; False (nothing changed) otherwise."""
+    forward on the loaded weights; False (nothing changed) otherwise. ``native_products``: its
+    weight products through the native loop where that builds here (``use_native_products``)."""
     from mlx_lm.models import llama
 
     if type(model) is not llama.Model or mx.default_device() != mx.cpu:
@@ -397,6 +422,7 @@ def install(model: Any) -> bool:
         log.info("host forward: not for this model (%s)", exc)
         return False
     _patch_llama()
+    use_native_products(native_products)
     try:
         ok = _agrees(model, plan)
     except Exception as exc:  # noqa: BLE001 - a path that cannot run is simply not used

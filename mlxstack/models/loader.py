@@ -130,10 +130,13 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     if distributed:      # every rank the same forward: rank 0's choice, the native call only where all have it
         kernels, native = agreed_modes(extra["group"], kernels, native)
     if install_cpu_kernels(kernels, native=native):
-        host = not distributed and settings.host_forward != "off" and host_forward.install(model)
+        host = not distributed and settings.host_forward != "off" \
+            and host_forward.install(model, native_products=settings.native_products != "off")
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")
-            + (", decode-sized forwards on the host path (HOST_FORWARD)" if host else ""))
+            + (", decode-sized forwards on the host path (HOST_FORWARD)" if host else "")
+            + (", their weight products in a native loop (NATIVE_PRODUCTS)"
+               if host and host_forward.native_products_on() else ""))
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(

@@ -17,31 +17,26 @@ bool / float32 array broadcastable to ``[B, Hq, L, T]``, per-row part visibility
 anything else returns None and the caller uses ``shared_attention``'s MLX ops, which compute
 the same softmax (tests/test_native_attention.py holds them within float rounding).
 
-Built once per source and compiler flags with the system C compiler (``cc -O3 -march=native``:
-it runs where it is built) into ``<venv>/mlxstack-native/``, written under a temporary name and
-renamed (several servers may build at once). No compiler, a failed build or a failed self-check
-against the MLX path: ``load()`` returns None and nothing changes.
+Built once per source and compiler flags with the system C compiler (models/native_build.py).
+No compiler, a failed build or a failed self-check against the MLX path: ``load()`` returns None
+and nothing changes.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
+from . import native_build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_QUERIES = 16            # per row: a decode step or a speculative verification, not a prefill
 
 
@@ -72,43 +67,10 @@ class _Part(ctypes.Structure):
                 ("causal", _i64), ("rows", ctypes.c_void_p)]
 
 
-def build_dir() -> Path:
-    """Where built kernels live: beside the interpreter's environment (the installer owns it)."""
-    return Path(os.environ.get("MLXSTACK_NATIVE_DIR") or Path(sys.prefix) / "mlxstack-native")
-
-
-def library_path(compiler: str) -> Path:
-    """One file per source text, flags and compiler: an edit or another compiler builds anew."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
-    return build_dir() / f"decode_attention-{key}.so"
-
-
 def build() -> Optional[Path]:
-    """The kernel's shared library, built if missing; None without a compiler or on a failure."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return None
-    target = library_path(compiler)
-    if target.exists():
-        return target
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            log.warning("native decode attention: build failed: %s", done.stderr.strip()[-500:])
-            return None
-        os.replace(tmp, target)
-        tmp = None
-        return target
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native decode attention: cannot build (%s)", exc)
-        return None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    """The kernel's shared library, built if missing (models/native_build.py); None without a
+    compiler or on a failure."""
+    return native_build.build(SOURCE, "native decode attention")
 
 
 def _view(a: mx.array) -> np.ndarray:

@@ -1,0 +1,208 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (a decode step's projections), reading each
+   weight row once from memory, in place (an nn.Linear weight is row-major [out, in]): no
+   packing of the weight as a general GEMM does on every call (for 8 rows OpenBLAS spends much of
+   a product repacking the weight). Blocks of WROWS weight rows x GROUP x rows keep their
+   accumulators in registers; the block's weight rows stay in L1 while further row groups pass.
+   Built by models/native_products.py with -O3 -march=native (AVX-512, AVX2 + FMA, or portable C).
+
+   Every (row, output) dot product runs the same instruction sequence whatever M is and whichever
+   group of rows it falls in: VEC lanes of partial sums over k = lane (mod VEC), the K tail in
+   the same lanes, then one fixed-order reduction -- a row's result never depends on the other
+   rows of the call (a batched step and a row decoded alone agree bit for bit).
+
+   Two threads (threads == 2): outputs [0, split) on the caller's thread, [split, N) on a helper
+   that stays alive between calls (spins briefly for the next product, then sleeps). */
+#include <stdint.h>
+#include <string.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VEC 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vload_tail(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vload_tail(const float *p, int n) {
+    float buf[8] = {0};
+    memcpy(buf, p, (size_t)n * sizeof(float));
+    return _mm256_loadu_ps(buf);
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf a) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#else
+#define VEC 8
+typedef struct { float v[8]; } vf;
+static inline vf vzero(void) { vf a; for (int i = 0; i < 8; i++) a.v[i] = 0.0f; return a; }
+static inline vf vload(const float *p) { vf a; for (int i = 0; i < 8; i++) a.v[i] = p[i]; return a; }
+static inline vf vload_tail(const float *p, int n) { vf a = vzero(); for (int i = 0; i < n; i++) a.v[i] = p[i]; return a; }
+static inline vf vfma(vf a, vf b, vf c) { for (int i = 0; i < 8; i++) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]); return c; }
+static inline float vsum(vf a) {
+    float s0 = a.v[0] + a.v[4], s1 = a.v[1] + a.v[5], s2 = a.v[2] + a.v[6], s3 = a.v[3] + a.v[7];
+    s0 += s2; s1 += s3;
+    return s0 + s1;
+}
+#endif
+
+#ifndef GROUP
+#define GROUP 4        /* x rows per pass over a block of weight rows */
+#endif
+#ifndef WROWS
+#define WROWS 4        /* weight rows per block: GROUP x WROWS accumulators in registers */
+#endif
+
+/* Outputs [o0, o0 + W) for rows [r0, r0 + R) (R <= GROUP, W <= WROWS). */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t r0, const int R, const float *w,
+                                                        int64_t K, int64_t o0, const int W, float *y, int64_t N) {
+    vf acc[WROWS][GROUP];
+    const float *wr[WROWS];
+    for (int i = 0; i < W; i++) {
+        wr[i] = w + (o0 + i) * K;
+        for (int r = 0; r < R; r++) acc[i][r] = vzero();
+    }
+    int64_t k = 0;
+    for (; k + VEC <= K; k += VEC) {
+        vf xr[GROUP];
+        for (int r = 0; r < R; r++) xr[r] = vload(x + (r0 + r) * K + k);
+        for (int i = 0; i < W; i++) {
+            vf u = vload(wr[i] + k);
+            for (int r = 0; r < R; r++) acc[i][r] = vfma(u, xr[r], acc[i][r]);
+        }
+    }
+    if (k < K) {
+        int n = (int)(K - k);
+        vf xr[GROUP];
+        for (int r = 0; r < R; r++) xr[r] = vload_tail(x + (r0 + r) * K + k, n);
+        for (int i = 0; i < W; i++) {
+            vf u = vload_tail(wr[i] + k, n);
+            for (int r = 0; r < R; r++) acc[i][r] = vfma(u, xr[r], acc[i][r]);
+        }
+    }
+    for (int i = 0; i < W; i++)
+        for (int r = 0; r < R; r++) y[(r0 + r) * N + o0 + i] = vsum(acc[i][r]);
+}
+
+typedef struct { const float *x; int64_t M, K; const float *w; int64_t o_begin, o_end; float *y; int64_t N; } job_t;
+
+#define ROWS_CASES(W) \
+    switch (j->M - r0 < GROUP ? (int)(j->M - r0) : GROUP) { \
+    case 1: block(j->x, r0, 1 <= GROUP ? 1 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 2: block(j->x, r0, 2 <= GROUP ? 2 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 3: block(j->x, r0, 3 <= GROUP ? 3 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 4: block(j->x, r0, 4 <= GROUP ? 4 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 5: block(j->x, r0, 5 <= GROUP ? 5 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 6: block(j->x, r0, 6 <= GROUP ? 6 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 7: block(j->x, r0, 7 <= GROUP ? 7 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    default: block(j->x, r0, GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    }
+
+static void run(const job_t *j) {
+    int64_t o = j->o_begin;
+    for (; o + WROWS <= j->o_end; o += WROWS)       /* constant trip counts: registers */
+        for (int64_t r0 = 0; r0 < j->M; r0 += GROUP) { ROWS_CASES(WROWS) }
+    for (; o < j->o_end; o++)
+        for (int64_t r0 = 0; r0 < j->M; r0 += GROUP) { ROWS_CASES(1) }
+}
+
+/* ---- the helper thread: one, started on the first two-thread call (again after a fork) ---- */
+#include <time.h>
+#include <unistd.h>
+#ifndef SPIN_NS
+#define SPIN_NS 300000L     /* how long the helper spins for the next call before it sleeps */
+#endif
+
+static job_t pending;
+static atomic_long posted, finished;
+static atomic_int sleeping;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static pid_t helper_pid;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *helper(void *arg) {
+    long seen = (long)(intptr_t)arg;
+    for (;;) {
+        long t0 = now_ns();
+        int spins = 0;
+        while (atomic_load(&posted) == seen) {
+            if ((++spins & 255) == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&mu);
+                atomic_store(&sleeping, 1);
+                while (atomic_load(&posted) == seen) pthread_cond_wait(&cv, &mu);
+                atomic_store(&sleeping, 0);
+                pthread_mutex_unlock(&mu);
+                break;
+            }
+            relax();
+        }
+        seen = atomic_load(&posted);
+        run(&pending);
+        atomic_store(&finished, seen);
+    }
+    return NULL;
+}
+
+static int ensure_helper(void) {
+    pid_t me = getpid();
+    if (helper_pid == me) return 1;
+    pthread_t th;
+    atomic_store(&sleeping, 0);
+    atomic_store(&finished, atomic_load(&posted));
+    if (pthread_create(&th, NULL, helper, (void *)(intptr_t)atomic_load(&posted)) != 0) return 0;
+    pthread_detach(th);
+    helper_pid = me;
+    return 1;
+}
+
+/* Returns 0. Not reentrant across threads with threads == 2 (the inference thread is the one caller). */
+int row_products(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int64_t threads) {
+    job_t all = {x, M, K, w, 0, N, y, N};
+    if (threads < 2 || N < 64 || M * N * K < 65536 || !ensure_helper()) { run(&all); return 0; }
+    int64_t split = (N / 2) & ~(int64_t)(WROWS - 1);
+    pending = all;
+    pending.o_begin = split;
+    all.o_end = split;
+    long ticket = atomic_load(&posted) + 1;
+    atomic_store(&posted, ticket);
+    if (atomic_load(&sleeping)) {
+        pthread_mutex_lock(&mu);
+        pthread_cond_signal(&cv);
+        pthread_mutex_unlock(&mu);
+    }
+    run(&all);
+    while (atomic_load(&finished) != ticket) relax();
+    return 0;
+}

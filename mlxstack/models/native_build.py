@@ -1,0 +1,64 @@
+"""Building the native kernels under models/native/ (one C file each) with the system compiler.
+
+    path = build(SOURCE, "native decode attention")   # None without a compiler or on a failure
+
+Built once per source text, flags and compiler (``cc -O3 -march=native``: a library runs where it
+was built) into ``<venv>/mlxstack-native/`` (MLXSTACK_NATIVE_DIR overrides), written under a
+temporary name and renamed: several servers may build at once, and nothing half-written is left.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+
+
+def build_dir() -> Path:
+    """Where built kernels live: beside the interpreter's environment (the installer owns it)."""
+    return Path(os.environ.get("MLXSTACK_NATIVE_DIR") or Path(sys.prefix) / "mlxstack-native")
+
+
+def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """One file per source text, flags and compiler: an edit or another compiler builds anew."""
+    key = hashlib.sha256(source.read_bytes() + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
+    return build_dir() / f"{source.stem}-{key}.so"
+
+
+def build(source: Path, what: str, flags: tuple[str, ...] = FLAGS, libs: tuple[str, ...] = ()) -> Optional[Path]:
+    """``source``'s shared library, built if missing; None (logged as ``what``) without a
+    compiler or on a failure."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return None
+    target = library_path(source, compiler, flags + libs)
+    if target.exists():
+        return target
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            log.warning("%s: build failed: %s", what, done.stderr.strip()[-500:])
+            return None
+        os.replace(tmp, target)
+        tmp = None
+        return target
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("%s: cannot build (%s)", what, exc)
+        return None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,89 @@
+"""A few rows times a weight matrix in one native loop (models/native/row_products.c).
+
+    products = load()                  # None where it cannot be built or disagrees here
+    y = products(x, w)                 # x [M, K] float32, w [N, K] row-major -> x @ w.T [M, N]
+
+A decode step of 8 rows multiplies 8 vectors by every weight matrix of the model: ~540 MB of
+float32 weights read for ~1 GFLOP. OpenBLAS's sgemm packs the weight into its own layout on
+every call before multiplying (for a few rows that copy is most of the work) and reads it at
+~7-10 GB/s here; this loop reads each weight row once, in place, on two threads, near the
+machine's memory bandwidth (scripts/bench_products.py: ~1.5x faster at 8 rows, ~2x at 1; even at
+24 rows; slower past ~32 rows, where the host path keeps OpenBLAS: ``MAX_ROWS``).
+
+Each (row, output) dot product runs the same instructions whatever the other rows of the call
+are: a row gives the same bits alone or in a batch of up to ``MAX_ROWS`` (checked at load beside
+the agreement with a float64 reference). Within float rounding of sgemm, not bit for bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import native_build
+from .native_attention import threads_here
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "row_products.c"
+MAX_ROWS = 64               # rows a call; more: OpenBLAS (its packed kernel wins once the weight is reused enough)
+
+_i64 = ctypes.c_int64
+
+
+def build() -> Optional[Path]:
+    return native_build.build(SOURCE, "native row products", libs=("-lpthread",))
+
+
+def binding(path: Path, threads: Optional[int] = None) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """``products(x, w)`` over the library at ``path``: ``x`` [M, K] (made C-contiguous), ``w``
+    [N, K] C-contiguous float32 (not checked per call: the host path's plan holds such views)."""
+    fn = ctypes.CDLL(str(path)).row_products
+    fn.argtypes = [ctypes.c_void_p, _i64, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, _i64]
+    fn.restype = ctypes.c_int
+    n_threads = threads_here() if threads is None else threads
+
+    def products(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        M, K = x.shape
+        N = w.shape[0]
+        y = np.empty((M, N), np.float32)
+        fn(x.ctypes.data, M, K, w.ctypes.data, N, y.ctypes.data, n_threads)
+        return y
+
+    return products
+
+
+def load() -> Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+    """The bound loop, built if needed and checked once: None on any failure."""
+    path = build()
+    if path is None:
+        return None
+    try:
+        products = binding(path)
+        return products if agrees(products) else None
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot load is simply not used
+        log.warning("native row products: not used (%s)", exc)
+        return None
+
+
+def agrees(products: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> bool:
+    """Against a float64 reference on shapes with every tail (K not a multiple of the vector
+    width, N not a multiple of the block, M past a row group), and row by row: each row alone
+    gives the bits it gives in the batch."""
+    rng = np.random.default_rng(11)
+    for M, N, K in ((9, 203, 77), (3, 130, 64), (1, 64, 1000), (MAX_ROWS, 66, 33)):
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        w = rng.standard_normal((N, K), dtype=np.float32)
+        got = products(x, w)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        if not np.allclose(got, ref, rtol=1e-4, atol=1e-4 * np.sqrt(K)):
+            log.warning("native row products: disagree with the reference; not used")
+            return False
+        if not all(np.array_equal(products(x[r:r + 1], w)[0], got[r]) for r in (0, M // 2, M - 1)):
+            log.warning("native row products: a row's result depends on the others; not used")
+            return False
+    return True
