@@ -391,8 +391,9 @@ def enabled(model: Any) -> bool:
 
 
 def use_native_products(on: bool) -> bool:
-    """The host path's products through models/native_products.py's loop (``on`` and it loads
-    here) or OpenBLAS's sgemm; returns whether the loop is in use."""
+    """The host path's products (every model of the process) through models/native_products.py's
+    loop (``on`` and it loads here) or OpenBLAS's sgemm; returns whether the loop is in use.
+    Called by the loader before ``install`` (NATIVE_PRODUCTS)."""
     global _products
     from . import native_products
 
@@ -404,11 +405,11 @@ def native_products_on() -> bool:
     return _products is not None
 
 
-def install(model: Any, native_products: bool = False) -> bool:
+def install(model: Any) -> bool:
     """Give ``model`` the host path where it applies (an mlx-lm ``llama.Model`` of float32
     ``nn.Linear`` layers, plain RoPE, no sliding layers, on the CPU) and agrees with mlx-lm's
-    forward on the loaded weights; False (nothing changed) otherwise. ``native_products``: its
-    weight products through the native loop where that builds here (``use_native_products``)."""
+    forward on the loaded weights; False (nothing changed) otherwise. Its products go through
+    whichever ``use_native_products`` chose for the process (checked here with that choice)."""
     from mlx_lm.models import llama
 
     if type(model) is not llama.Model or mx.default_device() != mx.cpu:
@@ -422,7 +423,6 @@ def install(model: Any, native_products: bool = False) -> bool:
         log.info("host forward: not for this model (%s)", exc)
         return False
     _patch_llama()
-    use_native_products(native_products)
     try:
         ok = _agrees(model, plan)
     except Exception as exc:  # noqa: BLE001 - a path that cannot run is simply not used

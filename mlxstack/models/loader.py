@@ -130,8 +130,10 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     if distributed:      # every rank the same forward: rank 0's choice, the native call only where all have it
         kernels, native = agreed_modes(extra["group"], kernels, native)
     if install_cpu_kernels(kernels, native=native):
-        host = not distributed and settings.host_forward != "off" \
-            and host_forward.install(model, native_products=settings.native_products != "off")
+        host = False
+        if not distributed and settings.host_forward != "off":
+            host_forward.use_native_products(settings.native_products != "off")
+            host = host_forward.install(model)
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")
             + (", decode-sized forwards on the host path (HOST_FORWARD)" if host else "")

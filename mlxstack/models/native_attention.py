@@ -1,4 +1,5 @@
-"""Decode attention in one native call on MLX's CPU backend (models/native/decode_attention.c).
+"""Decode attention in one native call on MLX's CPU backend (models/native/decode_attention.c, built
+into the library of models/native/kernels.c).
 
     attend = load()                       # None where it cannot be built here
     out = attend(queries, parts, scale)   # None: outside what the kernel takes -> MLX's path
@@ -36,7 +37,7 @@ from . import native_build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
+SOURCE = native_build.SOURCE   # native/kernels.c includes native/decode_attention.c
 MAX_QUERIES = 16            # per row: a decode step or a speculative verification, not a prefill
 
 
@@ -70,7 +71,7 @@ class _Part(ctypes.Structure):
 def build() -> Optional[Path]:
     """The kernel's shared library, built if missing (models/native_build.py); None without a
     compiler or on a failure."""
-    return native_build.build(SOURCE, "native decode attention")
+    return native_build.build()
 
 
 def _view(a: mx.array) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""Building the native kernels under models/native/ (one C file each) with the system compiler.
+"""Building the native kernels (models/native/kernels.c: every kernel in one library, one helper
+thread for all) with the system compiler.
 
-    path = build(SOURCE, "native decode attention")   # None without a compiler or on a failure
+    path = build(SOURCE, "native kernels")   # None without a compiler or on a failure
 
 Built once per source text, flags and compiler (``cc -O3 -march=native``: a library runs where it
 was built) into ``<venv>/mlxstack-native/`` (MLXSTACK_NATIVE_DIR overrides), written under a
@@ -29,12 +30,21 @@ def build_dir() -> Path:
 
 
 def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """One file per source text, flags and compiler: an edit or another compiler builds anew."""
-    key = hashlib.sha256(source.read_bytes() + " ".join((compiler,) + flags).encode()).hexdigest()[:16]
-    return build_dir() / f"{source.stem}-{key}.so"
+    """One file per source text (``source`` and every C file / header beside it: what it
+    includes), flags and compiler: an edit or another compiler builds anew."""
+    h = hashlib.sha256(source.read_bytes())
+    for other in sorted(source.parent.glob("*.[ch]")):
+        h.update(other.name.encode() + b"\0" + other.read_bytes())
+    h.update(" ".join((compiler,) + flags).encode())
+    return build_dir() / f"{source.stem}-{h.hexdigest()[:16]}.so"
 
 
-def build(source: Path, what: str, flags: tuple[str, ...] = FLAGS, libs: tuple[str, ...] = ()) -> Optional[Path]:
+SOURCE = Path(__file__).with_name("native") / "kernels.c"
+LIBS = ("-lpthread",)
+
+
+def build(source: Path = SOURCE, what: str = "native kernels", flags: tuple[str, ...] = FLAGS,
+          libs: tuple[str, ...] = LIBS) -> Optional[Path]:
     """``source``'s shared library, built if missing; None (logged as ``what``) without a
     compiler or on a failure."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

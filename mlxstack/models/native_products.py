@@ -1,4 +1,5 @@
-"""A few rows times a weight matrix in one native loop (models/native/row_products.c).
+"""A few rows times a weight matrix in one native loop (models/native/row_products.c, built into
+the library of models/native/kernels.c, whose helper thread it shares with the decode attention).
 
     products = load()                  # None where it cannot be built or disagrees here
     y = products(x, w)                 # x [M, K] float32, w [N, K] row-major -> x @ w.T [M, N]
@@ -28,14 +29,14 @@ from .native_attention import threads_here
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "row_products.c"
 MAX_ROWS = 64               # rows a call; more: OpenBLAS (its packed kernel wins once the weight is reused enough)
 
 _i64 = ctypes.c_int64
 
 
 def build() -> Optional[Path]:
-    return native_build.build(SOURCE, "native row products", libs=("-lpthread",))
+    """The native kernels' library (models/native/kernels.c includes row_products.c)."""
+    return native_build.build()
 
 
 def binding(path: Path, threads: Optional[int] = None) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:

@@ -6,15 +6,15 @@
    scratch row per query; one max, one exp pass (the Cephes 2**f polynomial MLX's CPU exp uses,
    as models/fast_math.py), one pass over the values. A query that sees no key gives 0 (a free
    slab row), as shared_attention.attend_parts does. Each row is computed on its own in a fixed
-   order: its result does not depend on which other rows share the call. */
+   order: its result does not depend on which other rows share the call. Part of native/kernels.c. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#define TB 32        /* keys per block: the query loop runs inside a block that stays in L1 */
 #define MAXQ 64      /* queries per (row, KV head): heads per group x query length */
 #define MAXD 256
 
@@ -100,24 +100,30 @@ static inline __attribute__((always_inline)) void body(
             for (int64_t p = 0; p < np; p++) {
                 const part_t *P = &parts[p];
                 const int64_t T = P->T;
-                int64_t last[MAXQ];
+                int64_t last[MAXQ], moff[MAXQ];   /* per query: last visible key, mask offset */
                 const int64_t hidden = P->rows && !P->rows[b];
-                for (int64_t j = 0; j < n; j++)
+                for (int64_t j = 0; j < n; j++) {
                     last[j] = hidden ? -1 : (P->causal ? T - L + j % L : T - 1);
-                const float *kp = P->k + b * P->kb + g * P->kh;
-                for (int64_t t = 0; t < T; t++, kp += P->kt) {
+                    moff[j] = b * P->mb + (g * rep + j / L) * P->mh + (j % L) * P->ml;   /* no division per key */
+                }
+                const float *kbase = P->k + b * P->kb + g * P->kh;
+                for (int64_t t0 = 0; t0 < T; t0 += TB) {          /* a block of keys stays in L1 */
+                    const int64_t t1 = t0 + TB < T ? t0 + TB : T;
                     for (int64_t j = 0; j < n; j++) {
-                        float s = NEG;
-                        if (t <= last[j]) {
-                            s = dot(qg + j * D, kp, D);
-                            if (P->mask) {
-                                const int64_t h = g * rep + j / L, l = j % L;
-                                const int64_t at = b * P->mb + h * P->mh + l * P->ml + t * P->mt;
-                                if (P->mask_is_bool) s = ((const uint8_t *)P->mask)[at] ? s : NEG;
-                                else s += ((const float *)P->mask)[at];
+                        const float *qj = qg + j * D, *kp = kbase + t0 * P->kt;
+                        float *srow = S + j * Tall + off;
+                        for (int64_t t = t0; t < t1; t++, kp += P->kt) {
+                            float s = NEG;
+                            if (t <= last[j]) {
+                                s = dot(qj, kp, D);
+                                if (P->mask) {
+                                    const int64_t at = moff[j] + t * P->mt;
+                                    if (P->mask_is_bool) s = ((const uint8_t *)P->mask)[at] ? s : NEG;
+                                    else s += ((const float *)P->mask)[at];
+                                }
                             }
+                            srow[t] = s;
                         }
-                        S[j * Tall + off + t] = s;
                     }
                 }
                 off += T;
@@ -133,12 +139,14 @@ static inline __attribute__((always_inline)) void body(
             off = 0;
             for (int64_t p = 0; p < np; p++) {
                 const part_t *P = &parts[p];
-                const float *vp = P->v + b * P->vb + g * P->vh;
-                for (int64_t t = 0; t < P->T; t++, vp += P->vt) {
+                const float *vbase = P->v + b * P->vb + g * P->vh;
+                for (int64_t t0 = 0; t0 < P->T; t0 += TB) {       /* each (j, d) sums over t in order */
+                    const int64_t t1 = t0 + TB < P->T ? t0 + TB : P->T;
                     for (int64_t j = 0; j < n; j++) {
-                        const float w = S[j * Tall + off + t];
-                        float *a = acc[j];
-                        for (int64_t d = 0; d < Dv; d++) a[d] += w * vp[d];
+                        const float *w = S + j * Tall + off, *vp = vbase + t0 * P->vt;
+                        float *restrict a = acc[j];
+                        for (int64_t t = t0; t < t1; t++, vp += P->vt)
+                            for (int64_t d = 0; d < Dv; d++) a[d] += w[t] * vp[d];
                     }
                 }
                 off += P->T;
@@ -162,13 +170,14 @@ static void run(const job_t *j) {
     else body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, j->D, j->Dv, j->parts, j->np, j->out, j->S);
 }
 
-static void *run_thread(void *arg) { run((const job_t *)arg); return NULL; }
+static void run_task(const void *arg) { run((const job_t *)arg); }
 
 #define SPLIT_MIN 20000   /* query-key products below which a second thread costs more than it saves */
 
 /* 0, or -1 when the shapes are outside what this kernel was built for (the caller falls back).
    ``scratch`` holds ``threads`` areas of ``scratch_each`` floats; with threads == 2 and enough
-   work, rows [B/2, B) run on a second thread (each row's arithmetic is the same either way). */
+   work, rows [B/2, B) run on the library's helper thread (pool.h; each row's arithmetic is the
+   same either way). */
 int64_t attend(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, int64_t Dv,
                const part_t *parts, int64_t np, float *out, float *scratch, int64_t scratch_each, int64_t threads) {
     if (Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * L > MAXQ || Dv > MAXD || D % 16) return -1;
@@ -179,9 +188,6 @@ int64_t attend(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, in
     job_t first = all, second = all;
     first.b1 = second.b0 = B / 2;
     second.S = scratch + scratch_each;
-    pthread_t th;
-    if (pthread_create(&th, NULL, run_thread, &second) != 0) { run(&all); return 0; }
-    run(&first);
-    pthread_join(th, NULL);
+    pool_run2(run_task, &first, &second);
     return 0;
 }

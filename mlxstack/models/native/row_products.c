@@ -10,12 +10,10 @@
    the same lanes, then one fixed-order reduction -- a row's result never depends on the other
    rows of the call (a batched step and a row decoded alone agree bit for bit).
 
-   Two threads (threads == 2): outputs [0, split) on the caller's thread, [split, N) on a helper
-   that stays alive between calls (spins briefly for the next product, then sleeps). */
+   Two threads (threads == 2): outputs [0, split) on the caller's thread, [split, N) on the
+   library's helper thread (pool.h). Part of native/kernels.c. */
 #include <stdint.h>
 #include <string.h>
-#include <pthread.h>
-#include <stdatomic.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -102,7 +100,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
         for (int r = 0; r < R; r++) y[(r0 + r) * N + o0 + i] = vsum(acc[i][r]);
 }
 
-typedef struct { const float *x; int64_t M, K; const float *w; int64_t o_begin, o_end; float *y; int64_t N; } job_t;
+typedef struct { const float *x; int64_t M, K; const float *w; int64_t o_begin, o_end; float *y; int64_t N; } rows_job_t;
 
 #define ROWS_CASES(W) \
     switch (j->M - r0 < GROUP ? (int)(j->M - r0) : GROUP) { \
@@ -116,7 +114,7 @@ typedef struct { const float *x; int64_t M, K; const float *w; int64_t o_begin, 
     default: block(j->x, r0, GROUP, j->w, j->K, o, W, j->y, j->N); break; \
     }
 
-static void run(const job_t *j) {
+static void rows_run(const rows_job_t *j) {
     int64_t o = j->o_begin;
     for (; o + WROWS <= j->o_end; o += WROWS)       /* constant trip counts: registers */
         for (int64_t r0 = 0; r0 < j->M; r0 += GROUP) { ROWS_CASES(WROWS) }
@@ -124,85 +122,14 @@ static void run(const job_t *j) {
         for (int64_t r0 = 0; r0 < j->M; r0 += GROUP) { ROWS_CASES(1) }
 }
 
-/* ---- the helper thread: one, started on the first two-thread call (again after a fork) ---- */
-#include <time.h>
-#include <unistd.h>
-#ifndef SPIN_NS
-#define SPIN_NS 300000L     /* how long the helper spins for the next call before it sleeps */
-#endif
+static void rows_task(const void *arg) { rows_run((const rows_job_t *)arg); }
 
-static job_t pending;
-static atomic_long posted, finished;
-static atomic_int sleeping;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-static pid_t helper_pid;
-
-static inline void relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-static void *helper(void *arg) {
-    long seen = (long)(intptr_t)arg;
-    for (;;) {
-        long t0 = now_ns();
-        int spins = 0;
-        while (atomic_load(&posted) == seen) {
-            if ((++spins & 255) == 0 && now_ns() - t0 > SPIN_NS) {
-                pthread_mutex_lock(&mu);
-                atomic_store(&sleeping, 1);
-                while (atomic_load(&posted) == seen) pthread_cond_wait(&cv, &mu);
-                atomic_store(&sleeping, 0);
-                pthread_mutex_unlock(&mu);
-                break;
-            }
-            relax();
-        }
-        seen = atomic_load(&posted);
-        run(&pending);
-        atomic_store(&finished, seen);
-    }
-    return NULL;
-}
-
-static int ensure_helper(void) {
-    pid_t me = getpid();
-    if (helper_pid == me) return 1;
-    pthread_t th;
-    atomic_store(&sleeping, 0);
-    atomic_store(&finished, atomic_load(&posted));
-    if (pthread_create(&th, NULL, helper, (void *)(intptr_t)atomic_load(&posted)) != 0) return 0;
-    pthread_detach(th);
-    helper_pid = me;
-    return 1;
-}
-
-/* Returns 0. Not reentrant across threads with threads == 2 (the inference thread is the one caller). */
+/* Returns 0. With threads == 2 and enough work, outputs [split, N) on the helper (pool.h). */
 int row_products(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int64_t threads) {
-    job_t all = {x, M, K, w, 0, N, y, N};
-    if (threads < 2 || N < 64 || M * N * K < 65536 || !ensure_helper()) { run(&all); return 0; }
-    int64_t split = (N / 2) & ~(int64_t)(WROWS - 1);
-    pending = all;
-    pending.o_begin = split;
-    all.o_end = split;
-    long ticket = atomic_load(&posted) + 1;
-    atomic_store(&posted, ticket);
-    if (atomic_load(&sleeping)) {
-        pthread_mutex_lock(&mu);
-        pthread_cond_signal(&cv);
-        pthread_mutex_unlock(&mu);
-    }
-    run(&all);
-    while (atomic_load(&finished) != ticket) relax();
+    rows_job_t all = {x, M, K, w, 0, N, y, N};
+    if (threads < 2 || N < 64 || M * N * K < 65536) { rows_run(&all); return 0; }
+    rows_job_t first = all, second = all;
+    first.o_end = second.o_begin = (N / 2) & ~(int64_t)(WROWS - 1);
+    pool_run2(rows_task, &first, &second);
     return 0;
 }
