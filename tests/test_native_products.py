@@ -22,7 +22,7 @@ def _ref(x, w):
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 8, 13, 16, 33, 64])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 8, 13, 16, 33, 64, 128])
 @pytest.mark.parametrize("N,K", [(1, 16), (7, 5), (64, 576), (130, 77), (576, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_products_match_a_float64_reference(M, N, K, threads):

@@ -341,3 +341,39 @@ def test_followers_and_fresh_requests_arriving_together_all_get_their_replies(em
     outs = [f.result() for f in futures]
     assert [o.text for o in outs] == [o.text for o in solo]
     assert sched.shared_prefills >= 2 and sched.failed == 0
+
+
+def test_a_slab_filled_at_once_equals_one_placed_row_by_row(dense_engine):
+    """stack_layers builds each layer in one concatenation (SlabKVCache.fill): the same rows,
+    padding, RoPE offsets, shared prefix and next-step logits as placing the rows one by one --
+    with the longest row in the middle, a row on its root, and a row without one (held whole)."""
+    from mlxstack.engine.batch_cache import place_own_layers, stack_layers
+
+    eng = dense_engine
+    model = eng.loaded.model
+    base = eng.new_cache()
+    feed(model, base, list(range(100, 120)), 16)
+    root = capture(base)
+    lives = []
+    for tail in ([1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]):
+        live = checkout(root, 20)
+        feed(model, live, tail, 16)
+        lives.append(live)
+    alone = eng.new_cache()
+    feed(model, alone, [7, 7, 8, 9], 16)                   # no root: its whole sequence is the row
+    lives.append(alone)
+    layers, roots = [lv.layers for lv in lives], [lv.roots for lv in lives]
+    filled = stack_layers(layers, roots, 16)
+    placed = [SlabKVCache.empty(4) for _ in layers[0]]
+    for r in range(4):
+        place_own_layers(placed, r, layers[r], roots[r], 16)
+    for a, b in zip(filled, placed):
+        assert a._idx == b._idx == 7 and a.shares == b.shares == [True, True, True, False]
+        assert a.prefix[0] is b.prefix[0] and a.prefix[2] == b.prefix[2] == 20
+        assert a.left_padding.tolist() == b.left_padding.tolist() == [4, 0, 6, 3]
+        assert a.offset.tolist() == b.offset.tolist() == [23, 27, 21, 4]
+        assert a.gap == b.gap == [0, 0, 0, 0]
+        assert mx.array_equal(a.keys[..., :7, :], b.keys[..., :7, :]).item()
+        assert mx.array_equal(a.values[..., :7, :], b.values[..., :7, :]).item()
+    step = mx.array([[3], [1], [4], [1]])
+    assert mx.array_equal(model(step, cache=filled), model(step, cache=placed)).item()

@@ -132,6 +132,10 @@ def test_copy_heavy_replies_are_identical_and_most_tokens_come_from_drafts(embed
     """The embedded model repeating a file, alone and batched with free text: the same tokens as
     SPECULATIVE=off, and most of the copy comes from accepted drafts."""
     on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    # drafts priced by the prior, not by this run's step timings (how much a wider step costs
+    # against a plain one moves with the machine's load and decides how much is drafted)
+    costs = on.speculation.costs
+    costs.wants_plain, costs.cost = (lambda rows: False), costs.prior_cost
     jobs = lambda: [job(COPY, max_tokens=60, session="c")[0], job(FREE, max_tokens=40, session="f")[0],  # noqa: E731
                     job(COPY, max_tokens=50, session="c2")[0]]
     spec, _ = run_batched(on, jobs())

@@ -333,17 +333,20 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
     for li, (slab, batch) in enumerate(zip(slab_layers, batch_layers)):
         mx.eval(batch.left_padding)
         pads = batch.left_padding.tolist()
+        writes = []
         for j, (row, i) in enumerate(zip(rows, members)):
             root = roots[j][li] if roots else None
             k, v = batch.keys[i:i + 1, :, pads[i]:batch._idx, :], batch.values[i:i + 1, :, pads[i]:batch._idx, :]
+            planned = None
             if getattr(batch, "shares", None) and batch.shares[i]:
                 # the batch held this row's prefix once: its tail moves as a tail when the slab
                 # shares the same prefix, else the row is written whole
-                if not slab.place_tail(row, batch.prefix, k, v, batch._idx - pads[i]):
+                planned = slab._tail_planned(row, batch.prefix, k, v, batch._idx - pads[i])
+                if planned is None:
                     whole = batch.take(i, whole=True)
-                    slab.place(row, whole.keys, whole.values, whole.offset, root, min_shared)
-                continue
-            slab.place(row, k, v, batch._idx - pads[i], root, min_shared)
+                    planned = slab._planned(row, whole.keys, whole.values, whole.offset, root, min_shared)
+            writes.append(planned or slab._planned(row, k, v, batch._idx - pads[i], root, min_shared))
+        slab.fill(writes)          # an empty slab whose every row joins: built at once, else row by row
 
 
 def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: int | None) -> tuple:

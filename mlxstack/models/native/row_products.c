@@ -62,6 +62,15 @@ static inline float vsum(vf a) {
 }
 #endif
 
+/* Each loaded vector used by several FMAs stays in a register: left to itself the compiler folds
+   the load into every FMA that uses it (4 loads of the same vector where one would do), and the
+   loop is then bound by loads, not by multiply-adds. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
+
 #ifndef GROUP
 #define GROUP 4        /* x rows per pass over a block of weight rows */
 #endif
@@ -81,9 +90,10 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     int64_t k = 0;
     for (; k + VEC <= K; k += VEC) {
         vf xr[GROUP];
-        for (int r = 0; r < R; r++) xr[r] = vload(x + (r0 + r) * K + k);
+        for (int r = 0; r < R; r++) { xr[r] = vload(x + (r0 + r) * K + k); if (W > 1) IN_REGISTER(xr[r]); }
         for (int i = 0; i < W; i++) {
             vf u = vload(wr[i] + k);
+            if (R > 1) IN_REGISTER(u);       /* one row: the load folds into its only FMA */
             for (int r = 0; r < R; r++) acc[i][r] = vfma(u, xr[r], acc[i][r]);
         }
     }
