@@ -249,8 +249,7 @@ def main() -> int:
     labels = {r["server"] for r in rows}
     for col in ("agg_decode_tok_s", "agg_turn_tok_s"):
         batched = {r["sessions"]: r[col] for r in rows if r["server"] == "ours batched"}
-        for other in ("ours FIFO", "ours unshared", "ours kernels off", "ours native off", "ours host off",
-                      "mlx_lm.server"):
+        for other in ["ours FIFO", *(c[0] for c in COMPARE.values()), "mlx_lm.server"]:
             base = {r["sessions"]: r[col] for r in rows if r["server"] == other}
             if base:
                 print(f"\n{col}, batched / {other}: " + ", ".join(
@@ -259,10 +258,10 @@ def main() -> int:
             if ratios:
                 print(f"{col}, batched / {other}, median of the {args.rounds} rounds' ratios: " + ", ".join(
                     f"{n}: {ratios[n]:.2f}x" for n in sorted(ratios)))
-    for other in ("ours FIFO", "ours unshared", "ours kernels off"):
+    for other in ["ours FIFO", *(c[0] for c in COMPARE.values()), "mlx_lm.server"]:
         if other in labels:
             same = all(texts[("ours batched", n)] == texts[(other, n)] for n in args.sessions)
-            print(f"batched replies identical to {other} replies (greedy): {same}")
+            print(f"batched replies identical to {other} replies (greedy): {same}")   # ours: same tokens; mlx_lm: rounding may differ
     if rows_inter:
         print("\n## a short request during a long cold prefill\n")
         print(table(rows_inter))

@@ -87,14 +87,15 @@ static void exp_shift(float *restrict s, int64_t n, float top, float *restrict s
 }
 
 static inline __attribute__((always_inline)) void body(
-        const float *restrict q, int64_t b0, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, const int64_t D, const int64_t Dv,
+        const float *restrict q, int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t L, const int64_t D, const int64_t Dv,
         const part_t *parts, int64_t np, float *restrict out, float *restrict S) {
     const int64_t rep = Hq / Hkv, n = rep * L;
     int64_t Tall = 0;
     for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
     const float NEG = -INFINITY;
-    for (int64_t b = b0; b < B; b++) {
-        for (int64_t g = 0; g < Hkv; g++) {
+    for (int64_t u = u0; u < u1; u++) {       /* units: (row, KV head) pairs, u = b * Hkv + g */
+        {
+            const int64_t b = u / Hkv, g = u % Hkv;
             const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
             int64_t off = 0;
             for (int64_t p = 0; p < np; p++) {
@@ -161,13 +162,13 @@ static inline __attribute__((always_inline)) void body(
 }
 
 typedef struct {
-    const float *q; int64_t b0, b1, Hq, Hkv, L, D, Dv; const part_t *parts; int64_t np; float *out, *S;
+    const float *q; int64_t u0, u1, Hq, Hkv, L, D, Dv; const part_t *parts; int64_t np; float *out, *S;
 } job_t;
 
 static void run(const job_t *j) {
-    if (j->D == 64 && j->Dv == 64) body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, 64, 64, j->parts, j->np, j->out, j->S);
-    else if (j->D == 128 && j->Dv == 128) body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, 128, 128, j->parts, j->np, j->out, j->S);
-    else body(j->q, j->b0, j->b1, j->Hq, j->Hkv, j->L, j->D, j->Dv, j->parts, j->np, j->out, j->S);
+    if (j->D == 64 && j->Dv == 64) body(j->q, j->u0, j->u1, j->Hq, j->Hkv, j->L, 64, 64, j->parts, j->np, j->out, j->S);
+    else if (j->D == 128 && j->Dv == 128) body(j->q, j->u0, j->u1, j->Hq, j->Hkv, j->L, 128, 128, j->parts, j->np, j->out, j->S);
+    else body(j->q, j->u0, j->u1, j->Hq, j->Hkv, j->L, j->D, j->Dv, j->parts, j->np, j->out, j->S);
 }
 
 static void run_task(const void *arg) { run((const job_t *)arg); }
@@ -176,17 +177,18 @@ static void run_task(const void *arg) { run((const job_t *)arg); }
 
 /* 0, or -1 when the shapes are outside what this kernel was built for (the caller falls back).
    ``scratch`` holds ``threads`` areas of ``scratch_each`` floats; with threads == 2 and enough
-   work, rows [B/2, B) run on the library's helper thread (pool.h; each row's arithmetic is the
-   same either way). */
+   work, the second half of the (row, KV head) units runs on the library's helper thread (pool.h;
+   each unit's arithmetic is the same either way: one row alone splits over its heads). */
 int64_t attend(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, int64_t Dv,
                const part_t *parts, int64_t np, float *out, float *scratch, int64_t scratch_each, int64_t threads) {
     if (Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * L > MAXQ || Dv > MAXD || D % 16) return -1;
     int64_t Tall = 0;
     for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
-    job_t all = {q, 0, B, Hq, Hkv, L, D, Dv, parts, np, out, scratch};
-    if (threads < 2 || B < 2 || B * Hq * L * Tall < SPLIT_MIN) { run(&all); return 0; }
+    const int64_t units = B * Hkv;
+    job_t all = {q, 0, units, Hq, Hkv, L, D, Dv, parts, np, out, scratch};
+    if (threads < 2 || units < 2 || B * Hq * L * Tall < SPLIT_MIN) { run(&all); return 0; }
     job_t first = all, second = all;
-    first.b1 = second.b0 = B / 2;
+    first.u1 = second.u0 = (units + 1) / 2;
     second.S = scratch + scratch_each;
     pool_run2(run_task, &first, &second);
     return 0;
