@@ -156,14 +156,24 @@ def capture(live: LiveCache, depth: int | None = None) -> KVState:
     return KVState(tuple(layers), depth, min(state_floor, depth), sum(s.nbytes for s in layers))
 
 
-def checkout(state: KVState, depth: int | None = None, quant: KVQuant | None = None) -> LiveCache:
-    """Fresh cache objects (same classes, same parameters) holding ``state`` cut to ``depth``."""
+def checkout(state: KVState, depth: int | None = None, quant: KVQuant | None = None,
+             by_reference: int = 0) -> LiveCache:
+    """Fresh cache objects (same classes, same parameters) holding ``state`` cut to ``depth``.
+    ``by_reference`` > 0 (no KV quantisation): from that depth on, plain KV layers are checked out
+    as ``PrefixedKVCache`` -- the reused tokens by reference, appends into a short tail of their own
+    (``KVKind.checkout_by_reference``; the model must attend such a prefix: engine/shared_prefix.py)."""
     depth = state.depth if depth is None else depth
     if not state.can_serve(depth):
         raise ValueError(f"state at {state.depth} (floor {state.floor}) cannot serve depth {depth}")
     kv = KINDS["kv"]
     roots = [kv.root(s, depth) if s.kind == kv.name else None for s in state.layers]
-    live = LiveCache([KINDS[s.kind].checkout(s, depth) for s in state.layers], depth, quant, roots)
+    layers = None
+    if 0 < by_reference <= depth and quant is None and all(s.kind == kv.name for s in state.layers):
+        layers = [kv.checkout_by_reference(s, depth) for s in state.layers]
+        layers = None if any(x is None for x in layers) else layers
+    if layers is None:
+        layers = [KINDS[s.kind].checkout(s, depth) for s in state.layers]
+    live = LiveCache(layers, depth, quant, roots)
     if quant is not None:
         live.maybe_quantize()   # a full-precision entry checked out at or past the start
     return live

@@ -245,6 +245,27 @@ class KVKind(CacheKind):
             return _cut_tokens(rk, depth), _cut_tokens(rv, depth)
         return _joined(rk, k, p, depth, room), _joined(rv, v, p, depth, room)
 
+    def checkout_by_reference(self, state: LayerState, depth: int) -> Any:
+        """A ``PrefixedKVCache`` holding ``state``'s first tokens by reference (the very arrays:
+        ``root``) and only what follows a rooted state's root as its own tail (copied, with room):
+        the first append writes a short tail instead of copying every reused token into a new
+        buffer (copy-free warm turns). None where a plain ``KVCache`` checkout is the only form
+        (another class, nothing held)."""
+        from mlx_lm.models.cache import KVCache
+
+        from .prefixed_kv import PrefixedKVCache
+
+        root = self.root(state, depth)
+        if state.cls is not KVCache or root is None:
+            return None
+        rk, rv, n = root
+        if depth <= n:
+            return PrefixedKVCache((rk, rv, depth))
+        k, v = state.arrays[0], state.arrays[1]            # a rooted state's tail past its root
+        room = lambda a: mx.concatenate([a[..., :depth - n, :], mx.zeros((*a.shape[:-2], 256, a.shape[-1]), a.dtype)],  # noqa: E731
+                                        axis=-2)
+        return PrefixedKVCache((rk, rv, n), room(k), room(v), depth - n)
+
     def root(self, state: LayerState, depth: int) -> tuple[Any, Any, int] | None:
         """What a cache checked out of ``state`` at ``depth`` shares with it: (keys, values, n) --
         its first n tokens are the first n of these arrays (the objects themselves)."""

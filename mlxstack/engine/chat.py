@@ -115,6 +115,17 @@ class ChatEngine(PromptAssembly, TurnFinish):
                        checkpoint=checkpoint, at=at, should_stop=should_stop)
 
     # ---------------------------------------------------------------- phases
+    def _by_reference(self) -> int:
+        """From how many reused tokens a hit is checked out by reference (copy-free: the first
+        append writes a short tail, not a copy of the whole reuse): SHARED_PREFIX_MIN_TOKENS where
+        this model attends a prefix held elsewhere (engine/shared_prefix.py); 0 = a plain copy."""
+        want = getattr(self.settings, "shared_prefix_min_tokens", 0)
+        if want <= 0 or self.state.kv_quant is not None:
+            return 0
+        from .shared_prefix import shared_prefix_ok
+
+        return want if shared_prefix_ok(self) else 0
+
     def start(self, job: ChatJob) -> Sequence:
         """Render, tokenise, check the window, look the prompt up and check its KV out."""
         if job.is_cancelled():
@@ -143,7 +154,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
 
         match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
         st.counters.bump("renders", prep.renders)
-        live = checkout(stored, match.depth, st.kv_quant) if match.hit else self.new_cache()
+        live = checkout(stored, match.depth, st.kv_quant, self._by_reference()) if match.hit else self.new_cache()
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
