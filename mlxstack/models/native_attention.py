@@ -28,7 +28,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -160,15 +160,7 @@ def binding(path: Path) -> Callable[..., Optional[mx.array]]:
 def load() -> Optional[Callable[..., Optional[mx.array]]]:
     """The bound kernel, built if needed and checked once against the MLX path on random inputs
     (a shared prefix with hidden rows plus masked tails, and a causal part): None on any failure."""
-    path = build()
-    if path is None:
-        return None
-    try:
-        attend = binding(path)
-        return attend if _agrees(attend) else None
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot load is simply not used
-        log.warning("native decode attention: not used (%s)", exc)
-        return None
+    return native_build.load_checked(binding, _agrees, "native decode attention")
 
 
 def _agrees(attend: Callable[..., Optional[mx.array]]) -> bool:

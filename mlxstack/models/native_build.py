@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +72,17 @@ def build(source: Path = SOURCE, what: str = "native kernels", flags: tuple[str,
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load_checked(bind: Callable[[Path], Any], agrees: Callable[[Any], bool], what: str) -> Any:
+    """The library built if needed, bound (``bind(path)``) and checked once (``agrees``): the bound
+    callable, or None on any failure (no compiler, a failed build or load, a disagreement)."""
+    path = build()
+    if path is None:
+        return None
+    try:
+        fn = bind(path)
+        return fn if agrees(fn) else None
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot load is simply not used
+        log.warning("%s: not used (%s)", what, exc)
+        return None

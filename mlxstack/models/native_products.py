@@ -60,15 +60,7 @@ def binding(path: Path, threads: Optional[int] = None) -> Callable[[np.ndarray, 
 
 def load() -> Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]]:
     """The bound loop, built if needed and checked once: None on any failure."""
-    path = build()
-    if path is None:
-        return None
-    try:
-        products = binding(path)
-        return products if agrees(products) else None
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot load is simply not used
-        log.warning("native row products: not used (%s)", exc)
-        return None
+    return native_build.load_checked(binding, agrees, "native row products")
 
 
 def agrees(products: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> bool:
