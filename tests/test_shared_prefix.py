@@ -344,10 +344,11 @@ def test_followers_and_fresh_requests_arriving_together_all_get_their_replies(em
 
 
 def test_a_slab_filled_at_once_equals_one_placed_row_by_row(dense_engine):
-    """stack_layers builds each layer in one concatenation (SlabKVCache.fill): the same rows,
-    padding, RoPE offsets, shared prefix and next-step logits as placing the rows one by one --
-    with the longest row in the middle, a row on its root, and a row without one (held whole)."""
-    from mlxstack.engine.batch_cache import place_own_layers, stack_layers
+    """SlabKVCache.fill (a batch joining an empty slab: place_batch_rows) builds each layer in one
+    concatenation: the same rows, padding, RoPE offsets, shared prefix and next-step logits as
+    placing the rows one by one -- with the longest row in the middle, a row on its root, and a
+    row without one (held whole)."""
+    from mlxstack.engine.batch_cache import _own_planned, place_own_layers
 
     eng = dense_engine
     model = eng.loaded.model
@@ -363,7 +364,9 @@ def test_a_slab_filled_at_once_equals_one_placed_row_by_row(dense_engine):
     feed(model, alone, [7, 7, 8, 9], 16)                   # no root: its whole sequence is the row
     lives.append(alone)
     layers, roots = [lv.layers for lv in lives], [lv.roots for lv in lives]
-    filled = stack_layers(layers, roots, 16)
+    filled = [SlabKVCache.empty(4) for _ in layers[0]]
+    for i, slab in enumerate(filled):
+        slab.fill([_own_planned(slab, r, layers[r][i], roots[r][i], 16) for r in range(4)])
     placed = [SlabKVCache.empty(4) for _ in layers[0]]
     for r in range(4):
         place_own_layers(placed, r, layers[r], roots[r], 16)
