@@ -494,7 +494,8 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
             lives2.append(live)
         batch = stack_layers([live.layers for live in lives2])
         together = model(nxt, cache=batch)[:, -1, :]
-        mx.eval(together, *alone)   # everything at once: ranks must run every forward's collectives
+        for out in (*alone, together):   # one forward per eval: its sends / receives in one order on every rank
+            mx.eval(out)
         ok = all([mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2)])
         why = "" if ok else "batched logits differ from single-sequence logits"
     except Exception as exc:  # noqa: BLE001 - any failure: this model decodes one sequence at a time
