@@ -61,10 +61,7 @@ class App:
         if engine.loaded.is_vlm:
             log.info("scheduling: one request at a time (VLM)")
             return
-        if self.settings.shared_prefix_min_tokens > 0:   # decided at load, not in a first hit's TTFT
-            from ..engine.shared_prefix import shared_prefix_ok
-
-            shared_prefix_ok(engine)
+        engine.by_reference_depth()   # decided at load (a model check), not in a first hit's TTFT
         if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
             self.worker.scheduler = Scheduler(engine, 1, self.settings.prefill_chunk_tokens, False)
             log.info("scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")

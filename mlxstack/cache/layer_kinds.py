@@ -105,9 +105,12 @@ def _joined(root: Any, tail: Any, p: int, depth: int, room: bool) -> Any:
     """``root[:p] + tail[:depth - p]`` along the token axis; with ``room`` the buffer has 256 more
     positions (a KVCache appends there in place; its ``offset`` says what is valid)."""
     parts = [root[..., :p, :], tail[..., :depth - p, :]]
-    if room:
-        parts.append(mx.zeros((*tail.shape[:-2], 256, tail.shape[-1]), dtype=tail.dtype))
-    return mx.concatenate(parts, axis=-2)
+    return mx.concatenate(parts + [_room(tail)] if room else parts, axis=-2)
+
+
+def _room(a: Any) -> Any:
+    """256 zero positions shaped like ``a``: room a checked-out buffer appends into in place."""
+    return mx.zeros((*a.shape[:-2], 256, a.shape[-1]), dtype=a.dtype)
 
 
 def _rooted_state(cls: type, root: tuple[Any, Any, int], depth: int, tail: tuple[Any, Any] | None) -> LayerState:
@@ -262,9 +265,8 @@ class KVKind(CacheKind):
         if depth <= n:
             return PrefixedKVCache((rk, rv, depth))
         k, v = state.arrays[0], state.arrays[1]            # a rooted state's tail past its root
-        room = lambda a: mx.concatenate([a[..., :depth - n, :], mx.zeros((*a.shape[:-2], 256, a.shape[-1]), a.dtype)],  # noqa: E731
-                                        axis=-2)
-        return PrefixedKVCache((rk, rv, n), room(k), room(v), depth - n)
+        tail = lambda a: mx.concatenate([a[..., :depth - n, :], _room(a)], axis=-2)  # noqa: E731
+        return PrefixedKVCache((rk, rv, n), tail(k), tail(v), depth - n)
 
     def root(self, state: LayerState, depth: int) -> tuple[Any, Any, int] | None:
         """What a cache checked out of ``state`` at ``depth`` shares with it: (keys, values, n) --

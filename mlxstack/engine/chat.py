@@ -115,7 +115,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
                        checkpoint=checkpoint, at=at, should_stop=should_stop)
 
     # ---------------------------------------------------------------- phases
-    def _by_reference(self) -> int:
+    def by_reference_depth(self) -> int:
         """From how many reused tokens a hit is checked out by reference (copy-free: the first
         append writes a short tail, not a copy of the whole reuse): SHARED_PREFIX_MIN_TOKENS where
         this model attends a prefix held elsewhere (engine/shared_prefix.py); 0 = a plain copy."""
@@ -154,7 +154,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
 
         match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
         st.counters.bump("renders", prep.renders)
-        live = checkout(stored, match.depth, st.kv_quant, self._by_reference()) if match.hit else self.new_cache()
+        live = checkout(stored, match.depth, st.kv_quant, self.by_reference_depth()) if match.hit else self.new_cache()
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")

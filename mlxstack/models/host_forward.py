@@ -11,7 +11,7 @@ through MLX than the same ``cblas_sgemm`` called directly (measured here: the 21
 OpenBLAS). For calls of up to ``MAX_POSITIONS`` positions a row (a decode step, a speculative
 verification, a turn's closer, a warm turn's short rest) this module runs the layer's dense
 arithmetic on numpy views of the model's own weight buffers (no copy) -- products through the
-optimised BLAS MLX itself uses (``blas()``) or, for up to 64 rows, a native loop that streams each
+optimised BLAS MLX itself uses (``blas()``) or, for up to 128 rows, a native loop that streams each
 weight once (models/native_products.py, NATIVE_PRODUCTS), norms and SwiGLU in numpy -- and keeps in MLX exactly
 what carries the cache semantics:
 RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call; the rotation is
@@ -35,9 +35,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 from .native_products import MAX_ROWS as _MAX_NATIVE_ROWS
+
+log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 16          # positions a row: decode-sized calls only (a prefill chunk stays in MLX)
 _ATTR = "_mlxstack_host"    # the plan, an attribute of the model instance (opt-in per instance)

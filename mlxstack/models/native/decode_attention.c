@@ -94,69 +94,67 @@ static inline __attribute__((always_inline)) void body(
     for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
     const float NEG = -INFINITY;
     for (int64_t u = u0; u < u1; u++) {       /* units: (row, KV head) pairs, u = b * Hkv + g */
-        {
-            const int64_t b = u / Hkv, g = u % Hkv;
-            const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
-            int64_t off = 0;
-            for (int64_t p = 0; p < np; p++) {
-                const part_t *P = &parts[p];
-                const int64_t T = P->T;
-                int64_t last[MAXQ], moff[MAXQ];   /* per query: last visible key, mask offset */
-                const int64_t hidden = P->rows && !P->rows[b];
+        const int64_t b = u / Hkv, g = u % Hkv;
+        const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
+        int64_t off = 0;
+        for (int64_t p = 0; p < np; p++) {
+            const part_t *P = &parts[p];
+            const int64_t T = P->T;
+            int64_t last[MAXQ], moff[MAXQ];   /* per query: last visible key, mask offset */
+            const int64_t hidden = P->rows && !P->rows[b];
+            for (int64_t j = 0; j < n; j++) {
+                last[j] = hidden ? -1 : (P->causal ? T - L + j % L : T - 1);
+                moff[j] = b * P->mb + (g * rep + j / L) * P->mh + (j % L) * P->ml;   /* no division per key */
+            }
+            const float *kbase = P->k + b * P->kb + g * P->kh;
+            for (int64_t t0 = 0; t0 < T; t0 += TB) {          /* a block of keys stays in L1 */
+                const int64_t t1 = t0 + TB < T ? t0 + TB : T;
                 for (int64_t j = 0; j < n; j++) {
-                    last[j] = hidden ? -1 : (P->causal ? T - L + j % L : T - 1);
-                    moff[j] = b * P->mb + (g * rep + j / L) * P->mh + (j % L) * P->ml;   /* no division per key */
-                }
-                const float *kbase = P->k + b * P->kb + g * P->kh;
-                for (int64_t t0 = 0; t0 < T; t0 += TB) {          /* a block of keys stays in L1 */
-                    const int64_t t1 = t0 + TB < T ? t0 + TB : T;
-                    for (int64_t j = 0; j < n; j++) {
-                        const float *qj = qg + j * D, *kp = kbase + t0 * P->kt;
-                        float *srow = S + j * Tall + off;
-                        for (int64_t t = t0; t < t1; t++, kp += P->kt) {
-                            float s = NEG;
-                            if (t <= last[j]) {
-                                s = dot(qj, kp, D);
-                                if (P->mask) {
-                                    const int64_t at = moff[j] + t * P->mt;
-                                    if (P->mask_is_bool) s = ((const uint8_t *)P->mask)[at] ? s : NEG;
-                                    else s += ((const float *)P->mask)[at];
-                                }
+                    const float *qj = qg + j * D, *kp = kbase + t0 * P->kt;
+                    float *srow = S + j * Tall + off;
+                    for (int64_t t = t0; t < t1; t++, kp += P->kt) {
+                        float s = NEG;
+                        if (t <= last[j]) {
+                            s = dot(qj, kp, D);
+                            if (P->mask) {
+                                const int64_t at = moff[j] + t * P->mt;
+                                if (P->mask_is_bool) s = ((const uint8_t *)P->mask)[at] ? s : NEG;
+                                else s += ((const float *)P->mask)[at];
                             }
-                            srow[t] = s;
                         }
+                        srow[t] = s;
                     }
                 }
-                off += T;
             }
-            float den[MAXQ];
-            for (int64_t j = 0; j < n; j++) {
-                float *s = S + j * Tall, top = maxv(s, Tall);
-                if (top == NEG) { memset(s, 0, Tall * sizeof(float)); den[j] = 0.f; continue; }
-                exp_shift(s, Tall, top, &den[j]);
-            }
-            float acc[MAXQ][MAXD] __attribute__((aligned(64)));
-            for (int64_t j = 0; j < n; j++) memset(acc[j], 0, Dv * sizeof(float));
-            off = 0;
-            for (int64_t p = 0; p < np; p++) {
-                const part_t *P = &parts[p];
-                const float *vbase = P->v + b * P->vb + g * P->vh;
-                for (int64_t t0 = 0; t0 < P->T; t0 += TB) {       /* each (j, d) sums over t in order */
-                    const int64_t t1 = t0 + TB < P->T ? t0 + TB : P->T;
-                    for (int64_t j = 0; j < n; j++) {
-                        const float *w = S + j * Tall + off, *vp = vbase + t0 * P->vt;
-                        float *restrict a = acc[j];
-                        for (int64_t t = t0; t < t1; t++, vp += P->vt)
-                            for (int64_t d = 0; d < Dv; d++) a[d] += w[t] * vp[d];
-                    }
+            off += T;
+        }
+        float den[MAXQ];
+        for (int64_t j = 0; j < n; j++) {
+            float *s = S + j * Tall, top = maxv(s, Tall);
+            if (top == NEG) { memset(s, 0, Tall * sizeof(float)); den[j] = 0.f; continue; }
+            exp_shift(s, Tall, top, &den[j]);
+        }
+        float acc[MAXQ][MAXD] __attribute__((aligned(64)));
+        for (int64_t j = 0; j < n; j++) memset(acc[j], 0, Dv * sizeof(float));
+        off = 0;
+        for (int64_t p = 0; p < np; p++) {
+            const part_t *P = &parts[p];
+            const float *vbase = P->v + b * P->vb + g * P->vh;
+            for (int64_t t0 = 0; t0 < P->T; t0 += TB) {       /* each (j, d) sums over t in order */
+                const int64_t t1 = t0 + TB < P->T ? t0 + TB : P->T;
+                for (int64_t j = 0; j < n; j++) {
+                    const float *w = S + j * Tall + off, *vp = vbase + t0 * P->vt;
+                    float *restrict a = acc[j];
+                    for (int64_t t = t0; t < t1; t++, vp += P->vt)
+                        for (int64_t d = 0; d < Dv; d++) a[d] += w[t] * vp[d];
                 }
-                off += P->T;
             }
-            for (int64_t j = 0; j < n; j++) {
-                float *o = out + ((b * Hq + g * rep) * L + j) * Dv;
-                const float inv = den[j] > 0.f ? 1.f / den[j] : 0.f;
-                for (int64_t d = 0; d < Dv; d++) o[d] = acc[j][d] * inv;
-            }
+            off += P->T;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *o = out + ((b * Hq + g * rep) * L + j) * Dv;
+            const float inv = den[j] > 0.f ? 1.f / den[j] : 0.f;
+            for (int64_t d = 0; d < Dv; d++) o[d] = acc[j][d] * inv;
         }
     }
 }

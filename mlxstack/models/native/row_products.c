@@ -71,12 +71,8 @@ static inline float vsum(vf a) {
 #define IN_REGISTER(v) ((void)0)
 #endif
 
-#ifndef GROUP
 #define GROUP 4        /* x rows per pass over a block of weight rows */
-#endif
-#ifndef WROWS
 #define WROWS 4        /* weight rows per block: GROUP x WROWS accumulators in registers */
-#endif
 
 /* Outputs [o0, o0 + W) for rows [r0, r0 + R) (R <= GROUP, W <= WROWS). */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t r0, const int R, const float *w,
@@ -114,13 +110,9 @@ typedef struct { const float *x; int64_t M, K; const float *w; int64_t o_begin, 
 
 #define ROWS_CASES(W) \
     switch (j->M - r0 < GROUP ? (int)(j->M - r0) : GROUP) { \
-    case 1: block(j->x, r0, 1 <= GROUP ? 1 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 2: block(j->x, r0, 2 <= GROUP ? 2 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 3: block(j->x, r0, 3 <= GROUP ? 3 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 4: block(j->x, r0, 4 <= GROUP ? 4 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 5: block(j->x, r0, 5 <= GROUP ? 5 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 6: block(j->x, r0, 6 <= GROUP ? 6 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
-    case 7: block(j->x, r0, 7 <= GROUP ? 7 : GROUP, j->w, j->K, o, W, j->y, j->N); break; \
+    case 1: block(j->x, r0, 1, j->w, j->K, o, W, j->y, j->N); break; \
+    case 2: block(j->x, r0, 2, j->w, j->K, o, W, j->y, j->N); break; \
+    case 3: block(j->x, r0, 3, j->w, j->K, o, W, j->y, j->N); break; \
     default: block(j->x, r0, GROUP, j->w, j->K, o, W, j->y, j->N); break; \
     }
 
