@@ -132,3 +132,15 @@ def test_a_restart_hit_from_disk_is_checked_out_by_reference(tiny_dense_path, tm
     cold = build_engine(engine_settings(tiny_dense_path, prompt_cache_max_entries_global=0))
     cold.run(job(list(msgs), max_tokens=16, session="d")[0])
     assert warm.raw_text == cold.run(job(list(follow), max_tokens=16, session="d")[0]).raw_text
+
+
+def test_the_load_time_check_runs_a_by_reference_checkout_with_a_tail(tiny_dense_path, monkeypatch):
+    """A model that attends the slab's shared prefix but not a copy-free checkout's (here: the
+    prefixed layer's prefix hidden from the attention hook) is refused at load: the check feeds a
+    by-reference checkout several-token chunks and compares them with a plain copy."""
+    from mlxstack.engine.shared_prefix import _check
+
+    eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
+    assert _check(eng)
+    monkeypatch.setattr(PrefixedKVCache, "shared_prefix", lambda self: None)
+    assert not _check(eng)

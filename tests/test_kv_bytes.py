@@ -187,3 +187,58 @@ def test_a_request_waits_for_memory_over_http_and_says_so(tiny_dense_path):
         assert "mlxstack_waited_for_memory_total 1.0" in metrics and "mlxstack_waiting_for_memory 0.0" in metrics
     finally:
         server.close()
+
+
+def _turn_then_follow_up(eng):
+    """A stored first turn (one entry) and the job of its follow-up, which hits it."""
+    msgs = [{"role": "system", "content": "You are a careful assistant. " * 8}, {"role": "user", "content": "Hello."}]
+    first = eng.run(job(list(msgs), max_tokens=8, session="a")[0])
+    follow = msgs + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    return job(follow, max_tokens=8, session="a")[0]
+
+
+def test_a_prefix_checked_out_by_reference_is_counted_once_in_the_tier(tiny_dense_path):
+    """A warm turn checked out copy-free holds the entry's arrays: they are the RAM tier's memory,
+    counted there; the requests in flight add only what they hold of their own."""
+    eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
+    follow = _turn_then_follow_up(eng)
+    [(entry, payload)] = eng.state.prompt_cache.held()
+    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    f = Future()
+    f.set_running_or_notify_cancel()
+    sched.admit(follow, f)
+    sched.account()
+    [seq] = sched.prefilling
+    assert all(layer.prefix[0] is s.arrays[0] for layer, s in zip(seq.live.layers, payload.layers))   # by reference
+    assert eng.state.live_kv_bytes == 0                                  # nothing of its own yet
+    stats = eng.state.stats()
+    assert stats["kv_bytes"] == stats["tier_kv_bytes"] == resident_bytes([payload])
+    while not sched.idle():
+        sched.step()
+    assert f.result().cached_tokens > 0
+
+
+def test_admission_never_spills_the_entry_a_request_in_flight_holds(tiny_dense_path):
+    """A second request arrives while the first holds the stored entry by reference: the budget
+    leaves it room only once that entry is counted once, and the RAM tier then yields what it can
+    -- never the entry in flight (spilling it frees nothing and loses a hot entry)."""
+    eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8, speculative="off"))
+    follow = _turn_then_follow_up(eng)
+    [(entry, payload)] = eng.state.prompt_cache.held()
+    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    futures = _run(sched, [[{"role": "user", "content": "Count from one to ten."}]], 8)   # an unrelated request
+    f = Future()
+    f.set_running_or_notify_cancel()
+    sched.admit(follow, f)                                               # in flight beside it
+    sched.account()
+    other = job([{"role": "user", "content": "Name three colours."}], max_tokens=8, session="c")[0]
+    probe = eng.start(other)
+    eng.state.cache_budget = sched.committed_bytes() + sched.need_bytes(probe) + entry.nbytes // 2
+    g = Future()
+    g.set_running_or_notify_cancel()
+    sched.admit(other, g)
+    assert sched.parked is None and len(sched.prefilling) == 3           # room, with the prefix counted once
+    assert [e.entry_id for e, _ in eng.state.prompt_cache.held()] == [entry.entry_id]   # still in RAM
+    while not sched.idle():
+        sched.step()
+    assert all(x.result().completion_tokens > 0 for x in (*futures, f, g))

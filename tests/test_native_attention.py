@@ -185,3 +185,25 @@ def test_rows_split_over_two_threads_are_bit_for_bit_one_thread(monkeypatch):
     monkeypatch.setattr(native_attention, "THREADS", 1)
     one = _close(parts, q)
     assert mx.array_equal(one, two).item()
+
+
+def test_shapes_the_kernel_would_read_past_go_back_to_the_mlx_path():
+    """The C loop walks what its caller says is there: keys / values / row masks whose extents do not
+    agree with the queries are refused before any buffer is read (an error of the MLX path, never an
+    out-of-bounds read)."""
+    q = _rand((3, 4, 1, 64), 40)
+    k, v = _rand((1, 2, 9, 64), 41), _rand((1, 2, 9, 64), 42)
+    assert native_attention._takes(q, [Part(k, v)], None)                                  # the reference case
+    bad = [
+        [Part(_rand((1, 3, 9, 64), 43), _rand((1, 3, 9, 64), 44))],                         # 4 heads over 3 KV heads
+        [Part(k, _rand((1, 2, 8, 64), 45))],                                                # values shorter than keys
+        [Part(k, v), Part(_rand((3, 2, 5, 64), 46), _rand((3, 2, 5, 32), 47))],             # value widths differ
+        [Part(_rand((2, 2, 9, 64), 48), _rand((2, 2, 9, 64), 49))],                         # 2 rows of keys, 3 queries
+        [Part(_rand((1, 2, 9, 32), 50), _rand((1, 2, 9, 64), 51))],                         # key width != query width
+        [Part(k, v, None, mx.array([True, False]))],                                        # a row mask for 2 of 3 rows
+        [Part(_rand((3, 4, 1, 64), 52), _rand((3, 4, 1, 64), 53), "causal")],               # (fine: 1 query, 1 key)
+    ]
+    verdicts = [native_attention._takes(q, parts, None) for parts in bad]
+    assert verdicts == [False, False, False, False, False, False, True]
+    causal_short = [Part(_rand((1, 2, 2, 64), 54), _rand((1, 2, 2, 64), 55), "causal")]
+    assert not native_attention._takes(_rand((1, 4, 3, 64), 56), causal_short, None)        # 3 queries, 2 keys

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from .prefixed_kv import PrefixedKVCache
 from .layer_kinds import (FP_HEAD, KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key, eval_state,
                           kind_of, mark_layer, replayable, restore_layer)
 
@@ -74,6 +75,36 @@ class LiveCache:
             kind_of(layer).cut(layer, self.depth, depth)
         self.depth = depth
         self.roots = [r if r is None or r[2] <= depth else (r[0], r[1], depth) for r in self.roots]
+
+    def can_share(self) -> bool:
+        """Every layer can hand out its first tokens as a root (``share``), now or once fed."""
+        return all(getattr(kind_of(layer), "hands_out_prefix", False) for layer in self.layers)
+
+    def share(self, depth: int) -> list[tuple[Any, Any, int]]:
+        """Every layer's first ``depth`` tokens as a root ``(keys, values, depth)`` that other
+        requests hold by reference (a shared prefill's followers): the layer's recorded root where
+        it covers ``depth`` (the same objects, so every holder shares one root: LESSONS 42), else
+        the kind's ``first`` -- a view of what the layer holds, whatever its form -- recorded as its
+        root. A root record is only ever this cache's own first tokens (LESSONS 63). A layer holding
+        exactly ``depth`` goes on with the root by reference: its next append writes a tail instead
+        of copying its whole buffer away from the others' view of it."""
+        if not 0 < depth <= self.depth:
+            raise ValueError(f"cannot share {depth} tokens of a cache holding {self.depth}")
+        out = []
+        for i, layer in enumerate(self.layers):
+            held = self.roots[i] if i < len(self.roots) else None
+            if held is not None and held[2] >= depth:
+                out.append((held[0], held[1], depth))
+                continue
+            kind = kind_of(layer)
+            root = kind.first(layer, depth) if kind is not None else None
+            if root is None:
+                raise TypeError(f"layer {i} ({type(layer).__name__}) cannot share its first {depth} tokens")
+            self.roots[i] = root
+            if self.depth == depth:
+                self.layers[i] = PrefixedKVCache(root)
+            out.append(root)
+        return out
 
     def root_of(self, i: int) -> Any:
         """Layer ``i``'s shared root (keys, values, n), while the layer is plain KV."""

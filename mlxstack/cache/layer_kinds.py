@@ -10,6 +10,7 @@ Each kind answers the same few verbs (the way mlx-lm's ``models/cache.py`` gives
     layer2 = kind.checkout(state, d)          # fresh object of the same class, same parameters
     kind.cut(layer, depth, d)                 # cut a live layer back to d (floor <= d <= depth)
     kind.room(layer, depth)                   # tokens one forward may add and still cut back
+    root = kind.first(layer, d)               # its first d tokens as (keys, values, d), others may hold
     arrays, meta = kind.dump(state)           # flat arrays + JSON meta (the disk tier's form)
     state = kind.load(arrays, meta, cls)      # the inverse
 
@@ -143,6 +144,7 @@ class CacheKind:
     class_names: tuple[str, ...] = ()
     always_trimmable = False   # every reachable state has floor 0 (no checkpoints needed)
     replayable = True          # a forward only rebinds or writes past what ``mark`` keeps (restore + replay)
+    hands_out_prefix = False   # ``first`` answers: its first tokens can be held by reference elsewhere
 
     def matches(self, layer: Any) -> bool:
         cls = type(layer)
@@ -168,6 +170,13 @@ class CacheKind:
         """How many tokens one forward may add to the layer such that it can still be cut back
         to any depth in between (speculative decoding verifies drafts that way). 0: none."""
         return 0
+
+    def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
+        """The layer's first ``depth`` tokens as a root ``(keys, values, depth)``: arrays whose first
+        ``depth`` positions are exactly what the layer holds there, whatever form it holds them in
+        (a shared prefill's fork hands them to its followers by reference). None: this kind cannot
+        (not plain KV), or the layer holds fewer tokens. LESSONS 63."""
+        return None
 
     # ---- serialisable form: named arrays + JSON-able meta (the disk tier stores these)
     def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
@@ -289,6 +298,13 @@ class KVKind(CacheKind):
     def room(self, layer: Any, depth: int) -> int:
         return UNBOUNDED
 
+    hands_out_prefix = True
+
+    def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
+        if layer.keys is None or not 0 < depth <= layer.offset:
+            return None
+        return layer.keys[..., :depth, :], layer.values[..., :depth, :], depth
+
 
 class QuantizedKind(KVKind):
     """``QuantizedKVCache``: keys/values are (packed, scales, biases) triples; any depth.
@@ -301,6 +317,10 @@ class QuantizedKind(KVKind):
     Slots: (tail keys, tail values, head keys, head values)."""
     name = "quantized"
     class_names = ("QuantizedKVCache",)
+    hands_out_prefix = False     # (packed, scales, biases) triples: never a plain root
+
+    def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
+        return None
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         head = getattr(layer, FP_HEAD, None) if layer.keys is not None else None
@@ -561,6 +581,25 @@ class PrefixedKind(CacheKind):
 
     def room(self, layer: Any, depth: int) -> int:
         return UNBOUNDED
+
+    hands_out_prefix = True
+
+    def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
+        """Within the prefix: the prefix's own arrays (the same objects, so every holder of them is
+        recognised as sharing one root: LESSONS 42); past it: prefix + tail joined, one copy --
+        never the tail buffer alone (its position 0 is token ``n_prefix``, not token 0)."""
+        if not 0 < depth <= layer.offset:
+            return None
+        n = layer.n_prefix
+        if depth <= n:
+            rk, rv, _ = layer.prefix
+            return rk, rv, depth
+        tk, tv = layer.tail(depth)
+        if not n:
+            return tk, tv, depth
+        rk, rv, _ = layer.prefix
+        join = lambda r, t: mx.concatenate([r[..., :n, :], t], axis=-2)  # noqa: E731
+        return join(rk, tk), join(rv, tv), depth
 
 
 KINDS: dict[str, CacheKind] = {k.name: k for k in (KVKind(), QuantizedKind(), RotatingKind(), ChunkedKind(),

@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -405,9 +405,10 @@ class PromptCache:
     def _ram(self) -> list[CacheEntry]:
         return [e for e in self._entries.values() if e.payload is not None]
 
-    def _victim(self, pool: str | None, protect: int) -> CacheEntry | None:
+    def _victim(self, pool: str | None, protect: int, keep: Collection[int] = ()) -> CacheEntry | None:
         now = self.clock()
-        pool_entries = [e for e in self._ram() if (pool is None or e.pool == pool) and e.entry_id != protect]
+        pool_entries = [e for e in self._ram() if (pool is None or e.pool == pool) and e.entry_id != protect
+                        and e.entry_id not in keep]
         if not pool_entries:
             return None
         return max(pool_entries, key=lambda e: (e.superseded, self.score(e, now), -e.entry_id))
@@ -438,14 +439,16 @@ class PromptCache:
                 break
             self._evict(victim, "bytes")
 
-    def fit(self, nbytes: int) -> int:
+    def fit(self, nbytes: int, keep: Collection[int] = ()) -> int:
         """Bring the RAM tier down to ``nbytes`` (requests in flight need the rest of the budget):
         victims in the usual order (superseded, then cold / shallow / rarely hit: a hot session's
-        entries last), spilled to the disk tier when it takes them. Returns how many left RAM."""
+        entries last), spilled to the disk tier when it takes them. Entries in ``keep`` (checked out
+        by requests in flight: they hold the arrays, so spilling them frees nothing) stay.
+        Returns how many left RAM."""
         with self._lock:
             left = 0
             while sum(e.nbytes for e in self._ram()) > max(0, nbytes):
-                victim = self._victim(None, 0)
+                victim = self._victim(None, 0, keep)
                 if victim is None:
                     break
                 self._evict(victim, "admission")

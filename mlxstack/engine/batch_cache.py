@@ -146,12 +146,12 @@ class SlabKVCache(BatchKVCache):
         return n if root[0] is rk and root[1] is rv and root[2] >= n else 0
 
     def place_tail(self, row: int, prefix: tuple[mx.array, mx.array, int], keys: mx.array, values: mx.array,
-                   length: int) -> bool:
+                   length: int, min_shared: int | None = 1) -> bool:
         """Write a sequence that is ``prefix`` (held elsewhere, by reference) followed by ``length``
         positions of K/V as a row that shares the slab's prefix -- when ``prefix`` is the slab's
         (the same objects and length; it becomes the slab's if it has none). False: it is not, and
         nothing was written (the caller places the whole sequence)."""
-        planned = self._tail_planned(row, prefix, keys, values, length)
+        planned = self._tail_planned(row, prefix, keys, values, length, min_shared)
         if planned is None:
             return False
         self._put(*planned)
@@ -193,12 +193,15 @@ class SlabKVCache(BatchKVCache):
         return row, keys[..., skip:length, :], values[..., skip:length, :], length - skip, length, skip > 0
 
     def _tail_planned(self, row: int, prefix: tuple[mx.array, mx.array, int], keys: mx.array, values: mx.array,
-                      length: int) -> tuple | None:
-        """What ``place_tail`` writes, or None (``prefix`` is not the slab's): nothing written."""
+                      length: int, min_shared: int | None) -> tuple | None:
+        """What ``place_tail`` writes, or None: ``prefix`` is not (and cannot become) the slab's --
+        another root, one shorter than ``min_shared``, sharing off (None), a batch of several --
+        and nothing was written (the caller places the whole sequence). The same rule as ``_share``."""
         n = prefix[2]
         if self.prefix is not None and not (self.prefix[0] is prefix[0] and self.prefix[2] == n):
             return None
-        self._share(prefix, 1)
+        if self._share(prefix, min_shared) != n:
+            return None
         return row, keys, values, length, n + length, True
 
     def _put(self, row: int, keys: mx.array, values: mx.array, length: int, total: int, shares: bool) -> None:
@@ -322,6 +325,8 @@ class SlabKVCache(BatchKVCache):
             order = sorted(range(len(views)), key=lambda i: -views[i][2])
             for i in order:
                 if not (shared[i] and new.place_tail(i, self.prefix, *views[i])):
+                    if shared[i]:       # its tail alone is not its sequence
+                        raise RuntimeError("bug: a sharing row could not keep the slab's prefix")
                     new._write(i, *views[i], views[i][2])
         return new
 
@@ -341,7 +346,7 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
             if getattr(batch, "shares", None) and batch.shares[i]:
                 # the batch held this row's prefix once: its tail moves as a tail when the slab
                 # shares the same prefix, else the row is written whole
-                planned = slab._tail_planned(row, batch.prefix, k, v, batch._idx - pads[i])
+                planned = slab._tail_planned(row, batch.prefix, k, v, batch._idx - pads[i], min_shared)
                 if planned is None:
                     whole = batch.take(i, whole=True)
                     planned = slab._planned(row, whole.keys, whole.values, whole.offset, root, min_shared)
@@ -357,7 +362,7 @@ def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: i
             tk, tv = own.tail()
             if tk is None:                         # nothing past the prefix yet
                 tk, tv = own.prefix[0][..., :0, :], own.prefix[1][..., :0, :]
-            planned = slab._tail_planned(row, own.prefix, tk, tv, own.offset - own.n_prefix)
+            planned = slab._tail_planned(row, own.prefix, tk, tv, own.offset - own.n_prefix, min_shared)
             if planned is not None:
                 return planned
         own = own.whole()

@@ -12,7 +12,7 @@ its first append.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import mlx.core as mx
 
@@ -60,19 +60,26 @@ def _collect(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
             _collect(getattr(obj, name, None), seen, depth + 1)
 
 
-def resident_bytes(objects: Iterable[Any]) -> int:
-    """Bytes of the distinct mx arrays reachable from ``objects`` (caches, lists of cache layers,
-    captured states), each counted once by its allocated size."""
+def resident_arrays(objects: Iterable[Any]) -> dict[int, int]:
+    """id -> allocated bytes of the distinct mx arrays reachable from ``objects``."""
     seen: dict[int, int] = {}
     for obj in objects:
         _collect(obj, seen)
-    return sum(seen.values())
+    return seen
 
 
-def live_bytes(scheduler: Any) -> int:
+def resident_bytes(objects: Iterable[Any], besides: Collection[int] = ()) -> int:
+    """Bytes of the distinct mx arrays reachable from ``objects`` (caches, lists of cache layers,
+    captured states), each counted once by its allocated size -- less the arrays whose ids are in
+    ``besides`` (the RAM cache tier's: a prefix checked out by reference is the tier's memory,
+    counted there once; LESSONS 63)."""
+    return sum(n for i, n in resident_arrays(objects).items() if i not in besides)
+
+
+def live_bytes(scheduler: Any, besides: Collection[int] = ()) -> int:
     """Everything the scheduler's requests hold right now (the decode group's slab and rows,
     prompts in prefill with their snapshots, replied turns waiting to be closed, the rows' draft
-    model caches), each array once."""
+    model caches), each array once, less the arrays in ``besides`` (the RAM tier's)."""
     group = scheduler.group
     objects: list[Any] = [group.slab]
     for seq in list(group.seqs) + list(scheduler.prefilling) + list(getattr(scheduler, "closing", ())):
@@ -80,7 +87,7 @@ def live_bytes(scheduler: Any) -> int:
         objects.append(seq.snapshots)
         drafter = getattr(seq.spec, "drafter", None)
         objects.append(getattr(getattr(drafter, "then", drafter), "cache", None))
-    return resident_bytes(objects)
+    return resident_bytes(objects, besides)
 
 
 def _token_part(layer: Any) -> tuple[int, int]:

@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from .batch import DecodeGroup, GroupReset
 from .batch_prefill import choose_short, feed_together, holds_prefixed, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
-from .kv_bytes import live_bytes, measured_token_bytes
+from .kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from .shared_prefill import fork, plan_follow, ready
 from .worker import resolve
 
@@ -102,6 +102,8 @@ class Scheduler:
         self.parked: Sequence | None = None   # started, waiting for KV memory (admission by bytes)
         self.parked_total = 0         # requests that had to wait for memory
         self._token_bytes: tuple[int, int] | None = None
+        self._tier_key: tuple = ()
+        self._tier_ids: dict[int, int] = {}
 
     @property
     def active(self) -> int:
@@ -151,9 +153,16 @@ class Scheduler:
         if room is not None and room < 0:
             return False
         if room is not None:
-            self.engine.state.prompt_cache.fit(room)
+            self.engine.state.prompt_cache.fit(room, self._checked_out(seq))
         self._enter(seq)
         return True
+
+    def _checked_out(self, seq: Sequence) -> set[int]:
+        """The cache entries ``seq`` and the requests in flight were checked out of: they hold
+        those arrays (by reference, or until their first append), so spilling the entries frees
+        no memory and loses a hot entry."""
+        seqs = [seq, *self.prefilling, *self.group.seqs, *self.closing]
+        return {s.match.entry.entry_id for s in seqs if s.match.hit and s.match.entry is not None}
 
     def _unpark(self) -> None:
         seq = self.parked
@@ -259,10 +268,20 @@ class Scheduler:
 
     def account(self) -> None:
         """What the requests in flight hold in RAM (engine state's ``live_kv_bytes``: the
-        ``mlxstack_kv_bytes`` gauge adds the RAM cache tier), each array once; the draft model's
-        stored caches count too."""
+        ``mlxstack_kv_bytes`` gauge adds the RAM cache tier), each array once and none the tier
+        holds (a prefix checked out by reference is counted there); the draft model's stored
+        caches count too."""
         draft = self.engine.speculation.draft
-        self.engine.state.live_kv_bytes = live_bytes(self) + (draft.store.nbytes if draft is not None else 0)
+        self.engine.state.live_kv_bytes = live_bytes(self, self._tier_arrays()) \
+            + (draft.store.nbytes if draft is not None else 0)
+
+    def _tier_arrays(self) -> dict[int, int]:
+        """The RAM tier's arrays (id -> bytes), walked again only when its entries changed."""
+        held = self.engine.state.prompt_cache.held()
+        key = tuple((e.entry_id, id(p)) for e, p in held)
+        if key != self._tier_key:
+            self._tier_key, self._tier_ids = key, resident_arrays(p for _, p in held)
+        return self._tier_ids
 
     def recover(self, exc: BaseException) -> int:
         """After an exception escaped ``step()``: the state cannot be trusted. Every request in

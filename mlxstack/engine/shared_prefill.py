@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import KVCache
-
 from ..cache.kv_ops import LiveCache
 from ..cache.lcp import lcp
 from ..cache.prefixed_kv import PrefixedKVCache
@@ -44,10 +42,11 @@ def plan_follow(seq: Sequence, prefilling: list[Sequence], min_tokens: int) -> t
 
 
 def _can_reach(leader: Sequence, depth: int) -> bool:
-    """The leader still holds (or will hold) exactly its first ``depth`` tokens in plain KV."""
+    """The leader holds (or, still prefilling towards it, will hold) its first ``depth`` tokens in
+    a form every layer can hand out (``LiveCache.can_share``): the same check whether or not it
+    has passed ``depth`` -- a prefixed layer's tail is not its whole sequence (LESSONS 63)."""
     at = leader.start if leader.pos < 0 else leader.pos
-    return at <= depth or all(type(layer) is KVCache or type(layer) is PrefixedKVCache and layer.n_prefix >= depth
-                              for layer in leader.live.layers)
+    return leader.live.can_share() and (at <= depth or leader.live.depth >= depth)
 
 
 def ready(follower: Sequence) -> bool:
@@ -58,21 +57,8 @@ def ready(follower: Sequence) -> bool:
 def fork(follower: Sequence, quant: Any) -> None:
     """Give ``follower`` its leader's first ``depth`` tokens (references), as both's root."""
     leader, depth = follower.follows
-    roots, layers = [], []
-    for i, layer in enumerate(leader.live.layers):
-        held = leader.live.roots[i]
-        if held is not None and held[2] >= depth:      # every follower shares the same objects
-            rk, rv = held[0], held[1]
-        else:
-            rk, rv = layer.keys[..., :depth, :], layer.values[..., :depth, :]
-            leader.live.roots[i] = (rk, rv, depth)
-            if type(layer) is KVCache and layer.offset == depth:
-                # the leader goes on with the prefix by reference too: its next append writes a
-                # tail, instead of copying its whole buffer away from the followers' view of it
-                leader.live.layers[i] = PrefixedKVCache((rk, rv, depth))
-        roots.append((rk, rv, depth))
-        layers.append(PrefixedKVCache((rk, rv, depth)))
-    follower.live = LiveCache(layers, depth, quant, roots)
+    roots = leader.live.share(depth)
+    follower.live = LiveCache([PrefixedKVCache(r) for r in roots], depth, quant, list(roots))
     follower.shared_prefill = depth - follower.start
     follower.start = depth
     follower.pos = depth

@@ -35,6 +35,26 @@ def shared_prefix_ok(engine: Any) -> bool:
     return known
 
 
+def _close(a: Any, b: Any) -> bool:
+    return bool(mx.allclose(a, b, atol=1e-3, rtol=1e-3).item())
+
+
+def _by_reference_agrees(model: Any, root: Any) -> bool:
+    """A copy-free checkout (``checkout(..., by_reference)``: the prefix by reference, a tail of
+    its own) fed a several-token chunk, then a rooted one past its root with a tail copied in,
+    then single tokens: the logits of a plain copy fed the same, at every step. The slab check
+    above never builds a ``PrefixedKVCache``, whose mask spans prefix + tail (``full_mask``)."""
+    plain, ref = checkout(root, root.depth), checkout(root, root.depth, None, by_reference=1)
+    for chunk in ([7, 8, 9, 10], [11], [12, 13]):
+        want = feed(model, plain, chunk, 16, logits=True)
+        got = feed(model, ref, chunk, 16, logits=True)
+        if got is None or want is None or not _close(got, want):
+            return False
+    grown = capture(ref)                        # rooted: the first 6 tokens by reference, 7 copied
+    again, copy = checkout(grown, 11, None, by_reference=1), checkout(grown, 11)
+    return _close(feed(model, again, [21, 22, 23], 16, logits=True), feed(model, copy, [21, 22, 23], 16, logits=True))
+
+
 def _check(engine: Any) -> bool:
     from .batch_cache import stack_layers
 
@@ -62,7 +82,9 @@ def _check(engine: Any) -> bool:
         if not any(getattr(layer, "shared_prefix", lambda: None)() is not None for layer in batch):
             return False
         together = model(nxt, cache=batch)[:, -1, :]
-        return all(mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2))
+        if not all(mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2)):
+            return False
+        return _by_reference_agrees(model, root)
     except Exception as exc:  # noqa: BLE001 - any failure: never share
         log.info("shared prefixes off: %s: %s", type(exc).__name__, exc)
         return False

@@ -28,7 +28,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -85,14 +85,21 @@ def _view(a: mx.array) -> np.ndarray:
 def _takes(queries: mx.array, parts: list, sinks: Optional[mx.array]) -> bool:
     """Whether the kernel takes this call -- decided from shapes and dtypes alone, before anything
     is evaluated (a call it does not take costs the MLX path nothing extra)."""
-    B, Hq, L, _ = queries.shape
+    if queries.ndim != 4 or not parts:
+        return False
+    B, Hq, L, D = queries.shape
     if sinks is not None or L > MAX_QUERIES or queries.dtype != mx.float32:
         return False
+    Hkv, Dv = parts[0].keys.shape[1] if parts[0].keys.ndim == 4 else 0, parts[0].values.shape[-1]
+    if not Hkv or Hq % Hkv:
+        return False
     for p in parts:
+        if not _shapes_agree(p, B, Hkv, D, Dv):
+            return False
         if p.keys.dtype != mx.float32 or p.values.dtype != mx.float32:
             return False
         if isinstance(p.mask, str):
-            if p.mask != "causal":
+            if p.mask != "causal" or p.keys.shape[2] < L:     # causal: the queries are the last L keys
                 return False
         elif p.mask is not None:
             if p.mask.dtype not in (mx.bool_, mx.float32) or p.mask.ndim > 4:
@@ -102,6 +109,19 @@ def _takes(queries: mx.array, parts: list, sinks: Optional[mx.array]) -> bool:
             except ValueError:
                 return False
     return True
+
+
+def _shapes_agree(p: Any, B: int, Hkv: int, D: int, Dv: int) -> bool:
+    """Every buffer the C loop walks has the extent the call implies: keys ``[1 | B, Hkv, T, D]``,
+    values ``[same batch, Hkv, T, Dv]``, a row mask of ``B`` -- the kernel reads what its caller
+    says is there, so a mismatch is the MLX path's (an error), never an out-of-bounds read."""
+    k, v = p.keys, p.values
+    if k.ndim != 4 or v.ndim != 4 or k.shape[0] not in (1, B) or v.shape[0] != k.shape[0]:
+        return False
+    if k.shape[1] != Hkv or v.shape[1] != Hkv or k.shape[2] != v.shape[2] or k.shape[3] != D or v.shape[3] != Dv:
+        return False
+    rows = p.rows
+    return rows is None or (isinstance(rows, mx.array) and rows.size == B)
 
 
 def binding(path: Path) -> Callable[..., Optional[mx.array]]:
