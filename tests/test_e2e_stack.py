@@ -166,5 +166,62 @@ def test_concurrent_sessions_through_litellm_batch_reuse_and_match_alone(stack):
     assert max(r.get("batch_size_max", 1) for r in recent) >= 2                              # decoded together
 
 
+def _fan_out(post, cold, session: str, opening: str) -> None:
+    """A stored turn, then four requests at once extending it by the same ~360-token pasted file
+    (past SHARED_PREFIX_MIN_TOKENS) plus each its own question, then one branch's next turn alone:
+    every reply is the cold engine's (which served the same turns alone, so it heals alike)."""
+    from tests.fuzz.traffic import block
+    from tests.test_engine import job
+
+    def ask(msgs):
+        status, body, _ = post({"model": MODEL, "messages": msgs, "max_tokens": 12, "temperature": 0,
+                                "session_id": session})
+        assert status == 200, body
+        return body["choices"][0]["message"]["content"]
+
+    def alone(msgs):        # with the server's default sampling (its repetition penalty included)
+        j = job(list(msgs), max_tokens=12, session=session)[0]
+        j.params.repetition_penalty = cold.settings.default_repetition_penalty
+        j.params.repetition_context_size = cold.settings.default_repetition_context_size
+        return cold.run(j).text
+
+    msgs = [{"role": "system", "content": "You are a terse coding agent. " * 6}, {"role": "user", "content": opening}]
+    first = ask(msgs)
+    assert first == alone(msgs)
+    hist = msgs + [{"role": "assistant", "content": first}]
+    branches = [hist + [{"role": "user", "content": block(5, 40) + "\n" + q}]
+                for q in ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")]
+    got: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(branches[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(got) == [0, 1, 2, 3], "a request of the fan-out did not answer 200"
+    assert [got[i] for i in range(4)] == [alone(b) for b in branches]
+    nxt = branches[1] + [{"role": "assistant", "content": got[1]}, {"role": "user", "content": "And line 5?"}]
+    assert ask(nxt) == alone(nxt)
+
+
+def test_a_fan_out_over_a_stored_turn_answers_like_a_cold_server_through_4000_and_8080(stack, embedded_model_path):
+    """The reproduction of the fork of a copy-free leader (LESSONS 63), from outside: it answered
+    500 on every request of the fan-out and left entries that changed the next turn's reply."""
+    from mlxstack.config.settings import load_settings
+    from tests.conftest import build_engine
+
+    cold = build_engine(load_settings(env={
+        "MODEL_PATH": "", "MODEL_CACHE_DIR": str(embedded_model_path.parent), "DEFAULT_TEMPERATURE": "0",
+        "DEFAULT_MAX_TOKENS": "24", "PROMPT_CACHE_MAX_ENTRIES_GLOBAL": "0", "SHARED_PREFIX_MIN_TOKENS": "0",
+        "SPECULATIVE": "off", "DISK_CACHE_DIR": "off", "ENABLE_REQUEST_LOGGING": "false", "MLX_PORT": "0"}))
+    # (the stack's settings are its env over the defaults, as Stack starts it: no .env file)
+    before = http_json(stack.mlx + "/v1/cache/stats")[1]["counters"].get("shared_prefill_tokens", 0)
+    _fan_out(lambda body: stack.post("/v1/chat/completions", body), cold, "fan-4000", "Explain what a KV cache is.")
+    _fan_out(lambda body: http_json(stack.mlx + "/v1/chat/completions", body, timeout=180), cold, "fan-8080",
+             "Explain what a radix tree is.")
+    stats = http_json(stack.mlx + "/v1/cache/stats")[1]
+    assert stats["counters"].get("shared_prefill_tokens", 0) - before >= 2 * 256      # the fan-outs forked
+    assert all(v == 0 for v in stats["correctness"].values()), stats["correctness"]
+
+
 def test_sigterm_frees_both_ports(stack):
     assert stack.stop() == 0

@@ -70,6 +70,7 @@ class Served:
     finish: str = ""
     cached: int = 0
     error: BaseException | None = None
+    verified: bool = False              # its tokens equalled the reference's (a conversation may go on from it)
 
 
 @dataclass
@@ -262,9 +263,12 @@ class Harness:
             self.findings.append(Finding("prompt", req, f"model input differs at token {_first_diff(warm.prompt, cold.prompt)}"))
             return
         if req.temperature > 0 and self.config.speculative:
-            return                           # prompt checked; draws follow the drafts (module doc)
+            return                           # prompt checked; draws follow the drafts (module doc).
+            #                                  Not verified: no conversation goes on from it -- the cold
+            #                                  engine's healing store holds its own reply, not this one
         self.stats.compared += 1
-        if warm.tokens != cold.tokens:
+        warm.verified = warm.tokens == cold.tokens
+        if not warm.verified:
             at = _first_diff(warm.tokens, cold.tokens)
             self.findings.append(Finding("mismatch", req, f"generated tokens differ at {at}: warm {warm.text[:80]!r} "
                                                           f"cold {cold.text[:80]!r} (cached {warm.cached})"))

@@ -136,7 +136,7 @@ class Fuzz(RuleBasedStateMachine):
         self.waves_since_restart += 1
         served = self.h.run(queued)
         for s in served:
-            if s.req.extends and s.error is None and s.finish != "cancelled" and s.text:
+            if s.req.extends and s.verified and s.text:
                 self.convos.append(Conversation(s.req.session, [*s.req.messages,
                                                                 {"role": "assistant", "content": s.text}]))
         del self.convos[:-MAX_CONVERSATIONS]
