@@ -183,9 +183,10 @@ def _fan_out(post, cold, session: str, opening: str) -> None:
         j = job(list(msgs), max_tokens=12, session=session)[0]
         j.params.repetition_penalty = cold.settings.default_repetition_penalty
         j.params.repetition_context_size = cold.settings.default_repetition_context_size
-        return cold.run(j).text
+        return cold.run(j).text.strip()      # the API strips the content's ends (parsing/reasoning.py)
 
-    msgs = [{"role": "system", "content": "You are a terse coding agent. " * 6}, {"role": "user", "content": opening}]
+    msgs = [{"role": "system", "content": "You are a terse coding agent. Keep replies short. " * 40},   # > 256 tokens:
+            {"role": "user", "content": opening}]                                               # reused by reference
     first = ask(msgs)
     assert first == alone(msgs)
     hist = msgs + [{"role": "assistant", "content": first}]
