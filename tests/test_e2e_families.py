@@ -118,3 +118,53 @@ def test_family_through_the_proxy_equals_the_cache_off_server(families, kind):
     assert status == 200
     assert stats["correctness"]["exact_key_rejected_by_model_lcp"] == 0
     assert stats.get("status_counts", {}).get("500", 0) == 0
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_fan_out_through_the_proxy_equals_the_cache_off_server(families, kind):
+    """Four requests at once through port 4000, each extending one stored turn by the same pasted
+    file plus its own question (sub-agents over one context; LESSONS 63), then one branch's next
+    turn: every reply is what the cache-off server answers to the same request alone."""
+    import threading
+
+    from tests.fuzz.traffic import block
+
+    stack, paths = families
+    model = stack.model_id(kind)
+    sent: list[dict] = []
+
+    def ask(messages: list[dict]) -> dict:
+        body = {"model": model, "messages": messages, "max_tokens": 10, "temperature": 0, "session_id": f"fan-{kind}"}
+        status, out, _ = stack.chat(body)
+        assert status == 200, (kind, out)
+        sent.append(body)
+        return reply_of(out)
+
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    first = ask(msgs)
+    hist = msgs + [{"role": "assistant", "content": first["content"] or ""}]
+    branches = [hist + [{"role": "user", "content": block(4, 10) + "\n" + q}]
+                for q in ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")]
+    got: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(branches[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(got) == [0, 1, 2, 3], kind
+    nxt = branches[3] + [{"role": "assistant", "content": got[3]["content"] or ""}, {"role": "user", "content": "And then?"}]
+    last = ask(nxt)
+    cold = LiveServer(engine_settings(paths[kind], prompt_cache_max_entries_global=0, max_concurrent_sequences=1))
+    try:
+        def alone(messages: list[dict]) -> dict:
+            status, out, _ = http_json(cold.base + "/v1/chat/completions", {
+                "model": cold.app.model_id, "messages": messages, "max_tokens": 10, "temperature": 0,
+                "session_id": f"fan-{kind}"}, timeout=300)
+            assert status == 200, out
+            return reply_of(out)
+
+        assert first == alone(msgs)
+        assert [got[i] for i in range(4)] == [alone(b) for b in branches], kind
+        assert last == alone(nxt), kind
+    finally:
+        cold.close()
