@@ -125,9 +125,7 @@ def test_a_fan_out_through_the_proxy_equals_the_cache_off_server(families, kind)
     """Four requests at once through port 4000, each extending one stored turn by the same pasted
     file plus its own question (sub-agents over one context; LESSONS 63), then one branch's next
     turn: every reply is what the cache-off server answers to the same request alone."""
-    import threading
-
-    from tests.fuzz.traffic import block
+    from tests.fuzz.traffic import at_once, fan_out
 
     stack, paths = families
     model = stack.model_id(kind)
@@ -143,14 +141,8 @@ def test_a_fan_out_through_the_proxy_equals_the_cache_off_server(families, kind)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
     first = ask(msgs)
     hist = msgs + [{"role": "assistant", "content": first["content"] or ""}]
-    branches = [hist + [{"role": "user", "content": block(4, 10) + "\n" + q}]
-                for q in ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")]
-    got: dict[int, dict] = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(branches[i]))) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    branches = fan_out(hist, 4, 10)
+    got = at_once(ask, branches)
     assert sorted(got) == [0, 1, 2, 3], kind
     nxt = branches[3] + [{"role": "assistant", "content": got[3]["content"] or ""}, {"role": "user", "content": "And then?"}]
     last = ask(nxt)

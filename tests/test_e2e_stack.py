@@ -170,7 +170,7 @@ def _fan_out(post, cold, session: str, opening: str) -> None:
     """A stored turn, then four requests at once extending it by the same ~360-token pasted file
     (past SHARED_PREFIX_MIN_TOKENS) plus each its own question, then one branch's next turn alone:
     every reply is the cold engine's (which served the same turns alone, so it heals alike)."""
-    from tests.fuzz.traffic import block
+    from tests.fuzz.traffic import at_once, fan_out
     from tests.test_engine import job
 
     def ask(msgs):
@@ -190,14 +190,8 @@ def _fan_out(post, cold, session: str, opening: str) -> None:
     first = ask(msgs)
     assert first == alone(msgs)
     hist = msgs + [{"role": "assistant", "content": first}]
-    branches = [hist + [{"role": "user", "content": block(5, 40) + "\n" + q}]
-                for q in ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")]
-    got: dict[int, str] = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(branches[i]))) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    branches = fan_out(hist, 5, 40)
+    got = at_once(ask, branches)
     assert sorted(got) == [0, 1, 2, 3], "a request of the fan-out did not answer 200"
     assert [got[i] for i in range(4)] == [alone(b) for b in branches]
     nxt = branches[1] + [{"role": "assistant", "content": got[1]}, {"role": "user", "content": "And line 5?"}]

@@ -20,12 +20,11 @@ from mlxstack.engine.batch_cache import SlabKVCache, place_own_layers
 from mlxstack.engine.shared_prefill import _can_reach
 from mlxstack.runtime.generate import feed
 from tests.conftest import build_engine, engine_settings
-from tests.fuzz.traffic import block
+from tests.fuzz.traffic import block, fan_out
 from tests.test_engine import job
 from tests.test_shared_prefix import _run
 
 SYSTEM = "You are a careful assistant. Answer briefly and repeat code exactly when asked. " * 3
-QUESTIONS = ["What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_a_fan_out_over_a_turn_checked_out_by_reference_answers_like_cold(engine
     w1, c1 = _both(warm, cold, msgs, "fan", 16)
     assert w1.raw_text == c1.raw_text
     hist = msgs + [{"role": "assistant", "content": w1.text}]
-    branches = [hist + [{"role": "user", "content": block(3, 12) + "\n" + q}] for q in QUESTIONS]
+    branches = fan_out(hist, 3, 12)
     outs, sched, shares = _run(warm, [job(list(b), max_tokens=12, session="fan")[0] for b in branches])
     assert sched.shared_prefills == 3 and max(shares) == 4           # the leader was copy-free; all shared
     assert all(o.cached_tokens >= w1.prompt_tokens - 1 for o in outs)

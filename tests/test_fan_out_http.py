@@ -5,12 +5,10 @@ cold server (cache off, one request at a time, no speculation) answers to each a
 turn of one branch too (LESSONS 63; the embedded model through LiteLLM: tests/test_e2e_stack.py)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from tests.conftest import LiveServer, engine_settings, http_json
-from tests.fuzz.traffic import block
+from tests.fuzz.traffic import at_once, fan_out
 
 KINDS = ["dense", "hybrid", "gemma3", "llama4", "mamba2", "lfm2", "gpt_oss"]
 SYSTEM = "You are a careful assistant. Answer briefly and repeat code exactly when asked. " * 2
@@ -41,14 +39,8 @@ def test_a_fan_out_over_a_stored_turn_answers_like_a_cold_server_through_8080(ki
         first = ask(msgs)
         assert first == alone(msgs)
         hist = msgs + [{"role": "assistant", "content": first[1]}]
-        branches = [hist + [{"role": "user", "content": block(9, 8) + "\n" + q}]
-                    for q in ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")]
-        got: dict[int, tuple] = {}
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(branches[i]))) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        branches = fan_out(hist, 9, 8)
+        got = at_once(ask, branches, 120)
         assert sorted(got) == [0, 1, 2, 3], "a request of the fan-out did not answer 200"
         assert [got[i] for i in range(4)] == [alone(b) for b in branches]
         nxt = branches[2] + [{"role": "assistant", "content": got[2][1]}, {"role": "user", "content": "And line 5?"}]

@@ -78,6 +78,29 @@ def edited(messages: list[dict], at: int, text: str) -> list[dict]:
     return [*messages[:i], {"role": "user", "content": text}]
 
 
+FAN_OUT_QUESTIONS = ("What is line 3?", "Summarise it.", "Count the lines.", "Which line is last?")
+
+
+def fan_out(history: list[dict], seed: int, lines: int) -> list[list[dict]]:
+    """Four requests extending ``history`` by the same pasted file plus each its own question."""
+    shared = block(seed, lines)
+    return [with_user(history, shared + "\n" + q) for q in FAN_OUT_QUESTIONS]
+
+
+def at_once(fn, items: list, timeout: float = 300) -> dict[int, object]:
+    """``fn(item)`` for every item, each on its own thread, all started together: index -> result
+    (an index is missing when its call raised or did not return in ``timeout``)."""
+    import threading
+
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(items[i]))) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
+
+
 def wave_json(waves: list[list[Req]]) -> str:
     return json.dumps([[asdict(r) for r in wave] for wave in waves], indent=1)
 
