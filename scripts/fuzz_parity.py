@@ -61,7 +61,8 @@ def draw(kind: str, rnd: random.Random):
                   speculative=rnd.random() < 0.7, kv_bits=rnd.choice([4, 8]) if kv else None,
                   quant_start=rnd.choice([0, 16, 40]) if kv else 0,
                   budget_tokens=rnd.choice([0, 0, 60, 120, 400]), disk=rnd.random() < 0.5,
-                  max_sequences=rnd.choice([2, 4, 8, 8]), chunk=rnd.choice([16, 64, 64]))
+                  max_sequences=rnd.choice([2, 4, 8, 8]),
+                  chunk=rnd.choice([16, 64, 64] if kind != "embedded" else [64, 256]))
 
 
 def main() -> int:
@@ -98,7 +99,8 @@ def main() -> int:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                run_machine(config, path(kind), Path(tmp), seed=seed, examples=args.examples, steps=args.steps,
+                steps = args.steps if kind != "embedded" else max(6, args.steps // 2)   # ~10x a tiny model's step
+                run_machine(config, path(kind), Path(tmp), seed=seed, examples=args.examples, steps=steps,
                             reproducer=case, totals=totals)
                 verdict = "ok"
             except AssertionError:

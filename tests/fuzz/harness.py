@@ -126,7 +126,8 @@ class Totals(Stats):
 
 
 def _settings(path: Path, config: Config, tmp: Path, warm: bool, budget: int = 0) -> Any:
-    common = {"prefill_step_size": config.chunk, "prefill_chunk_tokens": max(16, config.chunk)}
+    common = {"prefill_step_size": config.chunk, "prefill_chunk_tokens": max(16, config.chunk),
+              "grammar_compile_timeout_seconds": 120}     # a loaded CI box is not a finding
     if config.kv_bits:
         common |= {"kv_bits": str(config.kv_bits), "quantized_kv_start": config.quant_start}
     if not warm:
@@ -160,6 +161,10 @@ class Harness:
         eng = build_engine(_settings(self.path, self.config, self.tmp, warm=True, budget=self.budget))
         eng._fuzz_spy = _spy(eng)
         eng._fuzz_batching = batching_support(eng)[0]
+        # speculation decides from tokens alone (the prior), never from step times: a run -- and the
+        # case a finding is shrunk to -- replays exactly, on any machine (LESSONS 53, 59)
+        costs = eng.speculation.costs
+        costs.wants_plain, costs.cost = (lambda rows: False), costs.prior_cost
         return eng
 
     def close(self) -> None:
