@@ -115,7 +115,7 @@ def main() -> int:
     errors = [f for f in found for x in f["findings"] if x.startswith("error")]
     summary = {"minutes": args.minutes, "runs": runs, "combinations": len(combos), "kinds": kinds,
                "examples": totals.examples, "requests": totals.requests, "compared": totals.compared,
-               "hung_up": totals.hung_up, "reused_tokens": totals.reused_tokens,
+               "hung_up": totals.hung_up, "refused": totals.refused, "reused_tokens": totals.reused_tokens,
                "shared_prefills": totals.shared_prefills, "parked": totals.parked, "restarts": totals.restarts,
                "features": sorted(totals.features), "runs_with_mismatches": len(kinds_found),
                "runs_with_errors": len(errors), "found": found}

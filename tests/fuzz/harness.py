@@ -29,7 +29,7 @@ from typing import Any
 
 from mlxstack.engine.batch import batching_support
 from mlxstack.engine.kv_bytes import measured_token_bytes
-from mlxstack.engine.request import ChatJob
+from mlxstack.engine.request import ChatJob, ContextLengthExceeded
 from mlxstack.engine.scheduler import Scheduler
 from mlxstack.runtime.sampling import SamplingParams
 from mlxstack.engine.factory import make_engine
@@ -88,6 +88,7 @@ class Stats:
     requests: int = 0
     compared: int = 0
     hung_up: int = 0
+    refused: int = 0                    # past the context window on both engines (a 400, not a finding)
     reused_tokens: int = 0
     shared_prefills: int = 0
     parked: int = 0
@@ -115,7 +116,8 @@ class Totals(Stats):
 
     def add(self, st: Stats) -> None:
         self.examples += 1
-        for name in ("requests", "compared", "hung_up", "reused_tokens", "shared_prefills", "parked", "restarts"):
+        for name in ("requests", "compared", "hung_up", "refused", "reused_tokens", "shared_prefills", "parked",
+                     "restarts"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
         self.features |= st.features
 
@@ -254,6 +256,10 @@ class Harness:
         self.stats.requests += 1
         self.stats.features.add(req.origin or "request")
         if warm.error is not None:
+            if isinstance(warm.error, ContextLengthExceeded) and \
+                    isinstance(self.serve_alone(self.cold, req).error, ContextLengthExceeded):
+                self.stats.refused += 1          # a conversation grown past the window: refused alike
+                return
             self.findings.append(Finding("error", req, f"{type(warm.error).__name__}: {str(warm.error)[:300]}"))
             return
         if req.hang_up is not None and warm.finish == "cancelled":
