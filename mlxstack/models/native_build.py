@@ -3,16 +3,24 @@ thread for all) with the system compiler.
 
     path = build(SOURCE, "native kernels")   # None without a compiler or on a failure
 
-Built once per source text, flags and compiler (``cc -O3 -march=native``: a library runs where it
-was built) into ``<venv>/mlxstack-native/`` (MLXSTACK_NATIVE_DIR overrides), written under a
-temporary name and renamed: several servers may build at once, and nothing half-written is left.
+Built once per source text, flags, compiler and CPU (``cc -O3 -march=native``: a library runs only
+on a CPU with the features of the one that built it -- a venv copied to another machine, a baked
+image, a folder shared by ranks on other hosts would otherwise load AVX-512 code on an AVX2 CPU and
+die of SIGILL at load, every restart) into ``<venv>/mlxstack-native/`` (MLXSTACK_NATIVE_DIR
+overrides), written under a temporary name and renamed: several servers may build at once, and
+nothing half-written is left. The folder is private (0700, this user's; the disk tier's rule): one
+that another user owns or that group / others may write is refused, and so is a library there that
+is not this user's own regular file, unwritable by others -- a predictable file name in a loose
+folder would be anyone's code in the server.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,14 +37,68 @@ def build_dir() -> Path:
     return Path(os.environ.get("MLXSTACK_NATIVE_DIR") or Path(sys.prefix) / "mlxstack-native")
 
 
-def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+def cpu_key(cpuinfo: str | None = None) -> str:
+    """What this CPU can run, for the build key (pure over ``cpuinfo``, /proc/cpuinfo's text): its
+    feature flags (x86 ``flags``, Arm ``Features``) and model, or where the kernel does not say,
+    the machine and processor names."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    flags = fields.get("flags") or fields.get("Features") or ""
+    model = fields.get("model name") or fields.get("CPU part") or ""
+    if not flags:
+        return f"{platform.machine()}|{platform.processor()}|{platform.platform()}"
+    return " ".join(sorted(set(flags.split()))) + "|" + model
+
+
+def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS, cpu: str | None = None) -> Path:
     """One file per source text (``source`` and every C file / header beside it: what it
-    includes), flags and compiler: an edit or another compiler builds anew."""
+    includes), flags, compiler and CPU: an edit, another compiler or a CPU with other features
+    builds anew."""
     h = hashlib.sha256(source.read_bytes())
     for other in sorted(source.parent.glob("*.[ch]")):
         h.update(other.name.encode() + b"\0" + other.read_bytes())
     h.update(" ".join((compiler,) + flags).encode())
+    h.update(b"\0" + (cpu_key() if cpu is None else cpu).encode())
     return build_dir() / f"{source.stem}-{h.hexdigest()[:16]}.so"
+
+
+def _own(st: os.stat_result) -> bool:
+    """This user's, and nobody else may write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def private_build_dir(path: Path) -> bool:
+    """``path`` created 0700, or an existing folder of this user's that group / others cannot
+    write (tightened to 0700); False, logged, for anything else -- nothing is built or loaded there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode) or not _own(st):
+            log.warning("native kernels: %s is not a private folder of this user's (owner uid %d, mode %o): "
+                        "not used; the MLX path runs instead", path, st.st_uid, stat.S_IMODE(st.st_mode))
+            return False
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
+        return True
+    except OSError as exc:
+        log.warning("native kernels: cannot use %s (%s)", path, exc)
+        return False
+
+
+def trusted_library(path: Path) -> bool:
+    """A regular file (not a link) of this user's that group / others cannot write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and _own(st)
 
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
@@ -51,11 +113,14 @@ def build(source: Path = SOURCE, what: str = "native kernels", flags: tuple[str,
     if not compiler:
         return None
     target = library_path(source, compiler, flags + libs)
-    if target.exists():
+    if not private_build_dir(target.parent):
+        return None
+    if trusted_library(target):
         return target
+    if os.path.lexists(target):
+        log.warning("%s: %s is not this user's own file: built again over it", what, target)
     tmp = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         done = subprocess.run([compiler, *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True,

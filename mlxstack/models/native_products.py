@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import platform
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -58,8 +59,24 @@ def binding(path: Path, threads: Optional[int] = None) -> Callable[[np.ndarray, 
     return products
 
 
+def fast_here(cpuinfo: Optional[str] = None, machine: Optional[str] = None) -> bool:
+    """Whether this CPU runs the loop as it was written: fused multiply-adds on vector registers. On
+    x86 that needs AVX2 and FMA -- without them ``__builtin_fmaf`` is a libm call per multiply-add
+    and a decode step takes seconds, however right its results are (the load check tests only
+    correctness). Arm's NEON always has them."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    flags = set(native_build.cpu_key(cpuinfo).split("|")[0].split())
+    return {"avx2", "fma"} <= flags
+
+
 def load() -> Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]]:
-    """The bound loop, built if needed and checked once: None on any failure."""
+    """The bound loop, built if needed and checked once: None on any failure, and on a CPU the loop
+    would be slow on (``fast_here``)."""
+    if not fast_here():
+        log.info("native row products: this CPU lacks AVX2 / FMA; the products stay with OpenBLAS")
+        return None
     return native_build.load_checked(binding, agrees, "native row products")
 
 
