@@ -77,14 +77,19 @@ def test_a_deeper_follower_of_a_leader_an_earlier_fork_converted(engines):
     assert [o.raw_text for o in outs] == [o.raw_text for o in alone]
 
 
-def test_first_tokens_of_every_plain_kv_form(engines):
-    warm, _ = engines
-    model = warm.loaded.model
-    base = warm.new_cache()
-    feed(model, base, list(range(100, 140)), 16)
+def _copy_free(engine, stored: int, depth: int, tail: list[int]):
+    """A stored state of ``stored`` tokens and a copy-free checkout of its first ``depth`` (the
+    prefix by reference) fed ``tail``: (state, live)."""
+    base = engine.new_cache()
+    feed(engine.loaded.model, base, list(range(100, 100 + stored)), 16)
     state = capture(base)
-    ref = checkout(state, 30, None, by_reference=8)                  # a prefix of 30 by reference
-    feed(model, ref, [7, 8, 9, 10, 11], 16)                          # + a tail of 5
+    live = checkout(state, depth, None, by_reference=8)
+    feed(engine.loaded.model, live, tail, 16)
+    return state, live
+
+
+def test_first_tokens_of_every_plain_kv_form(engines):
+    state, ref = _copy_free(engines[0], 40, 30, [7, 8, 9, 10, 11])  # a prefix of 30 by reference + 5
     kinds = KINDS["prefixed"], KINDS["kv"]
     for layer, s in zip(ref.layers, state.layers):
         rk, rv, n = kinds[0].first(layer, 20)
@@ -102,12 +107,7 @@ def test_first_tokens_of_every_plain_kv_form(engines):
 
 
 def test_share_records_the_same_root_for_every_follower_and_converts_a_leader_at_that_depth(engines):
-    warm, _ = engines
-    model = warm.loaded.model
-    base = warm.new_cache()
-    feed(model, base, list(range(100, 140)), 16)
-    live = checkout(capture(base), 30, None, by_reference=8)
-    feed(model, live, [7, 8, 9], 16)                                 # a copy-free leader at 33
+    _, live = _copy_free(engines[0], 40, 30, [7, 8, 9])              # a copy-free leader at 33
     first = live.share(33)
     again = live.share(33)
     assert all(a[0] is b[0] and a[2] == 33 for a, b in zip(first, again))      # one root for all
@@ -130,12 +130,7 @@ def test_a_leader_is_followed_only_when_every_layer_can_hand_out_its_prefix():
 
 
 def test_a_prefixed_row_keeps_its_prefix_only_where_the_slab_may_share_it(engines):
-    warm, _ = engines
-    model = warm.loaded.model
-    base = warm.new_cache()
-    feed(model, base, list(range(100, 120)), 16)
-    own = checkout(capture(base), 20, None, by_reference=8)
-    feed(model, own, [5, 6], 16)
+    _, own = _copy_free(engines[0], 20, 20, [5, 6])
     for min_shared, shares in ((None, False), (64, False), (8, True)):
         slab = [SlabKVCache.empty(2) for _ in own.layers]
         place_own_layers(slab, 0, own.layers, own.roots, min_shared)

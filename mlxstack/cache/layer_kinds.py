@@ -215,6 +215,7 @@ class KVKind(CacheKind):
     name = "kv"
     class_names = ("KVCache",)
     always_trimmable = True
+    hands_out_prefix = True
 
     def floor(self, layer: Any, depth: int) -> int:
         return 0
@@ -298,12 +299,10 @@ class KVKind(CacheKind):
     def room(self, layer: Any, depth: int) -> int:
         return UNBOUNDED
 
-    hands_out_prefix = True
-
     def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
         if layer.keys is None or not 0 < depth <= layer.offset:
             return None
-        return layer.keys[..., :depth, :], layer.values[..., :depth, :], depth
+        return _cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth), depth
 
 
 class QuantizedKind(KVKind):
@@ -551,6 +550,7 @@ class PrefixedKind(CacheKind):
     name = "prefixed"
     class_names = ("PrefixedKVCache",)
     always_trimmable = True
+    hands_out_prefix = True
 
     def matches(self, layer: Any) -> bool:
         cls = type(layer)
@@ -582,8 +582,6 @@ class PrefixedKind(CacheKind):
     def room(self, layer: Any, depth: int) -> int:
         return UNBOUNDED
 
-    hands_out_prefix = True
-
     def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
         """Within the prefix: the prefix's own arrays (the same objects, so every holder of them is
         recognised as sharing one root: LESSONS 42); past it: prefix + tail joined, one copy --
@@ -591,15 +589,13 @@ class PrefixedKind(CacheKind):
         if not 0 < depth <= layer.offset:
             return None
         n = layer.n_prefix
-        if depth <= n:
-            rk, rv, _ = layer.prefix
-            return rk, rv, depth
-        tk, tv = layer.tail(depth)
         if not n:
+            tk, tv = layer.tail(depth)
             return tk, tv, depth
         rk, rv, _ = layer.prefix
-        join = lambda r, t: mx.concatenate([r[..., :n, :], t], axis=-2)  # noqa: E731
-        return join(rk, tk), join(rv, tv), depth
+        if depth <= n:
+            return rk, rv, depth
+        return _joined(rk, layer.keys, n, depth, False), _joined(rv, layer.values, n, depth, False), depth
 
 
 KINDS: dict[str, CacheKind] = {k.name: k for k in (KVKind(), QuantizedKind(), RotatingKind(), ChunkedKind(),

@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..system.secrets import PRIVATE_DIR, make_private_dir
+
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
@@ -37,10 +39,9 @@ def build_dir() -> Path:
     return Path(os.environ.get("MLXSTACK_NATIVE_DIR") or Path(sys.prefix) / "mlxstack-native")
 
 
-def cpu_key(cpuinfo: str | None = None) -> str:
-    """What this CPU can run, for the build key (pure over ``cpuinfo``, /proc/cpuinfo's text): its
-    feature flags (x86 ``flags``, Arm ``Features``) and model, or where the kernel does not say,
-    the machine and processor names."""
+def cpu_features(cpuinfo: str | None = None) -> tuple[set[str], str]:
+    """(feature flags, model) of the first CPU in ``cpuinfo`` (/proc/cpuinfo's text: x86 ``flags`` /
+    ``model name``, Arm ``Features`` / ``CPU part``); pure over the text, empty where it says nothing."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -51,10 +52,16 @@ def cpu_key(cpuinfo: str | None = None) -> str:
         name, _, value = line.partition(":")
         fields.setdefault(name.strip(), value.strip())
     flags = fields.get("flags") or fields.get("Features") or ""
-    model = fields.get("model name") or fields.get("CPU part") or ""
+    return set(flags.split()), fields.get("model name") or fields.get("CPU part") or ""
+
+
+def cpu_key(cpuinfo: str | None = None) -> str:
+    """What this CPU can run, for the build key: its feature flags and model, or where the kernel
+    does not say, the machine and processor names."""
+    flags, model = cpu_features(cpuinfo)
     if not flags:
         return f"{platform.machine()}|{platform.processor()}|{platform.platform()}"
-    return " ".join(sorted(set(flags.split()))) + "|" + model
+    return " ".join(sorted(flags)) + "|" + model
 
 
 def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS, cpu: str | None = None) -> Path:
@@ -78,14 +85,14 @@ def private_build_dir(path: Path) -> bool:
     """``path`` created 0700, or an existing folder of this user's that group / others cannot
     write (tightened to 0700); False, logged, for anything else -- nothing is built or loaded there."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dir(path)
         st = os.stat(path)
         if not stat.S_ISDIR(st.st_mode) or not _own(st):
             log.warning("native kernels: %s is not a private folder of this user's (owner uid %d, mode %o): "
                         "not used; the MLX path runs instead", path, st.st_uid, stat.S_IMODE(st.st_mode))
             return False
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(path, 0o700)
+        if stat.S_IMODE(st.st_mode) != PRIVATE_DIR:
+            os.chmod(path, PRIVATE_DIR)
         return True
     except OSError as exc:
         log.warning("native kernels: cannot use %s (%s)", path, exc)

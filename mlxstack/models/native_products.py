@@ -67,8 +67,7 @@ def fast_here(cpuinfo: Optional[str] = None, machine: Optional[str] = None) -> b
     machine = (machine or platform.machine()).lower()
     if machine not in ("x86_64", "amd64", "i386", "i686"):
         return True
-    flags = set(native_build.cpu_key(cpuinfo).split("|")[0].split())
-    return {"avx2", "fma"} <= flags
+    return {"avx2", "fma"} <= native_build.cpu_features(cpuinfo)[0]
 
 
 def load() -> Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]]:

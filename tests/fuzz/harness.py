@@ -274,9 +274,9 @@ class Harness:
             self.findings.append(Finding("prompt", req, f"model input differs at token {_first_diff(warm.prompt, cold.prompt)}"))
             return
         if req.temperature > 0 and self.config.speculative:
-            return                           # prompt checked; draws follow the drafts (module doc).
-            #                                  Not verified: no conversation goes on from it -- the cold
-            #                                  engine's healing store holds its own reply, not this one
+            # prompt checked; its draws follow the drafts (module doc). Not verified: no conversation
+            # goes on from it -- the cold engine's healing store holds its own reply, not this one
+            return
         self.stats.compared += 1
         warm.verified = warm.tokens == cold.tokens
         if not warm.verified:

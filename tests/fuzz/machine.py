@@ -176,9 +176,8 @@ class Fuzz(RuleBasedStateMachine):
 def write_reproducer(path: Path, config: Config, log: list[Any], findings: list[str]) -> None:
     """A pytest file that replays ``log`` (waves and restarts) on the harness and fails while the
     defect is there."""
-    waves = [w for w in log]
-    body = wave_json([w for w in waves if w != "restart"])
-    order = ["restart" if w == "restart" else "wave" for w in waves]
+    body = wave_json([w for w in log if w != "restart"])
+    order = ["restart" if w == "restart" else "wave" for w in log]
     path.write_text(f'''"""Shrunk by the differential fuzzer (tests/fuzz). Findings when written:
 {chr(10).join("  " + f for f in findings)}
 """
