@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from mlxstack.launcher import ports
@@ -179,10 +180,8 @@ def _fan_out(post, cold, session: str, opening: str) -> None:
         assert status == 200, body
         return body["choices"][0]["message"]["content"]
 
-    def alone(msgs):        # with the server's default sampling (its repetition penalty included)
+    def alone(msgs):        # greedy means greedy: no default penalty (LESSONS 64)
         j = job(list(msgs), max_tokens=12, session=session)[0]
-        j.params.repetition_penalty = cold.settings.default_repetition_penalty
-        j.params.repetition_context_size = cold.settings.default_repetition_context_size
         return cold.run(j).text.strip()      # the API strips the content's ends (parsing/reasoning.py)
 
     msgs = [{"role": "system", "content": "You are a terse coding agent. Keep replies short. " * 40},   # > 256 tokens:
@@ -216,6 +215,41 @@ def test_a_fan_out_over_a_stored_turn_answers_like_a_cold_server_through_4000_an
     stats = http_json(stack.mlx + "/v1/cache/stats")[1]
     assert stats["counters"].get("shared_prefill_tokens", 0) - before >= 2 * 256      # the fan-outs forked
     assert all(v == 0 for v in stats["correctness"].values()), stats["correctness"]
+
+
+CHECKLIST = "\n".join(f"- item {i}: check the {w} before release" for i, w in enumerate(
+    ["logs", "tests", "docs", "config", "ports", "keys", "cache", "disk", "build", "deps", "lint", "notes"], 1))
+PY_FILE = "\n".join(f"def get_{n}(store, key):\n    value = store.get(key)\n    return value or {i}"
+                    for i, n in enumerate(["user", "order", "invoice", "cart"]))
+
+
+def test_greedy_through_4000_is_mlx_lms_greedy_continuation_of_the_same_tokens(stack, embedded_model_path):
+    """temperature 0 and no penalty fields: the server's default repetition penalty (1.08 here,
+    the shipped setting) is not applied, so the reply is mlx-lm's own argmax continuation -- the
+    model copies the checklist and the file it is asked to repeat (LESSONS 64). On the old
+    defaults both replies differed from mlx-lm's."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tok = load(str(embedded_model_path))
+    for ask, copied in (("Here is a checklist:\n" + CHECKLIST + "\nWrite the checklist again exactly.",
+                         "- item 1: check the logs before release\n- item 2: check the tests before release"),
+                        ("```python\n" + PY_FILE + "\n```\nRepeat this file exactly.",
+                         "def get_user(store, key):\n    value = store.get(key)")):
+        messages = [{"role": "user", "content": ask}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        want = []
+        for t, _ in generate_step(mx.array(prompt), model, max_tokens=64):
+            t = int(t)
+            if t in tok.eos_token_ids:
+                break
+            want.append(t)
+        status, body, _ = stack.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                              "max_tokens": 64, "temperature": 0})
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["choices"][0]["message"]["content"] == tok.decode(want).strip()
+        assert copied in body["choices"][0]["message"]["content"]          # the model copies, as asked
 
 
 def test_sigterm_frees_both_ports(stack):

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
+from ..models.loaded import read_generation_config
 from ..pipeline.images import ImageLimits
+from ..runtime.sampling_defaults import SamplingDefaults
 from .http_guard import Guard, bind_refusal
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ class App:
         self.guard = Guard.from_settings(settings)
         self.image_limits = ImageLimits.from_settings(settings)
         self.vocab_size: int | None = None  # logits width, known once the model is loaded
+        self.sampling = SamplingDefaults.resolve(settings)   # + the model's generation_config.json at load
         self.structured: Any = None         # api/structured.py: grammars for this model's tokenizer
         from .image_fetch import is_public_address
 
@@ -132,6 +135,9 @@ class App:
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
             self.family = loaded.family
             self.vocab_size = model_vocab_size(loaded)
+            self.sampling = SamplingDefaults.resolve(self.settings, read_generation_config(loaded.path))
+            log.info("sampling defaults: %s", ", ".join(f"{k}={v} ({self.sampling.origin[k]})"
+                                                        for k, v in self.sampling.values.items()))
             self.structured = self._structured(loaded, engine)
             self._install_features()
             self.ready = True
@@ -291,6 +297,7 @@ class App:
                                "waiting_for_memory": int(sched.parked is not None),
                                "waited_for_memory_total": sched.parked_total}
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
+        stats["sampling"] = self.sampling.describe()
         if sched is not None and sched.engine.speculation.enabled:
             stats["speculation"] = sched.engine.speculation.stats()
         with self._status_lock:

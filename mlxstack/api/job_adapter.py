@@ -40,7 +40,8 @@ def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS)
     """Validate a translated chat body exactly as /v1/chat/completions would, check the model name
     and the images, compile the reply's grammar (``fields`` name the front's schema fields in
     errors; None: no grammar, e.g. for counting tokens); raises APIError (4xx) saying what to fix."""
-    req = parse_chat_request(chat_body, app.settings, vocab_size=getattr(app, "vocab_size", None))
+    req = parse_chat_request(chat_body, app.settings, vocab_size=getattr(app, "vocab_size", None),
+                             defaults=getattr(app, "sampling", None))
     if not model_matches(req.model, app.model_id, app.aliases):
         raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}",
                         code="model_not_found")
@@ -74,12 +75,12 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         params=SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, repetition_context_size=req.repetition_context_size,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_scope=req.repetition_scope, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias or None, max_tokens=req.max_tokens, seed=req.seed,
             logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=req.grammar,
         ),
         stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
-        tool_choice=req.tool_choice, response_format=req.response_format,
+        tool_choice=req.tool_choice, response_format=req.response_format, sampling_origin=req.sampling_origin,
     )
 
 

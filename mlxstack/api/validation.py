@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.settings import Settings
 from ..pipeline.images import IMAGE_PART_TYPES, image_parts, is_image_part
 from ..pipeline.thinking import resolve_enable_thinking
+from ..runtime.sampling_defaults import SamplingDefaults
 from .errors import APIError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -62,6 +63,9 @@ class ChatRequest:
     response_format: dict | None = None
     parallel_tool_calls: bool = True
     grammar: Any = None        # constraints.CompiledGrammar (api/structured.py), set on the handler thread
+    # where each sampling value came from (runtime/sampling_defaults.py): request log, stats
+    sampling_origin: dict[str, str] = field(default_factory=dict)
+    repetition_scope: str = "reply"
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -348,7 +352,8 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = None) -> ChatRequest:
+def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = None,
+                       defaults: SamplingDefaults | None = None) -> ChatRequest:
     """Validate a chat-completions body. ``vocab_size`` (the logits width) bounds top_k and logit_bias."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -372,11 +377,19 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
         raise bad_request(f"'seed' must be an integer from 0 to 2**64-1, got {_show(seed)}", param="seed")
-    top_k = _number(body, "top_k", settings.default_top_k, lo=0, integer=True)
-    if vocab_size is not None and top_k > vocab_size:
+    defaults = defaults or SamplingDefaults.resolve(settings)
+    top_k = _number(body, "top_k", None, lo=0, integer=True)
+    if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise bad_request(f"'top_k' must be from 0 (off) to the model's vocabulary size {vocab_size}, got {top_k}",
                           param="top_k")
-    if vocab_size is not None and top_k == vocab_size:
+    sampling, origin = defaults.for_request({
+        "temperature": _number(body, "temperature", None, lo=0, hi=5),
+        "top_p": _number(body, "top_p", None, lo=0, hi=1),
+        "top_k": top_k,
+        "min_p": _number(body, "min_p", None, lo=0, hi=1),
+        "repetition_penalty": _number(body, "repetition_penalty", None, lo=0, hi=10)})
+    top_k = sampling["top_k"]
+    if vocab_size is not None and top_k >= vocab_size:
         top_k = 0  # keeping every token is no top-k at all (and mlx-lm's sampler refuses k == vocab)
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _number(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
@@ -395,12 +408,12 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
         messages=messages,
         stream=stream,
         include_usage=include_usage,
-        temperature=_number(body, "temperature", settings.default_temperature, lo=0, hi=5),
-        top_p=_number(body, "top_p", settings.default_top_p, lo=0, hi=1),
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
         top_k=top_k,
-        min_p=_number(body, "min_p", settings.default_min_p, lo=0, hi=1),
-        repetition_penalty=_number(body, "repetition_penalty", settings.default_repetition_penalty, lo=0, hi=10),
-        repetition_context_size=_number(body, "repetition_context_size", settings.default_repetition_context_size,
+        min_p=sampling["min_p"],
+        repetition_penalty=sampling["repetition_penalty"],
+        repetition_context_size=_number(body, "repetition_context_size", defaults.repetition_context_size,
                                         integer=True, positive=True, hi=MAX_INT),
         max_tokens=max_tokens,
         stop=_stop(body),
@@ -417,6 +430,8 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
         tool_choice=_tool_choice(body, tools),
         response_format=_response_format(body),
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        sampling_origin=origin,
+        repetition_scope=defaults.penalty_scope,
     )
 
 

@@ -50,6 +50,7 @@ class ChatJob:
     tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
     prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
     response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
+    sampling_origin: dict[str, str] = field(default_factory=dict)   # field -> request | generation_config | ...
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,16 @@ def detect_family(config: dict, path: str, override: str = "auto") -> str:
     if "qwen" in text:
         return "qwen3"
     return "generic"
+
+
+def read_generation_config(path: Path | str | None) -> dict:
+    """The model folder's ``generation_config.json`` (Hugging Face's sampling defaults), or {} when
+    it has none or it cannot be read as a JSON object (runtime/sampling_defaults.py decides what
+    of it is used)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads((Path(path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

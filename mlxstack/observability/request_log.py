@@ -60,6 +60,20 @@ def token_digest(tokens: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()
 
 
+def _sampling(job: Any) -> dict:
+    """The request's sampling values and where each came from (request, generation_config,
+    settings; "greedy": a default penalty a temperature-0 request did not get)."""
+    params, origin = getattr(job, "params", None), getattr(job, "sampling_origin", None) or {}
+    if params is None:
+        return {}
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    out = {}
+    for name in names:
+        value = getattr(params, name, None)
+        out[name] = {"value": value, "from": origin.get(name, "request" if value else "off")}
+    return out
+
+
 def build_record(row: dict, *, model: str = "", decode: Callable[[list[int]], str] | None = None,
                  max_tokens: int = MAX_LOG_TOKENS, max_text: int = MAX_LOG_TEXT_CHARS) -> dict:
     """The JSON-ready log record for one ``EngineState.on_record`` row (pure apart from ``decode``)."""
@@ -84,6 +98,7 @@ def build_record(row: dict, *, model: str = "", decode: Callable[[list[int]], st
                                           "stable_prefix_msgs", "key_delta_chars")},
         "timings": {k: row.get(k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms")},
         "speculation": {"proposed": row.get("spec_proposed", 0), "accepted": row.get("spec_accepted", 0)},
+        "sampling": _sampling(job),
         "output": {
             "completion_tokens": row.get("completion_tokens"),
             "finish_reason": row.get("finish_reason"),

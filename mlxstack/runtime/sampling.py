@@ -45,6 +45,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context_size: int = 256
+    repetition_scope: str = "reply"   # the penalty's window: the reply's tokens, or "all" (prompt too)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
@@ -82,7 +83,8 @@ class Sampler:
         ctx = max(1, int(params.repetition_context_size))
         self.ctx = ctx
         self.rep = params.repetition_penalty if params.repetition_penalty and params.repetition_penalty != 1.0 else None
-        self.window = mx.array(list(history[-ctx:]), dtype=mx.int32) if self.rep is not None else None
+        seen = list(history[-ctx:]) if params.repetition_scope == "all" else []
+        self.window = mx.array(seen, dtype=mx.int32) if self.rep is not None else None
         self.counting = bool(params.presence_penalty or params.frequency_penalty)
         self.counts = mx.zeros((self.vocab,), dtype=mx.float32) if self.counting else None
         self.bias = None
