@@ -17,10 +17,12 @@ A speculative step (engine/batch.py calls it when a row has a draft worth trying
    are put back and replayed instead, alone);
 3. ONE forward feeds ``[pending, d1..dk]`` for every row: the batch's slab rows padded to the
    longest row (engine/batch_cache.py), or each row on its own cache;
-4. each row verifies its own drafts against its own sampler -- greedy: the model's argmax at each
-   position, so the accepted tokens are exactly what plain decoding produces; sampling: the
-   standard rejection rule (``Sampler.verify``), so the distribution is plain sampling's -- and
-   keeps the longest accepted prefix plus the model's own next token;
+4. each row verifies its own drafts against its own sampler: at each position the token plain
+   decoding would produce there (greedy: the argmax; sampled: the draw keyed by the reply's
+   position, runtime/sampling.py), so the accepted tokens are exactly what plain decoding
+   produces, sampled rows included (a draft is kept with probability p(draft), as the rejection
+   rule would keep it, and a seeded reply is the same with or without speculation) -- and keeps
+   the longest accepted prefix plus the model's own next token;
 5. each row takes back what it did not keep, on its own: a slab row moves its end back (ragged
    rows), an own cache is cut (``LiveCache.cut``). The prompt cache, snapshots and salvage later
    see exactly the accepted tokens: nothing else is in the KV.
@@ -119,10 +121,11 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
         return False
     costs = group.engine.speculation.costs
     price = costs.cost
-    if group.engine.state.replicated or any(_seeded(s) for s in group.seqs):
+    if group.engine.state.replicated:
         # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
         # the same steps (each rank's clock differs: they would part and wait on each other's
-        # collectives forever), and a seeded sampled row's draws follow where drafts are verified
+        # collectives forever). A seeded row needs nothing of the kind: its draws are keyed by
+        # position (runtime/sampling.py), whichever steps verify them
         price = costs.prior_cost
     elif (group.slab is not None or len(group.seqs) == 1) and costs.wants_plain(group.forward_rows):
         return False                       # the yardstick a wider step is measured against (timed)
@@ -147,11 +150,6 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     return any_row
 
 
-def _seeded(s: Sequence) -> bool:
-    """A row that samples from a seeded stream (its reply must be the same every time)."""
-    return s.sampler is not None and not s.sampler.greedy and s.params.seed is not None
-
-
 def _row_limit(group: Any, s: Sequence, budget: int) -> int:
     """Drafts row ``s`` may feed now: its budget, its token limit, what its cache can take back
     (a cache that can be put back as it was -- recurrent state, a rotated window -- takes any
@@ -167,10 +165,11 @@ def _row_limit(group: Any, s: Sequence, budget: int) -> int:
 
 
 def _fast(s: Sequence) -> bool:
-    """Greedy with nothing that depends on the tokens before each position: one argmax for all
-    (a sampler class that processes logits its own way is verified position by position)."""
+    """Nothing that depends on the tokens before each position: every position's token in one
+    evaluation (``Sampler.targets``; a sampler class that processes logits its own way is verified
+    position by position)."""
     smp = s.sampler
-    return (smp.greedy and smp.rep is None and smp.counts is None and smp.constraint is None
+    return (smp.rep is None and smp.counts is None and smp.constraint is None
             and not smp.p.logprobs and type(smp)._process is Sampler._process)
 
 
@@ -254,18 +253,14 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
                 row_work(s, forward)
         going = [s for s in going if id(s) not in failed]
 
-        # 4. verify: greedy rows without per-position state in one evaluation, the rest in order
+        # 4. verify: rows without per-position state in one evaluation, the rest in order
         targets = {}
         for s in going:
             if _fast(s):
-                def argmax(s: Sequence = s) -> mx.array:
+                def target(s: Sequence = s) -> mx.array:
                     faults.hit("sampler", s.job.request_id)
-                    n = len(drafts[id(s)]) + 1
-                    proc = logits[id(s)][:n, : s.sampler.vocab].astype(mx.float32)
-                    if s.sampler.bias is not None:
-                        proc = proc + s.sampler.bias
-                    return mx.argmax(proc, axis=-1).astype(mx.int32)
-                targets[id(s)] = row_work(s, argmax)
+                    return s.sampler.targets(logits[id(s)][:len(drafts[id(s)]) + 1])
+                targets[id(s)] = row_work(s, target)
         try:
             mx.eval([t for t in targets.values() if t is not None])
         except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost
@@ -278,6 +273,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
             if id(s) in targets:
                 t = targets[id(s)]
                 a = accepted_prefix(t.tolist(), d)
+                s.sampler.skip(a + 1)
                 verdicts[id(s)] = (a, t[a])
             else:
                 verdicts[id(s)] = row_work(s, lambda s=s, d=d: _verify_in_order(s, logits[id(s)], d))
@@ -358,7 +354,7 @@ def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[
     accepted = 0
     with mx.stream(generation_stream()):
         for j in range(len(drafts) + 1):
-            tok = smp.verify(logits[j], drafts[j]) if j < len(drafts) else smp.sample(logits[j])
+            tok = smp.sample(logits[j])
             value = int(tok.item())
             if j < len(drafts) and value == drafts[j]:
                 smp.accept(tok)

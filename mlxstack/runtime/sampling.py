@@ -1,9 +1,16 @@
 """Token sampling with per-request state: its own PRNG key, penalties, bias, logprobs.
 
 Every request owns a ``Sampler``. It never touches MLX's global random state (a failure inside
-a sampler cannot poison later requests, and concurrent sequences keep independent streams):
-the key comes from the request's seed, or from ``os.urandom`` when there is none, and is split
-once per sampled token.
+a sampler cannot poison later requests, and concurrent sequences keep independent streams).
+The draw for the reply's n-th token uses a key of its own, a function of the request's seed (or
+8 bytes of ``os.urandom`` when there is none) and n alone: the token is
+``argmax(filtered logits / T + Gumbel noise(key_n))`` (the Gumbel-max form of the categorical
+draw). So the token at a position depends only on the logits there and the position, never on how
+many draws came before in some other order: a speculative step verifies a sampled row exactly as a
+greedy one -- it computes the token plain decoding would draw at each drafted position and keeps
+the drafts up to the first that differs (``targets`` / ``skip``). The reply is token for token the
+one plain decoding gives with the same seed, with or without speculation, and a draft is kept
+with probability p(draft), as the rejection rule would keep it.
 
     s = Sampler(params, history=prompt_tokens, vocab_size=V)
     tok = s.sample(logits)        # lazy mx scalar; nothing is evaluated here
@@ -57,11 +64,21 @@ class SamplingParams:
     grammar: Any = None        # constraints.CompiledGrammar: the reply must match it (None: free)
 
 
-def request_key(seed: int | None) -> mx.array:
-    """A PRNG key of the request's own: from its seed (0 <= seed < 2**64), else from the OS."""
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little")
-    return mx.random.key(seed & (2**64 - 1))
+_MASK64 = 2**64 - 1
+
+
+def request_seed(seed: int | None) -> int:
+    """The request's stream: its seed (0 <= seed < 2**64), else 8 bytes from the OS."""
+    return (int.from_bytes(os.urandom(8), "little") if seed is None else seed) & _MASK64
+
+
+def position_key(seed: int, position: int) -> mx.array:
+    """The PRNG key of the draw for the reply's ``position``-th token (splitmix64 of the seed and
+    the position: neighbouring positions and seeds get unrelated keys)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return mx.random.key(z ^ (z >> 31))
 
 
 @dataclass(slots=True)
@@ -78,7 +95,8 @@ class Sampler:
         """``constraint``: a RowConstraint to use; by default one from ``params.grammar``."""
         self.p = params
         self.vocab = int(vocab_size)
-        self.key = request_key(params.seed)
+        self.seed = request_seed(params.seed)
+        self.position = 0          # the reply's tokens drawn so far: the next draw's key
         self.greedy = params.temperature <= 0
         ctx = max(1, int(params.repetition_context_size))
         self.ctx = ctx
@@ -122,6 +140,7 @@ class Sampler:
 
     def sample(self, logits: mx.array) -> mx.array:
         """The next token for ``logits`` (lazy int32 scalar)."""
+        self.position += 1
         if self.greedy and not self.p.logprobs:
             # the argmax of the processed (and masked) logits: normalising them first subtracts one
             # number from every entry -- ~50k exps a row for nothing when no logprob is reported
@@ -133,7 +152,7 @@ class Sampler:
         if self.greedy:
             tok = mx.argmax(logprobs).astype(mx.int32)
         else:
-            tok = self._draw(logprobs)
+            tok = self._draw(logprobs, self.position - 1)
         if self.p.logprobs:
             self._record_logprobs(logprobs, tok)
         return tok
@@ -148,9 +167,27 @@ class Sampler:
             top_ids, top_vals = top_ids[order], top_vals[order]
         self.logprobs.append(TokenLogprobs(logprobs[tok], top_ids, top_vals))
 
-    def _draw(self, logprobs: mx.array) -> mx.array:
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(self._filtered(logprobs), key=sub).astype(mx.int32)
+    def _draw(self, logprobs: mx.array, position: int) -> mx.array:
+        noise = mx.random.gumbel(logprobs.shape, key=position_key(self.seed, position))
+        return mx.argmax(self._filtered(logprobs) + noise).astype(mx.int32)
+
+    def targets(self, logits: mx.array) -> mx.array:
+        """The tokens plain decoding would produce at each of ``logits``' positions ([n, V], n >= 1),
+        given that every earlier position produced the token fed after it (lazy int32 [n]): what a
+        speculative step compares its drafts with, in one evaluation. Only for a row without
+        per-position state (no repetition / frequency penalty window, grammar or logprobs: those
+        go position by position through ``sample``). Draws nothing: ``skip`` the tokens kept."""
+        proc = logits[:, : self.vocab].astype(mx.float32)
+        if self.bias is not None:
+            proc = proc + self.bias
+        if self.greedy:
+            return mx.argmax(proc, axis=-1).astype(mx.int32)
+        return mx.stack([self._draw(row - mx.logsumexp(row, keepdims=True), self.position + j)
+                         for j, row in enumerate(proc)])
+
+    def skip(self, n: int) -> None:
+        """``n`` tokens of ``targets`` were kept: the next draw is the reply's next position."""
+        self.position += n
 
     def _filtered(self, logprobs: mx.array) -> mx.array:
         """The logits the draw samples from: top-k, min-p, top-p, then temperature."""
@@ -169,28 +206,6 @@ class Sampler:
             keep_sorted = before < self.p.top_p        # always keeps the most likely token
             masked = mx.where(keep_sorted[mx.argsort(order)], masked, NEG_INF)
         return masked * (1.0 / self.p.temperature)
-
-    def verify(self, logits: mx.array, draft: int) -> mx.array:
-        """The next token given a drafted one (lazy int32 scalar): what ``sample`` gives, except
-        that a draft is kept whenever the distribution allows it with the standard rejection rule
-        for a draft proposed with certainty -- kept with probability p(draft), else a token drawn
-        from p with the draft removed (renormalised) -- so the token is distributed exactly as
-        ``sample``'s. Greedy rows take the argmax, as ``sample`` does (the draft is kept when it
-        is the argmax). Like ``sample``, it records logprobs and consumes the grammar."""
-        if self.greedy:
-            return self.sample(logits)
-        logprobs = self._logprobs(logits)
-        final = self._filtered(logprobs)
-        final = final - mx.logsumexp(final, keepdims=True)          # log p, as the draw samples it
-        self.key, k_accept, k_redraw = mx.random.split(self.key, 3)
-        d = mx.array(int(draft), dtype=mx.int32)
-        keep = mx.log(mx.random.uniform(key=k_accept)) < final[d]
-        others = mx.where(mx.arange(final.shape[-1]) == d, NEG_INF, final)
-        redraw = mx.random.categorical(others, key=k_redraw).astype(mx.int32)
-        tok = mx.where(keep, d, redraw)
-        if self.p.logprobs:
-            self._record_logprobs(logprobs, tok)
-        return tok
 
     def accept(self, tok: mx.array) -> None:
         """Let the penalties see ``tok`` (lazy: the next step can be built before it is read)."""

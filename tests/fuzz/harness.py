@@ -13,10 +13,9 @@ and are stepped on this thread. A hang-up cancels a request after a number of sc
 The reference is a cold engine of the same model and the same KV scheme: prompt cache off, no
 shared prefixes, no speculation, one sequence at a time; it serves every request that was not hung
 up, alone, after its wave (a wave's requests never read each other's replies: traffic.py). Parity
-is checked on tokens: the prompt tokens the model saw and every generated token. A sampled row on
-a warm engine that drafts is compared on its prompt only: rejection sampling is exact in
-distribution, its draws follow where drafts were verified (LESSONS 53). Every request must answer;
-any exception is a finding.
+is checked on tokens: the prompt tokens the model saw and every generated token -- seeded sampled
+rows included, with or without speculation (each draw is keyed by the reply's position:
+runtime/sampling.py). Every request must answer; any exception is a finding.
 """
 from __future__ import annotations
 
@@ -272,10 +271,6 @@ class Harness:
             return
         if warm.prompt != cold.prompt:
             self.findings.append(Finding("prompt", req, f"model input differs at token {_first_diff(warm.prompt, cold.prompt)}"))
-            return
-        if req.temperature > 0 and self.config.speculative:
-            # prompt checked; its draws follow the drafts (module doc). Not verified: no conversation
-            # goes on from it -- the cold engine's healing store holds its own reply, not this one
             return
         self.stats.compared += 1
         warm.verified = warm.tokens == cold.tokens
