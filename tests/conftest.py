@@ -113,6 +113,7 @@ def engine_settings(model_path: Path | str | None = None, **overrides):
         "ENABLE_REQUEST_LOGGING": "false",
         "MLX_PORT": "0",
         "DISK_CACHE_DIR": "off",   # tests that want the disk tier point it at a tmp folder
+        "SPEC_CALIBRATE": "off",   # ~2 s a load on the embedded model; test_speculation.py turns it on
     }
     env.update({k.upper(): str(v) for k, v in overrides.items()})
     return load_settings(env=env)

@@ -25,12 +25,26 @@ def test_proposes_what_followed_the_most_recent_earlier_match():
     assert d2.propose(3) == [7, 8, 2]
 
 
-def test_the_current_suffix_never_matches_itself_and_short_tails_are_cut():
+def test_the_current_suffix_never_matches_itself_and_a_repetition_continues_periodically():
     d = NgramDrafter([7, 8, 9], max_n=2, min_n=2)
     assert d.propose(4) == []                # (8, 9) only occurs at the end: no continuation known
-    d.extend([7, 8])                         # (7, 8) occurred at 0 -> continuation 9, 7, 8
-    assert d.propose(5) == [9, 7, 8]         # up to the end of what is known
+    d.extend([7, 8])                         # (7, 8) occurred at 0 -> continuation 9, 7, 8 (the end)
+    assert d.propose(5) == [9, 7, 8, 9, 7]   # ... then the period (3) again
+    assert d.propose(2) == [9, 7]
     assert d.propose(0) == []
+
+
+def test_a_reply_that_loops_on_itself_drafts_the_whole_budget():
+    """"hello, hello, hello, ..." (period 2 in tokens): the most recent match is 2 tokens back,
+    so without the periodic continuation a row drafted 2 tokens a step however long its budget."""
+    d = NgramDrafter([1, 2, 3], max_n=4, min_n=2)       # the prompt
+    d.extend([10, 11, 10, 11, 10])
+    assert d.propose(8) == [11, 10, 11, 10, 11, 10, 11, 10]
+    assert d.plan(6) == (6, 0.0)
+    d.extend([12])                                       # the loop breaks: (10, 12) never seen
+    assert d.propose(4) == []
+    far = NgramDrafter([4, 5, 6, 7, 8, 9, 4, 5], max_n=2, min_n=2)
+    assert far.propose(3) == [6, 7, 8]                   # a match far back: its own continuation
 
 
 def test_longer_matches_win_over_more_recent_shorter_ones():
@@ -57,17 +71,19 @@ def test_extend_one_token_at_a_time_equals_one_batch():
     assert step._index == whole._index
 
 
-def test_draft_control_grows_on_full_acceptance_and_shrinks_on_partial():
+def test_draft_control_grows_on_full_acceptance_keeps_on_partial_and_shrinks_on_none():
     c = DraftControl(8)
     assert c.budget() == 8
     c.record(8, 3)
-    assert c.k == 4                          # accepted + 1
+    assert c.k == 8                          # some kept: the length stays (the next match is another)
+    c.record(8, 0)
+    assert c.k == 4                          # none kept: halved
     c.record(4, 4)
     assert c.k == 8                          # doubled, capped at max
     c.record(8, 8)
-    assert (c.k, c.proposed, c.accepted, c.steps) == (8, 20, 15, 3)
+    assert (c.k, c.proposed, c.accepted, c.steps) == (8, 28, 15, 4)
     c.record(0, 0)                            # no drafts: nothing changes
-    assert (c.k, c.steps) == (8, 3)
+    assert (c.k, c.steps) == (8, 4)
 
 
 def test_draft_control_pauses_a_row_whose_drafts_keep_failing():

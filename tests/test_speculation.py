@@ -317,6 +317,8 @@ def test_a_seeded_sampled_reply_is_the_same_with_and_without_speculation(embedde
     """Sampled rows draft as greedy ones do: alone and beside a free-text row, the seeded reply
     with drafts is token for token the reply SPECULATIVE=off draws, and drafts were accepted."""
     on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
+    costs = on.speculation.costs          # drafts priced by the prior, not by this run's step timings
+    costs.wants_plain, costs.cost = (lambda rows: False), costs.prior_cost
 
     def sampled(eng, with_free):
         j, _ = job(COPY, max_tokens=40, session=f"s{time.time()}")
@@ -451,3 +453,25 @@ def test_ranks_in_lockstep_decide_from_the_prior_never_from_their_clocks(embedde
         eng.speculation.costs.record(1, w, 1.0)
     out = alone(eng, job(COPY, max_tokens=30, session="r")[0])
     assert out.timings["spec_accepted"] > 0
+
+
+def test_step_costs_are_timed_at_load_on_the_models_own_forward(tiny_dense_path, tiny_hybrid_path):
+    """SPEC_CALIBRATE=auto: forwards of 1 and 2..13 positions for 1 and 8 rows, timed once at load,
+    are the width chooser's prior (non-decreasing in width, never below a plain step); a model whose
+    cache cannot be cut back keeps the constant; off, or speculation off: nothing is timed."""
+    from mlxstack.engine.spec_calibration import WIDTHS
+
+    eng = build_engine(engine_settings(tiny_dense_path, spec_calibrate="auto"))
+    table = eng.speculation.costs.table
+    assert sorted(table) == [(r, w) for r in (1, 8) for w in WIDTHS]
+    for r in (1, 8):
+        row = [table[(r, w)] for w in WIDTHS]
+        assert row == sorted(row) and row[0] >= 1.0
+    assert eng.speculation.costs.prior_cost(8, 4) == table[(8, 4)]
+    assert eng.speculation.stats()["calibrated_cost"]["8x13"] == table[(8, 13)]
+    assert build_engine(engine_settings(tiny_dense_path, spec_calibrate="auto", max_concurrent_sequences=2)
+                        ).speculation.costs.table.keys() == {(r, w) for r in (1, 2) for w in WIDTHS}
+    assert build_engine(engine_settings(tiny_hybrid_path, spec_calibrate="auto")).speculation.costs.table == {}
+    assert build_engine(engine_settings(tiny_dense_path, spec_calibrate="auto", speculative="off")
+                        ).speculation.costs.table == {}
+    assert build_engine(engine_settings(tiny_dense_path)).speculation.costs.table == {}

@@ -19,7 +19,8 @@ def test_nothing_measured_answers_the_prior():
     assert c.cost(8, 2) == pytest.approx(3.0) and c.prior_cost(8, 2) == pytest.approx(1.24)
     assert c.prior_cost(8, 1) == 1.0
     c = StepCosts(prior=0.03)
-    assert c.snapshot() == {"plain_step_ms": {}, "speculative_cost": {}, "prior_cost_per_position": 0.03}
+    assert c.snapshot() == {"plain_step_ms": {}, "speculative_cost": {}, "calibrated_cost": {},
+                            "prior_cost_per_position": 0.03}
 
 
 def test_a_speculative_step_counts_only_against_plain_steps_of_the_same_rows():
@@ -95,7 +96,7 @@ def test_snapshot_in_milliseconds_and_plain_steps():
     c.record(8, 1, 0.1504)
     c.record(8, 2, 0.2)
     assert c.snapshot() == {"plain_step_ms": {"8": 150.4}, "speculative_cost": {"8x2": 1.33},
-                            "prior_cost_per_position": 0.05}
+                            "calibrated_cost": {}, "prior_cost_per_position": 0.05}
 
 
 def test_best_width_asks_the_measured_costs():
@@ -124,3 +125,28 @@ def test_a_row_count_that_only_speculates_takes_a_plain_step_now_and_then():
     assert c.wants_plain(8)                   # three wider steps since: measure a plain one again
     c.record(8, 1, 0.12)
     assert not c.wants_plain(8) and c.since_plain[8] == 0
+
+
+TABLE = {(1, 2): 1.1, (1, 4): 1.3, (1, 8): 1.5, (8, 2): 1.3, (8, 4): 1.9, (8, 8): 2.9}
+
+
+def test_a_table_timed_at_load_is_the_prior():
+    """engine/spec_calibration.py's table: along the widths linear (from 1 at width 1, past the
+    widest its last slope), between row counts the extra cost linear in rows, past the largest in
+    proportion, below the smallest its figures; measured steps still win over it."""
+    from mlxstack.runtime.step_costs import table_cost
+
+    assert table_cost(TABLE, 1, 1) == 1.0
+    assert table_cost(TABLE, 1, 2) == pytest.approx(1.1)
+    assert table_cost(TABLE, 1, 3) == pytest.approx(1.2)                  # between widths 2 and 4
+    assert table_cost(TABLE, 1, 10) == pytest.approx(1.6)                 # past 8: slope 0.05 a position
+    assert table_cost(TABLE, 8, 6) == pytest.approx(2.4)
+    assert table_cost(TABLE, 4, 4) == pytest.approx(1 + 0.3 + (0.9 - 0.3) * 3 / 7)   # rows 1..8
+    assert table_cost(TABLE, 16, 2) == pytest.approx(1.6)                 # 0.3 extra at 8 rows -> 0.6
+    c = StepCosts(prior=0.03, table=dict(TABLE))
+    assert c.cost(8, 4) == pytest.approx(1.9) and c.prior_cost(8, 4) == pytest.approx(1.9)
+    c.record(8, 1, 0.1)
+    c.record(8, 4, 0.25)
+    assert c.cost(8, 4) == pytest.approx(2.5)                             # measured
+    assert c.cost(8, 8) == pytest.approx(2.5 + 2.9 - 1.9)                 # one measured width + the table's step
+    assert c.snapshot()["calibrated_cost"] == {"1x2": 1.1, "1x4": 1.3, "1x8": 1.5, "8x2": 1.3, "8x4": 1.9, "8x8": 2.9}

@@ -43,7 +43,10 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
         engine = engine_cls(loaded, renderer, state, settings)
     else:
         engine = ChatEngine(loaded, renderer, state, settings, draft=draft_model(loaded, settings, state.counters))
-    log.info("speculative decoding: %s", engine.speculation.describe())
+    engine.speculation.calibrated(engine.decode_model, settings.max_concurrent_sequences or 8)
+    log.info("speculative decoding: %s%s", engine.speculation.describe(),
+             f"; a step of 1 + k drafts costs (rows x width: plain steps) {engine.speculation.costs.table}"
+             if engine.speculation.costs.table else "")
     return engine
 
 

@@ -72,6 +72,15 @@ class Speculation:
                         and (self.lookup or self.draft is not None))
         # what a wider step costs here, timed by the decode group: speculation's cost model
         self.costs = StepCosts(prior=COST_PER_POSITION)
+        self.calibrate = settings.spec_calibrate == "auto" and settings.distributed == "off"
+
+    def calibrated(self, model: Any, max_rows: int) -> None:
+        """Time the decode model's wider forwards once (engine/spec_calibration.py): the width
+        chooser's prior. Not for ranks in lockstep (each rank would time its own)."""
+        if self.enabled and self.calibrate:
+            from .spec_calibration import calibrate
+
+            self.costs.table = calibrate(model, rows=sorted({1, max(1, min(8, max_rows))}))
 
     def stats(self) -> dict:
         return self.costs.snapshot()

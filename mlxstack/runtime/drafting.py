@@ -10,13 +10,15 @@ the longest prefix it agrees with, so a wrong draft costs compute, never a diffe
 
 Prompt lookup (llama.cpp's ``lookup``, vLLM's n-gram proposer): find the most recent earlier
 occurrence of the last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) in the prompt and the
-reply so far, and propose what followed it. Agents re-emit text they have seen -- a file rewritten
+reply so far, and propose what followed it -- continued periodically when it reaches the end (a
+reply repeating itself). Agents re-emit text they have seen -- a file rewritten
 with one change, a patch quoting its context, a path in a tool call -- and those tokens come out of
 the lookup. An agent conversation's earlier turns are in its prompt already, so the prompt is the
 session's history too.
 
 ``DraftControl`` is the per-row switch that keeps speculation from ever costing more than it
-saves: the draft length grows while drafts are accepted and shrinks when they are not; a row whose
+saves: the draft length grows while drafts are accepted, stays when some are, and shrinks when
+none are; a row whose
 drafts keep failing (free text, a high temperature, a grammar that rejects them) stops drafting for
 a while that doubles each time it fails again.
 """
@@ -112,7 +114,11 @@ class NgramDrafter:
         """Nothing to give back (the verbs every drafter answers)."""
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest recent match of the current suffix."""
+        """Up to ``k`` tokens that followed the longest recent match of the current suffix. A match
+        whose continuation runs into the end of the tokens is a repetition with period ``p`` (the
+        distance from the match to the end): the continuation repeats it, so a reply that loops
+        on itself -- a repeated line, a list, the same call again -- drafts ``k`` tokens, not the
+        ``p`` that are written so far."""
         toks = self.tokens
         if k <= 0 or not toks:
             return []
@@ -121,7 +127,11 @@ class NgramDrafter:
                 continue
             start = self._index[n].get(tuple(toks[-n:]))
             if start is not None:
-                return toks[start:start + k]
+                out = toks[start:start + k]
+                period = len(toks) - start
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
 
@@ -198,5 +208,7 @@ class DraftControl:
             if self.misses >= 2:            # wrong twice in a row: stop for 4, 8, 16 ... 256 steps
                 self.pause = min(256, 2 ** self.misses)
         else:
+            # some kept: the length stays. A lookup's next draft comes from a new match (the one
+            # the kept tokens and the model's own next token make), not from the one that went
+            # wrong here: shrinking to what this one got cost copying a third of its gain
             self.misses = 0
-            self.k = max(1, min(self.max_draft, accepted + 1))

@@ -14,6 +14,9 @@ steps and asks this table:
     costs.cost(8, 4)      # -> 1.813...: not seen yet: the measured width plus the prior's 0.03 * 8 a position
     costs.cost(16, 2)     # -> 1.48: nothing seen at 16 rows, the prior (1 + 0.03 * 16 * 1)
 
+Before a row count and width were timed, the prior answers: the table of forwards timed at load
+(``table``: engine/spec_calibration.py, on the path the step takes here), else the constant.
+
 Each figure is an exponential moving average (``alpha``), so it follows the context growing and
 the machine's speed drifting; a speculative step is compared with the plain steps of the same row
 count, so a slower minute slows both. Only clean steps are recorded (no row joined, left or
@@ -24,13 +27,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepCosts", "prior_step_cost"]
+__all__ = ["StepCosts", "prior_step_cost", "table_cost"]
 
 
 def prior_step_cost(prior: float, rows: int, width: int) -> float:
     """A step of ``width`` positions per row over ``rows`` rows, in plain steps, by the prior
     alone: ``1 + prior * rows * (width - 1)`` (each extra position one more token per row)."""
     return 1.0 if width <= 1 else 1.0 + prior * rows * (width - 1)
+
+
+def table_cost(table: dict[tuple[int, int], float], rows: int, width: int) -> float:
+    """A step of ``width`` positions over ``rows`` rows from a table measured at some row counts and
+    widths (engine/spec_calibration.py): along the widths measured at a row count, linear (from 1 at
+    width 1; past the widest, its last slope); between two measured row counts, the extra cost
+    linear in rows; past the largest, in proportion to the rows; below the smallest, its figures."""
+    if width <= 1:
+        return 1.0
+
+    def along(r: int) -> float:
+        pts = [(1, 1.0)] + sorted((w, v) for (rr, w), v in table.items() if rr == r)
+        for (w0, v0), (w1, v1) in zip(pts, pts[1:]):
+            if width <= w1:
+                return v0 + (v1 - v0) * (width - w0) / (w1 - w0)
+        (w0, v0), (w1, v1) = pts[-2], pts[-1]
+        return v1 + max(0.0, (v1 - v0) / (w1 - w0)) * (width - w1)
+
+    counts = sorted({r for r, _ in table})
+    if rows <= counts[0]:
+        return along(counts[0])
+    for r0, r1 in zip(counts, counts[1:]):
+        if rows <= r1:
+            e0, e1 = along(r0) - 1, along(r1) - 1
+            return 1 + e0 + (e1 - e0) * (rows - r0) / (r1 - r0)
+    return 1 + (along(counts[-1]) - 1) * rows / counts[-1]
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -46,6 +75,7 @@ class StepCosts:
     seen: dict[tuple[int, int], int] = field(default_factory=dict)        # (rows, width) -> steps recorded
     since_plain: dict[int, int] = field(default_factory=dict)             # rows -> wider steps since a plain one
     refresh: int = 64              # a plain step at least this often while rows keep speculating
+    table: dict[tuple[int, int], float] = field(default_factory=dict)     # measured at load: the prior
 
     def wants_plain(self, rows: int) -> bool:
         """Whether the next step of ``rows`` rows should be plain to keep the measure honest: none of
@@ -92,12 +122,15 @@ class StepCosts:
             return max(1.0, r0 + slope * (width - w0))
         if near:
             w0 = near[0]
-            return max(1.0, self.ratio[(rows, w0)] + self.prior * rows * (width - w0))
+            return max(1.0, self.ratio[(rows, w0)] + self.prior_cost(rows, width) - self.prior_cost(rows, w0))
         return self.prior_cost(rows, width)
 
     def prior_cost(self, rows: int, width: int) -> float:
-        """The prior alone, ``1 + prior * rows * (width - 1)``: for decisions that must not depend
-        on wall times (ranks in lockstep, seeded rows)."""
+        """The prior alone: the table measured at load (``table_cost``), else
+        ``1 + prior * rows * (width - 1)``; for decisions that must not depend on this run's step
+        times (ranks in lockstep)."""
+        if self.table:
+            return max(1.0, table_cost(self.table, rows, width))
         return prior_step_cost(self.prior, rows, width)
 
     def snapshot(self) -> dict:
@@ -105,4 +138,5 @@ class StepCosts:
         plain, ratio = dict(self.plain), dict(self.ratio)      # copies: the inference thread writes them
         return {"plain_step_ms": {str(r): round(s * 1000, 1) for r, s in sorted(plain.items())},
                 "speculative_cost": {f"{r}x{w}": round(v, 3) for (r, w), v in sorted(ratio.items())},
+                "calibrated_cost": {f"{r}x{w}": v for (r, w), v in sorted(self.table.items())},
                 "prior_cost_per_position": self.prior}

@@ -1,0 +1,63 @@
+"""What a speculative step costs on this machine, measured once at load (SPEC_CALIBRATE=auto).
+
+    table = calibrate(engine.decode_model, rows=(1, 8))   # {(rows, width): plain steps}
+    costs = StepCosts(prior=COST_PER_POSITION, table=table)
+
+A step that feeds ``width`` positions a row costs more than a plain one by an amount that is a
+property of the path the forward takes here -- the native products loop and the host path on a
+CPU (one more position for one row: ~0.1 of a step, for 8 rows ~0.35), mlx's kernels on a GPU
+(almost nothing) -- so a constant guessed on one machine drafts too much on the next or too
+little. This times the decode model's own forward (whatever path ``install`` gave it: the same
+call a decode step makes) at 1 and ``width`` positions over a short context, for one row and for
+a batch, and hands the ratios to ``StepCosts`` as its prior: the width chooser's costs before any
+step was timed, and for ranks in lockstep -- which never decide from wall times -- its only ones
+(there it is skipped: each rank would time its own). Models whose caches cannot be cut back
+(recurrent state, rotating windows) are not timed: the constant prior stays.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..runtime.mlx_stream import generation_stream
+
+__all__ = ["calibrate", "WIDTHS"]
+
+WIDTHS = (2, 4, 8, 13)        # 1 + drafts: up to SPEC_MAX_DRAFT's default 12 (host path: <= 16)
+CONTEXT = 32                  # tokens in the scratch cache (the attention is a small part of a decode step here)
+
+
+def calibrate(model: Any, rows: Sequence[int] = (1, 8), widths: Sequence[int] = WIDTHS, repeats: int = 2,
+              clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+    """{(rows, width): the forward's time over a plain one's} (each the best of ``repeats`` after a
+    warm-up; non-decreasing in width); {} where a cache layer cannot be cut back."""
+    table: dict[tuple[int, int], float] = {}
+    for r in rows:
+        cache = make_prompt_cache(model)
+        if not all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
+            return {}
+        with mx.stream(generation_stream()):
+            mx.eval(model(mx.ones((r, CONTEXT), dtype=mx.int32), cache=cache))
+
+            def timed(width: int) -> float:
+                best = math.inf
+                for i in range(repeats + 1):
+                    start = clock()
+                    mx.eval(model(mx.ones((r, width), dtype=mx.int32), cache=cache))
+                    if i:
+                        best = min(best, clock() - start)
+                    for c in cache:
+                        c.trim(width)
+                return best
+
+            plain, last = timed(1), 1.0
+            for w in sorted(widths):
+                # never below a narrower width's figure (a noisy short timing is not a cheaper step)
+                last = max(last, timed(w) / plain if plain > 0 else 1.0)
+                table[(r, w)] = round(last, 3)
+        del cache
+    return table
