@@ -366,7 +366,8 @@ def test_concurrent_http_streams_through_the_scheduler(dense):
         assert stats["scheduler"]["max_sequences"] == 4 and stats["scheduler"]["batched"] is True
         assert max(r.get("batch_size_max", 1) for r in stats["recent"]) >= 2
         # speculation's cost model, measured: the 4-row batch's plain steps timed (milliseconds)
-        assert set(stats["speculation"]) == {"plain_step_ms", "speculative_cost", "prior_cost_per_position"}
+        assert set(stats["speculation"]) == {"plain_step_ms", "speculative_cost", "calibrated_cost",
+                                             "prior_cost_per_position"}
         assert stats["speculation"]["plain_step_ms"]["4"] > 0
     finally:
         server.close()

@@ -432,8 +432,9 @@ def test_tool_format_for_templates():
 def test_compiler_options_come_from_settings():
     from mlxstack.config.settings import load_settings
 
-    opts = compiler_options(load_settings(env={"GRAMMAR_CACHE_ENTRIES": "3", "GRAMMAR_MAX_SIZE": "5000"}))
-    assert opts == {"cache_entries": 3, "timeout_s": 5.0, "limits": {"max_grammar_size": 5000}}
+    opts = compiler_options(load_settings(env={"GRAMMAR_CACHE_ENTRIES": "3", "GRAMMAR_MAX_SIZE": "5000",
+                                               "GRAMMAR_MAX_PENDING": "4"}))
+    assert opts == {"cache_entries": 3, "timeout_s": 5.0, "limits": {"max_grammar_size": 5000}, "max_pending": 4}
 
 
 def test_spec_keys_are_stable_and_distinct():

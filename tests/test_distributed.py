@@ -99,7 +99,7 @@ def test_portable_job_drops_callbacks_and_grammar():
     values, spec = portable_job(job)
     assert spec == Grammar.spec
     assert set(values) == {"request_id", "messages", "tools", "enable_thinking", "params", "stop", "body", "headers",
-                           "tool_choice", "prefill_only", "response_format"}
+                           "tool_choice", "prefill_only", "response_format", "sampling_origin"}
     again = pickle.loads(pickle.dumps(values))
     assert again["params"] == SamplingParams(temperature=0.5, max_tokens=9, seed=3)
     assert job.params.grammar is not None        # the job itself is untouched

@@ -77,9 +77,12 @@ def test_parse_with_a_pydantic_model(oai):
     lenient = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
                                                 "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
                "required": ["title", "year"]}
+    # greedy is the argmax with only the penalties asked for (LESSONS 64): this model's greedy reply
+    # loops inside an extra property ("VOD&V, VOD&V, ...") until max_tokens, so the request asks for one
     raw = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a film."}], max_tokens=60,
                                       response_format={"type": "json_schema",
-                                                       "json_schema": {"name": "film", "schema": lenient}})
+                                                       "json_schema": {"name": "film", "schema": lenient}},
+                                      extra_body={"repetition_penalty": 1.08})
     jsonschema.validate(json.loads(raw.choices[0].message.content), lenient)
 
 

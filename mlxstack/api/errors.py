@@ -40,6 +40,10 @@ def unavailable(message: str, retry_after: int = 1, code: str = "unavailable") -
     return APIError(503, message, type="server_error", code=code, headers={"Retry-After": str(retry_after)})
 
 
+def rate_limited(message: str, retry_after: int = 1, code: str = "rate_limit_exceeded") -> APIError:
+    return APIError(429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(retry_after)})
+
+
 def internal(request_id: str) -> APIError:
     return APIError(500, f"internal server error (request id {request_id}); see the server log",
                     type="server_error", code="internal_error")

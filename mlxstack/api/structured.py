@@ -17,6 +17,8 @@ What is constrained (every front translates to these chat fields first):
 | ``tool_choice`` "auto" (or absent) with tools | lazy: free text until the model opens a call in its format, then a valid name and arguments |
 | ``tool_choice`` "none" with tools | any text that never opens a call |
 
+A full compile queue answers 503 (429 for a client over its share), with Retry-After; a schema
+that failed once is refused again from the failure cache without compiling (constraints/compiler.py).
 A schema the grammar cannot take is a 400 naming its field and JSON pointer -- except for the lazy
 ``auto`` case with no strict tool: agent clients send tool schemas of every kind, and such a request
 is served as before, unconstrained (logged once per tool set, counted as ``grammar_fallbacks``).
@@ -27,9 +29,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..constraints import GrammarCompiler, GrammarTooComplex, SchemaError, SpecError, compiler_options, \
-    spec_for_request, tool_format_for
-from .errors import APIError
+from ..constraints import CompilerBusy, GrammarCompiler, GrammarTooComplex, SchemaError, SpecError, \
+    compiler_options, spec_for_request, tool_format_for
+from .errors import APIError, rate_limited, unavailable
 
 log = logging.getLogger("mlxstack.structured")
 
@@ -89,7 +91,14 @@ class Structured:
             return None
         lazy = spec.kind == "tool_auto" and bool(spec.stages) and not any(_strict_tool(t) for t in req.tools or ())
         try:
-            return self.compiler.compile(spec)
+            return self.compiler.compile(spec, client=client_of(req))
+        except CompilerBusy as exc:
+            if lazy:                    # the grammar is a nicety here: serve as without one
+                self._fall_back(spec.key, exc)
+                return None
+            if exc.mine:
+                raise rate_limited(str(exc), exc.retry_after, code="grammar_queue_share") from None
+            raise unavailable(str(exc), exc.retry_after, code="grammar_queue_full") from None
         except SchemaError as exc:
             if lazy:
                 self._fall_back(spec.key, exc)
@@ -108,4 +117,15 @@ class Structured:
         self.compiler.close()
 
 
-__all__ = ["CHAT_FIELDS", "Fields", "MESSAGES_FIELDS", "RESPONSES_FIELDS", "Structured"]
+def client_of(req: Any) -> str:
+    """Who asks, for the compile queue's per-client share: the request's ``user`` / ``session_id`` /
+    Anthropic ``metadata.user_id``; requests that name nobody share one share."""
+    body = getattr(req, "body", None) or {}
+    meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    for value in (body.get("user"), body.get("session_id"), meta.get("user_id")):
+        if isinstance(value, str) and value:
+            return value[:200]
+    return "-"
+
+
+__all__ = ["CHAT_FIELDS", "Fields", "MESSAGES_FIELDS", "RESPONSES_FIELDS", "Structured", "client_of"]

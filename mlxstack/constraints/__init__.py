@@ -13,7 +13,7 @@ naming the schema path), ``row`` (one request's RowConstraint: tokens in, bitmas
     grammar = compiler.compile(spec) if spec else None          # raises SchemaError -> 400
     params = replace(params, grammar=grammar)                   # runtime/sampling.py does the rest
 """
-from .compiler import (CompiledGrammar, GrammarCompiler, GrammarTooComplex, SchemaError, compiler_options,
+from .compiler import (CompiledGrammar, CompilerBusy, GrammarCompiler, GrammarTooComplex, SchemaError, compiler_options,
                        locate_schema_error)
 from .grammars import (GLM, HARMONY, HERMES, QWEN_XML, TOOL_FORMATS, GrammarSpec, SpecError, Stage, json_spec,
                        opener_of, spec_for_request, tool_format_for, tools_spec)
@@ -21,7 +21,7 @@ from .masking import BatchMasks, allowed_mask, apply_mask
 from .row import RowConstraint
 
 __all__ = [
-    "BatchMasks", "CompiledGrammar", "GLM", "GrammarCompiler", "GrammarSpec", "GrammarTooComplex", "HARMONY",
+    "BatchMasks", "CompiledGrammar", "CompilerBusy", "GLM", "GrammarCompiler", "GrammarSpec", "GrammarTooComplex", "HARMONY",
     "HERMES", "QWEN_XML", "RowConstraint", "SchemaError", "SpecError", "Stage", "TOOL_FORMATS", "allowed_mask",
     "apply_mask", "compiler_options", "json_spec", "locate_schema_error", "opener_of", "spec_for_request",
     "tool_format_for", "tools_spec",

@@ -14,6 +14,12 @@ too (llguidance builds its lexer lazily on it), so a row's first step costs what
 A schema llguidance cannot compile raises ``SchemaError`` naming the field and the JSON pointer of
 the smallest sub-schema that fails with the same message (llguidance's own messages carry no path):
 ``response_format.json_schema.schema#/properties/when: Unknown format: weird``.
+
+Nobody starves the pool: a failure is cached by spec hash like a success (a bad schema sent again is
+refused at once, without compiling or locating its error again); at most ``max_pending`` compiles
+are queued or running, and one client (``compile(spec, client=...)``) at most half of them --
+past either bound ``CompilerBusy`` (429 for the client over its share, 503 when the pool is full,
+with Retry-After); a compile whose every waiter timed out is dropped if it has not started.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
@@ -31,7 +37,7 @@ import numpy as np
 
 from .grammars import GrammarSpec, Stage
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarTooComplex", "SchemaError", "compiler_options",
+__all__ = ["CompiledGrammar", "CompilerBusy", "GrammarCompiler", "GrammarTooComplex", "SchemaError", "compiler_options",
            "locate_schema_error"]
 
 DEFAULT_LIMITS = dict(max_grammar_size=200_000)   # symbols; llguidance's default is 500k
@@ -41,9 +47,9 @@ LOCATE_BUDGET_S = 1.0
 
 def compiler_options(settings: Any) -> dict[str, Any]:
     """GrammarCompiler keyword arguments from Settings (GRAMMAR_CACHE_ENTRIES, GRAMMAR_COMPILE_TIMEOUT_SECONDS,
-    GRAMMAR_MAX_SIZE)."""
+    GRAMMAR_MAX_SIZE, GRAMMAR_MAX_PENDING)."""
     return {"cache_entries": settings.grammar_cache_entries, "timeout_s": settings.grammar_compile_timeout_seconds,
-            "limits": {"max_grammar_size": settings.grammar_max_size}}
+            "limits": {"max_grammar_size": settings.grammar_max_size}, "max_pending": settings.grammar_max_pending}
 
 
 class SchemaError(ValueError):
@@ -63,13 +69,25 @@ class GrammarTooComplex(SchemaError):
     """Over a size limit or the compile time bound."""
 
 
+class CompilerBusy(RuntimeError):
+    """No room to compile now: the pool is full (``mine`` False: 503) or this client already has its
+    share of the queue (``mine`` True: 429). Retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, mine: bool, retry_after: int) -> None:
+        super().__init__(message)
+        self.mine, self.retry_after = mine, retry_after
+
+
 @dataclass(slots=True)
 class CompileStats:
     compiles: int = 0
     hits: int = 0
     errors: int = 0
+    failure_hits: int = 0          # a failure answered from the cache
     timeouts: int = 0
     evictions: int = 0
+    refused: int = 0               # CompilerBusy
+    dropped: int = 0               # queued compiles cancelled: every waiter had timed out
     compile_ms: list[float] = field(default_factory=list)
 
 
@@ -102,7 +120,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: llg.LLTokenizer, specials: Mapping[str, int] | None = None, *,
                  cache_entries: int = 64, timeout_s: float = 5.0, limits: Mapping[str, Any] | None = None,
-                 workers: int = 2) -> None:
+                 workers: int = 2, max_pending: int = 8) -> None:
         self.tokenizer = tokenizer
         self.specials = dict(specials or {})
         self.cache_entries = max(0, int(cache_entries))
@@ -110,6 +128,10 @@ class GrammarCompiler:
         self._limit_args = {**DEFAULT_LIMITS, **(limits or {})}
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._inflight: dict[str, Future] = {}
+        self._failed: OrderedDict[tuple, SchemaError] = OrderedDict()   # _failure_key -> its error
+        self._waiters: dict[str, int] = {}                               # spec key -> threads waiting
+        self._owner: dict[str, str] = {}                                 # spec key -> client that queued it
+        self.max_pending = max(1, int(max_pending))
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="grammar-compile")
         self._ws_words: np.ndarray | None = None
@@ -137,8 +159,11 @@ class GrammarCompiler:
     def limits(self) -> llg.LLParserLimits:
         return llg.LLParserLimits(**self._limit_args)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar for ``spec`` (cached). Raises SchemaError / GrammarTooComplex."""
+    def compile(self, spec: GrammarSpec, client: str | None = None) -> CompiledGrammar:
+        """The compiled grammar for ``spec`` (cached, failures too). Raises SchemaError /
+        GrammarTooComplex, or CompilerBusy when it would have to queue past the bounds (``client``:
+        who asks, for the per-client share; None -- a rank replaying rank 0's request -- only the
+        pool's bound)."""
         key = spec.key
         with self._lock:
             hit = self._cache.get(key)
@@ -146,24 +171,67 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
                 return hit
+            failed = self._failed.get(_failure_key(spec))
+            if failed is not None:
+                self._failed.move_to_end(_failure_key(spec))
+                self.stats.failure_hits += 1
+                raise type(failed)(failed.where, failed.pointer, failed.reason)
             fut = self._inflight.get(key)
             fresh = fut is None
             if fresh:
+                self._admit(client)
                 fut = self._pool.submit(self._build, spec)
                 self._inflight[key] = fut
+                if client is not None:
+                    self._owner[key] = client
+            self._waiters[key] = self._waiters.get(key, 0) + 1
         if fresh:      # outside the lock: a future already done runs the callback right here
-            fut.add_done_callback(lambda f, k=key: self._done(k, f))
+            fut.add_done_callback(lambda f, k=key, fk=_failure_key(spec): self._done(k, f, fk))
         try:
             return fut.result(timeout=self.timeout_s)
+        except CancelledError:          # dropped by a waiter that gave up just as this one came
+            return self.compile(spec, client)
         except FutureTimeout:
             self.stats.timeouts += 1
             raise GrammarTooComplex(_where(spec), "#", f"the grammar did not compile within {self.timeout_s:g} s "
                                     "(simplify the schema: fewer alternatives, shorter enums, bounded patterns)") from None
+        finally:
+            with self._lock:
+                left = self._waiters.get(key, 1) - 1
+                if left > 0:
+                    self._waiters[key] = left
+                else:
+                    self._waiters.pop(key, None)
+            # nobody waits and it has not started: drop it (outside the lock: a cancel runs _done here)
+            if left <= 0 and not fut.done() and fut.cancel():
+                self.stats.dropped += 1
 
-    def _done(self, key: str, fut: Future) -> None:
+    def _admit(self, client: str | None) -> None:
+        """Room for one more queued compile (under the lock), else CompilerBusy."""
+        if client is not None:
+            share = max(1, self.max_pending // 2)
+            if sum(1 for k in self._inflight if self._owner.get(k) == client) >= share:
+                self.stats.refused += 1
+                raise CompilerBusy(f"{share} grammar compile(s) of this client are already queued; retry when they "
+                                   "finish", mine=True, retry_after=max(1, round(self.timeout_s)))
+        if len(self._inflight) >= self.max_pending:
+            self.stats.refused += 1
+            raise CompilerBusy(f"{len(self._inflight)} grammar compiles are queued (the most: {self.max_pending}); "
+                               "retry shortly", mine=False, retry_after=max(1, round(self.timeout_s)))
+
+    def _done(self, key: str, fut: Future, failure_key: tuple = ()) -> None:
         with self._lock:
             self._inflight.pop(key, None)
-            if fut.cancelled() or fut.exception() is not None or self.cache_entries == 0:
+            self._owner.pop(key, None)
+            if fut.cancelled():
+                return
+            exc = fut.exception()
+            if isinstance(exc, SchemaError):
+                self._failed[failure_key] = exc
+                self._failed.move_to_end(failure_key)
+                while len(self._failed) > max(64, self.cache_entries):
+                    self._failed.popitem(last=False)
+            if exc is not None or self.cache_entries == 0:
                 return
             self._cache[key] = fut.result()
             self._cache.move_to_end(key)
@@ -218,6 +286,12 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failure_key(spec: GrammarSpec) -> tuple:
+    """A failure's cache key: the grammar and the request fields its schemas came from (the error
+    names the field: the same schema through /v1/responses is ``text.format.schema``)."""
+    return (spec.key, tuple(where for where, _ in spec.schemas))
 
 
 def _where(spec: GrammarSpec) -> str:
