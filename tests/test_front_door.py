@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from mlxstack.launcher import litellm_config as lc
-from mlxstack.routing.front_door import FrontDoor, check_request, install
+from mlxstack.routing.front_door import FrontDoor, check_request, install, route_kind
 
 KEY = "sk-front-door"
 AUTH = [(b"authorization", f"Bearer {KEY}".encode())]
@@ -163,6 +163,89 @@ def test_config_names_the_front_door_and_its_shim_imports_without_the_repo_on_th
 
 
 # ------------------------------------------------------------------ the real stack
+ALIASES = {
+    "chat": ["/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions", "/openai/chat/completions",
+             "/engines/m/chat/completions", "/openai/deployments/m/chat/completions", "/v1/chat/completions/"],
+    "responses": ["/v1/responses", "/responses", "/openai/v1/responses"],
+    "messages": ["/v1/messages", "/v1/messages/count_tokens", "/anthropic/v1/messages"],
+    "keyed": ["/v1/completions", "/engines/m/completions", "/openai/deployments/m/embeddings", "/v1/models",
+              "/models/m", "/v1/responses/resp_1", "/model/info"],
+    None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other"],
+}
+
+
+def test_every_alias_litellm_serves_gets_the_same_checks():
+    """LiteLLM 1.106.2 serves chat under /engines/{m}/..., /openai/deployments/{m}/..., /openai/v1/...
+    and without /v1: they were not watched, so a bad body reached LiteLLM (500) and a wrong key its
+    "No connected db." 400."""
+    for kind, paths in ALIASES.items():
+        assert [route_kind(p) for p in paths] == [kind] * len(paths), kind
+    bad = {"model": "m", "messages": [{"role": "user", "content": 7}]}
+    for path in ALIASES["chat"]:
+        assert refused(path, bad).status == 400 and refused(path, bad).body["error"]["param"] == "messages[0].content"
+        assert refused(path, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}) is None
+    for path in ALIASES["chat"] + ALIASES["responses"] + ALIASES["keyed"]:
+        assert refused(path, {}, headers=[(b"authorization", b"Bearer wrong")]).status == 401, path
+    assert refused("/openai/v1/responses", {"model": "m", "input": 5}).body["error"]["param"] == "input"
+    assert refused("/anthropic/v1/messages", [1]).body["type"] == "error"
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),                                      # LiteLLM: 500
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], "messages[0].content"),
+    ([{"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[0]"),        # an orphan result
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1]"),
+    ([{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c2", "content": "42"}], "messages[1].tool_call_id"),
+])
+def test_bodies_the_openai_api_rejects_are_400_at_both_doors(messages, param):
+    from mlxstack.api.errors import APIError
+    from mlxstack.api.validation import parse_chat_request
+    from mlxstack.config.settings import load_settings
+
+    assert refused(CHAT, {"model": "m", "messages": messages}).body["error"]["param"] == param
+    with pytest.raises(APIError) as err:                                               # the MLX server (8080)
+        parse_chat_request({"messages": messages}, load_settings(env={}))
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_answered_tool_calls_pass_both_doors():
+    from mlxstack.api.validation import parse_chat_request
+    from mlxstack.config.settings import load_settings
+
+    call = lambda i: {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}  # noqa: E731
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call(1), call(2)]},
+                {"role": "tool", "tool_call_id": "c2", "content": "b"}, {"role": "tool", "tool_call_id": "c1", "content": "a"},
+                {"role": "user", "content": "thanks"}]
+    assert refused(CHAT, {"model": "m", "messages": messages}) is None
+    assert len(parse_chat_request({"messages": messages}, load_settings(env={})).messages) == 5
+
+
+def test_a_strangers_body_is_never_read():
+    """The key is checked from the headers before the first body byte: an unauthenticated 200 MB
+    upload is answered 401 without a single receive() (it used to buffer up to 256 MiB first)."""
+    reads = []
+
+    async def app(scope, receive, send):
+        raise AssertionError("LiteLLM must not see it")
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"x" * (1 << 20), "more_body": True}
+
+    out = []
+
+    async def send(m):
+        out.append(m)
+    door = FrontDoor(app, master_key=KEY)
+    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"x-api-key", b"nope")]):
+        out.clear()
+        scope = {"type": "http", "method": "POST", "path": "/engines/m/chat/completions",
+                 "headers": headers + [(b"content-length", str(200 << 20).encode())]}
+        asyncio.run(door(scope, receive, send))
+        assert out[0]["status"] == 401 and reads == []
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, embedded_model_path):
     from tests.test_e2e_stack import Stack
@@ -205,6 +288,12 @@ def test_openai_sdk_gets_typed_errors_through_4000(stack):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, body = raw_post(stack, "/v1/responses", b"[1]", STACK_KEY)
     assert status == 400 and "error" in body
+    for path in ("/engines/x/chat/completions", "/openai/deployments/x/chat/completions", "/chat/completions"):
+        for messages, param in (([{"role": "user"}], "messages[0].content"),
+                                ([{"role": "tool", "tool_call_id": "c", "content": "1"}], "messages[0]")):
+            status, body = raw_post(stack, path, json.dumps({"model": MODEL, "messages": messages}).encode(), STACK_KEY)
+            assert (status, body["error"]["param"]) == (400, param), (path, body)
+        assert raw_post(stack, path, b"{}", "sk-wrong")[0] == 401
 
 
 def test_anthropic_sdk_gets_typed_errors_through_4000(stack):

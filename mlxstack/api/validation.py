@@ -19,6 +19,7 @@ from typing import Any
 from ..config.settings import Settings
 from ..pipeline.images import IMAGE_PART_TYPES, image_parts, is_image_part
 from ..pipeline.thinking import resolve_enable_thinking
+from ..pipeline.tool_results import orphan_tool_result
 from ..runtime.sampling_defaults import SamplingDefaults
 from .errors import APIError, bad_request
 
@@ -359,6 +360,10 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", param="messages")
     messages = [_validate_message(i, m) for i, m in enumerate(messages)]
+    for i in range(len(messages)):
+        orphan = orphan_tool_result(messages, i)
+        if orphan is not None:
+            raise bad_request(orphan[1], param=orphan[0], code="orphan_tool_result")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is None:

@@ -37,20 +37,33 @@ import hmac
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from ..pipeline.tool_results import orphan_tool_result
+
 log = logging.getLogger("mlxstack.front_door")
 
 MAX_BODY = 256 * 1024 * 1024       # bytes buffered for a check; larger bodies go to LiteLLM unchecked
-CHAT_PATHS = ("/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions")
+# LiteLLM serves each route under aliases (1.106.2): with and without /v1, under /openai, as Azure's
+# /openai/deployments/{model}/... and as /engines/{model}/...: every alias gets the same checks
+_PREFIX = r"(?:/openai)?(?:/v1)?"
+_MODEL_SCOPED = r"(?:/openai/deployments/[^/]+|/engines/[^/]+)"
+ROUTES: tuple[tuple[str, re.Pattern], ...] = (
+    ("chat", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/chat/completions/?$")),
+    ("responses", re.compile(rf"^{_PREFIX}/responses/?$")),
+    ("messages", re.compile(r"^(?:/anthropic)?/v1/messages(?:/count_tokens)?/?$")),
+    ("keyed", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/(?:completions|embeddings)/?$")),
+    ("keyed", re.compile(rf"^{_PREFIX}/responses/.+$")),
+    ("keyed", re.compile(rf"^{_PREFIX}/models(?:/.*)?$")),
+    ("keyed", re.compile(r"^(?:/v1)?/model/info/?$")),
+)
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions")     # examples
 RESPONSES_PATHS = ("/v1/responses", "/responses")
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
-KEYED_PATHS = CHAT_PATHS + RESPONSES_PATHS + MESSAGES_PATHS + (
-    "/v1/completions", "/completions", "/v1/embeddings", "/embeddings", "/v1/models", "/models",
-    "/model/info", "/v1/model/info")
 KEY_HEADERS = (b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key", b"x-litellm-api-key",
                b"ocp-apim-subscription-key")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -72,7 +85,7 @@ def anthropic_error(status: int, message: str, kind: str = "invalid_request_erro
 
 
 def _error(path: str, status: int, message: str, param: str | None = None, auth: bool = False) -> Rejection:
-    if path.startswith("/v1/messages"):
+    if route_kind(path) == "messages":
         return anthropic_error(status, message, "authentication_error" if auth else "invalid_request_error")
     if auth:
         return openai_error(status, message, None, "authentication_error", "invalid_api_key")
@@ -135,12 +148,17 @@ def check_chat(body: dict) -> tuple[str, str] | None:
         role = msg.get("role")
         if not isinstance(role, str) or role not in ROLES:
             return f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}"
+        if role in ("system", "developer", "user", "tool") and msg.get("content") is None:
+            return f"{where}.content", f"'{where}.content' is required for a {role} message"
         problem = _content_problem(msg.get("content"), f"{where}.content")
         if problem:
             return problem
         calls = msg.get("tool_calls")
         if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
             return f"{where}.tool_calls", f"'{where}.tool_calls' must be a list of objects"
+        orphan = orphan_tool_result(messages, i)
+        if orphan:
+            return orphan
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         return "tools", "'tools' must be a list of objects"
@@ -186,19 +204,34 @@ def check_messages(body: dict) -> tuple[str, str] | None:
     return None
 
 
+def route_kind(path: str) -> str | None:
+    """"chat" / "responses" / "messages" (key and body checked), "keyed" (key only) or None (not
+    ours to check) for any alias LiteLLM serves the route under."""
+    for kind, pattern in ROUTES:
+        if pattern.match(path):
+            return kind
+    return None
+
+
+def check_headers(method: str, path: str, headers: list[tuple[bytes, bytes]], master_key: str) -> Rejection | None:
+    """The key, from the headers alone: answered before a byte of the body is read."""
+    if method == "OPTIONS" or route_kind(path) is None or not master_key:
+        return None
+    return check_key(path, headers, master_key)
+
+
 def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None,
                   master_key: str) -> Rejection | None:
     """The answer for a request the front door refuses, else None (LiteLLM takes it)."""
-    if method == "OPTIONS" or path not in KEYED_PATHS:
+    kind = route_kind(path)
+    if method == "OPTIONS" or kind is None:
         return None
-    if master_key:
-        refused = check_key(path, headers, master_key)
-        if refused is not None:
-            return refused
-    if method != "POST" or body is None or path.endswith("/count_tokens") and not body:
+    refused = check_headers(method, path, headers, master_key)
+    if refused is not None:
+        return refused
+    if method != "POST" or body is None or path.rstrip("/").endswith("/count_tokens") and not body:
         return None
-    checker = check_chat if path in CHAT_PATHS else check_responses if path in RESPONSES_PATHS else \
-        check_messages if path in MESSAGES_PATHS else None
+    checker = {"chat": check_chat, "responses": check_responses, "messages": check_messages}.get(kind)
     if checker is None:
         return None
     try:
@@ -237,10 +270,18 @@ class FrontDoor:
         return os.environ.get("LITELLM_MASTER_KEY", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or scope.get("path") not in KEYED_PATHS:
+        if scope.get("type") != "http" or route_kind(scope.get("path") or "") is None:
             await self.app(scope, receive, send)
             return
         method, path = scope.get("method", "GET"), scope["path"]
+        try:
+            refused = check_headers(method, path, list(scope.get("headers") or []), self.key())
+        except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
+            log.exception("front door key check failed; passing the request on")
+            refused = None
+        if refused is not None:        # before any body byte: a stranger's 200 MB costs nothing
+            await _respond(send, refused)
+            return
         body: bytes | None = None
         replay: list[dict] = []
         if method == "POST":
@@ -265,7 +306,7 @@ class FrontDoor:
         if refused is not None:
             await _respond(send, refused)
             return
-        downstream = _unwrapping(send) if path in CHAT_PATHS + RESPONSES_PATHS else send
+        downstream = _unwrapping(send) if route_kind(path) in ("chat", "responses") else send
         await self.app(scope, _replaying(replay, receive), downstream)
 
 
