@@ -194,6 +194,9 @@ def test_every_alias_litellm_serves_gets_the_same_checks():
     ([{"role": "user"}], "messages[0].content"),                                      # LiteLLM: 500
     ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], "messages[0].content"),
     ([{"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[0]"),        # an orphan result
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}]}],
+     "messages[0].content[1].type"),                                                   # a part type not taken
+    ([{"role": "user", "content": [{"type": "video", "url": "x"}]}], "messages[0].content[0].type"),
     ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[1]"),
     ([{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
       {"role": "tool", "tool_call_id": "c2", "content": "42"}], "messages[1].tool_call_id"),

@@ -18,13 +18,13 @@ from typing import Any
 
 from ..config.settings import Settings
 from ..pipeline.images import IMAGE_PART_TYPES, image_parts, is_image_part
+from ..pipeline.content_parts import TEXT_PART_TYPES, unsupported_part
 from ..pipeline.thinking import resolve_enable_thinking
 from ..pipeline.tool_results import orphan_tool_result
 from ..runtime.sampling_defaults import SamplingDefaults
 from .errors import APIError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 MAX_JSON_DEPTH = 64
 MAX_INT = 2**31 - 1            # token counts and window sizes: anything larger is a typo
 SEED_LIMIT = 2**64             # mx.random.seed takes an unsigned 64-bit integer
@@ -208,8 +208,7 @@ def _validate_part(where: str, j: int, part: Any) -> None:
     if is_image_part(part):
         return
     shown = _show(kind) if kind is not None else "missing"
-    raise bad_request(f"{at}.type {shown} is not supported: send text parts ({', '.join(sorted(TEXT_PART_TYPES))}) "
-                      f"or images ({', '.join(sorted(IMAGE_PART_TYPES))}); audio and file parts are not accepted",
+    raise bad_request(unsupported_part(at, shown),
                       param=f"{at}.type", code="unsupported_content_part")
 
 

@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, NamedTuple
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from ..pipeline.content_parts import IMAGE_PART_TYPES, TEXT_PART_TYPES, unsupported_part
 from ..pipeline.tool_results import orphan_tool_result
 
 log = logging.getLogger("mlxstack.front_door")
@@ -130,6 +131,17 @@ def _content_problem(content: Any, where: str, allow_none: bool = True) -> tuple
     return where, f"'{where}' must be a string or a list of content parts, got {type(content).__name__}"
 
 
+def _part_kinds(content: Any, where: str) -> tuple[str, str] | None:
+    """A chat content part of a type the MLX server does not take (LiteLLM's transforms 500 on
+    some): the server's own 400, here."""
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type")
+        if kind not in TEXT_PART_TYPES and kind not in IMAGE_PART_TYPES:
+            at = f"{where}.content[{j}]"
+            return f"{at}.type", unsupported_part(at, repr(kind))
+    return None
+
+
 def check_chat(body: dict) -> tuple[str, str] | None:
     """(param, message) for a chat-completions body LiteLLM cannot take, else None."""
     if "model" in body and not isinstance(body["model"], str):
@@ -150,7 +162,7 @@ def check_chat(body: dict) -> tuple[str, str] | None:
             return f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}"
         if role in ("system", "developer", "user", "tool") and msg.get("content") is None:
             return f"{where}.content", f"'{where}.content' is required for a {role} message"
-        problem = _content_problem(msg.get("content"), f"{where}.content")
+        problem = _content_problem(msg.get("content"), f"{where}.content") or _part_kinds(msg.get("content"), where)
         if problem:
             return problem
         calls = msg.get("tool_calls")
