@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.settings import Settings
-from ..pipeline.images import IMAGE_PART_TYPES, image_parts, is_image_part
+from ..pipeline.images import image_parts, is_image_part
 from ..pipeline.content_parts import TEXT_PART_TYPES, unsupported_part
 from ..pipeline.thinking import resolve_enable_thinking
 from ..pipeline.tool_results import orphan_tool_result

@@ -59,5 +59,4 @@ def calibrate(model: Any, rows: Sequence[int] = (1, 8), widths: Sequence[int] = 
                 # never below a narrower width's figure (a noisy short timing is not a cheaper step)
                 last = max(last, timed(w) / plain if plain > 0 else 1.0)
                 table[(r, w)] = round(last, 3)
-        del cache
     return table
