@@ -22,6 +22,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -130,8 +131,8 @@ def test_control_channel_delivers_in_order_and_refuses_strangers():
     lead = threading.Thread(target=lambda: box.update(lead=ControlChannel.lead(addr, secret, followers=2, timeout=20)))
     lead.start()
     time.sleep(0.2)
-    stranger = socket.create_connection(addr)              # wrong secret: closed, not counted
-    stranger.sendall(b"\0" * 7 + b"\1" + b"\0" * 32)
+    stranger = socket.create_connection(addr)              # not a hello: closed, not counted
+    stranger.sendall(b"\0" * 7 + b"\1" + b"\0" * 36)
     assert stranger.recv(1) == b""
     stranger.close()
     followers = {}
@@ -143,13 +144,79 @@ def test_control_channel_delivers_in_order_and_refuses_strangers():
         chan.send(pickle.dumps({"turn": i}))
     for rank in (1, 2):
         assert [pickle.loads(followers[rank].recv()) for _ in range(3)] == [{"turn": 0}, {"turn": 1}, {"turn": 2}]
-    forged = ControlChannel(followers[1].socks, secret)    # a follower cannot read a forged frame
-    chan.socks[0].sendall(b"\0" * 7 + b"\3" + b"\0" * 32 + b"abc")
+    followers[1].report(b"mem 1")
+    time.sleep(0.1)
+    assert chan.reports() == [(0, b"mem 1")]
+    # a frame that is not sealed with this link's key and sequence: refused
+    chan.socks[0].sendall(b"\0" * 7 + b"\x13" + b"\0" * 19)
     with pytest.raises(ConnectionError, match="authentication"):
-        forged.recv()
+        followers[1].recv()
     chan.close()
     with pytest.raises(EOFError):
         followers[2].recv()
+
+
+def test_strangers_at_the_control_port_cannot_join_listen_or_hold_it():
+    """While 3 ranks form (issue 40): garbage, a forged hello (the right shape, no secret), a replay
+    of a real follower's recorded hello, and a client trickling one byte a second all lose; the
+    followers join at once (hellos are concurrent, each under one deadline), and what crosses the
+    wire is sealed: a record's text is nowhere in the bytes."""
+    from mlxstack.system import control_channel as cc
+
+    port, secret = _free_port(), os.urandom(32)
+    addr = ("127.0.0.1", port)
+    box: dict = {}
+    t0 = time.monotonic()
+    lead = threading.Thread(target=lambda: box.update(lead=ControlChannel.lead(addr, secret, followers=2, timeout=30)))
+    lead.start()
+    time.sleep(0.2)
+    stop = threading.Event()
+
+    def trickle():
+        s = socket.create_connection(addr)
+        try:
+            while not stop.is_set():
+                s.sendall(b"M")
+                time.sleep(1.0)
+        except OSError:
+            pass
+        finally:
+            s.close()
+    threading.Thread(target=trickle, daemon=True).start()
+    garbage = socket.create_connection(addr)
+    garbage.sendall(os.urandom(64))
+    forged = socket.create_connection(addr)
+    forged.sendall(cc._MAGIC + struct.pack("!Q", 1) + os.urandom(32))
+    reply = forged.recv(64)
+    assert len(reply) == 64                             # rank 0's challenge ...
+    forged.sendall(os.urandom(32))                      # ... a guess at the proof
+    assert forged.recv(1) == b""                        # closed
+    with pytest.raises(ConnectionError, match="not rank 0"):     # a follower with the wrong secret learns
+        ControlChannel.follow(addr, os.urandom(32), rank=1, timeout=5)   # nothing and is refused
+    followers = {r: ControlChannel.follow(addr, secret, rank=r, timeout=20) for r in (1, 2)}
+    lead.join(20)
+    assert "lead" in box and time.monotonic() - t0 < 8   # the trickle held nothing
+    stop.set()
+    chan = box["lead"]
+    record = b'{"messages": [{"content": "the secret plan"}], "headers": {}}'
+    chan.send(record)
+    time.sleep(0.1)
+    frame = followers[1].socks[0].recv(4096, socket.MSG_PEEK)        # the bytes on the wire
+    assert len(frame) == 8 + len(record) + 16 and b"secret plan" not in frame
+    assert followers[1].recv() == record and followers[2].recv() == record
+    # a follower's link cannot be spoken for by replaying one of its frames
+    chan.links[1].sock.sendall(frame)                   # rank 1's frame to rank 2: another key
+    with pytest.raises(ConnectionError, match="authentication"):
+        followers[2].recv()
+    garbage.close()
+    forged.close()
+    chan.close()
+
+
+def test_a_group_that_cannot_form_says_which_ranks_are_missing():
+    port, secret = _free_port(), os.urandom(32)
+    with pytest.raises(TimeoutError, match=r"formed 0 of 2 follower ranks .*missing: \[1, 2\]"):
+        ControlChannel.lead(("127.0.0.1", port), secret, followers=2, timeout=0.5)
 
 
 # ----------------------------------------------------------------------------- real servers
