@@ -167,7 +167,7 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     from .config.settings import REPO_ROOT
     from .launcher.ranks import control_for_hosts, launch_command
     from .models.sharding import backend_for
-    from .system.control_channel import ADDR_ENV, SECRET_ENV, new_secret
+    from .system.control_channel import ADDR_ENV, SECRET_FILE_ENV, new_secret, secret_file
 
     hostfile = Path(settings.distributed_hosts).expanduser()
     if not hostfile.is_absolute():
@@ -175,7 +175,11 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     if not hostfile.exists():
         print(f"configuration error: DISTRIBUTED_HOSTS={settings.distributed_hosts!r}: no such hostfile", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    env = {ADDR_ENV: control_for_hosts(str(hostfile)), SECRET_ENV: new_secret()}
+    # the secret in a 0600 file (its path travels, never the value: command lines are world-readable);
+    # every host needs the file at the same path (a shared home, or copied: README "One model across machines")
+    key_path = secret_file(str(Path(settings.model_cache_dir or "~/.cache/mlxstack").expanduser() / "control"),
+                           new_secret())
+    env = {ADDR_ENV: control_for_hosts(str(hostfile)), SECRET_FILE_ENV: key_path}
     env.update({k: v for k, v in settings.as_env().items() if k.startswith("DISTRIBUTED")})
     cmd = launch_command(sys.executable, str(hostfile), backend_for(settings),
                          ["-m", "mlxstack.serve", *(argv if argv is not None else sys.argv[1:])], env)

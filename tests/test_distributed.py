@@ -96,8 +96,10 @@ def test_portable_job_drops_callbacks_and_grammar():
 
     job = ChatJob(request_id="r1", messages=[{"role": "user", "content": "hi"}], tools=None, enable_thinking=False,
                   params=SamplingParams(temperature=0.5, max_tokens=9, seed=3, grammar=Grammar()), stop=["x"],
-                  body={"a": 1}, headers={"h": "v"}, emit=lambda t: None, is_cancelled=lambda: True)
+                  body={"a": 1}, headers={"h": "v", "authorization": "Bearer sk-1", "X-Api-Key": "k", "cookie": "c"},
+                  emit=lambda t: None, is_cancelled=lambda: True)
     values, spec = portable_job(job)
+    assert values["headers"] == {"h": "v"}                   # credentials never leave rank 0
     assert spec == Grammar.spec
     assert set(values) == {"request_id", "messages", "tools", "enable_thinking", "params", "stop", "body", "headers",
                            "tool_choice", "prefill_only", "response_format", "sampling_origin"}
@@ -525,3 +527,36 @@ def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_pa
     finally:
         third.stop()
 
+
+
+def test_the_control_secret_never_reaches_a_command_line_or_the_log(tmp_path, monkeypatch, caplog):
+    """DISTRIBUTED_HOSTS: mlx.launch forwards the path of a 0600 file, never the secret (its
+    command line -- and the ssh commands it runs -- are readable by every local user, and the whole
+    command is logged); every rank reads the secret from the file."""
+    import logging
+    import stat
+
+    from mlxstack import serve
+    from mlxstack.config.settings import load_settings
+    from mlxstack.system.control_channel import SECRET_FILE_ENV, from_env
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.2"]}]))
+    settings = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_HOSTS": str(hostfile),
+                                  "MODEL_CACHE_DIR": str(tmp_path / "cache")})
+    seen = {}
+
+    def execv(path, cmd):
+        seen["cmd"] = cmd
+        raise SystemExit(0)
+    monkeypatch.setattr(os, "execv", execv)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit):
+        serve._launch_hosts(settings, [])
+    cmd = seen["cmd"]
+    env = dict(a.split("=", 1) for a in cmd[cmd.index("--env") + 1::2][:cmd.count("--env")] if "=" in a)
+    key_path = env[SECRET_FILE_ENV]
+    secret = open(key_path).read().strip()
+    assert len(secret) == 64 and not any(secret in arg for arg in cmd) and secret not in caplog.text
+    assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(key_path)).st_mode) == 0o700
+    assert from_env({"MLXSTACK_CONTROL": env["MLXSTACK_CONTROL"], SECRET_FILE_ENV: key_path})[1] == bytes.fromhex(secret)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import json
 import pickle
 import threading
 import time
@@ -62,11 +63,18 @@ class Record:
     digest: tuple = ()                              # rank 0's scheduler before this turn
 
 
+# request headers that carry credentials: followers never need them, so they never leave rank 0
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie",
+                                "x-litellm-api-key", "x-goog-api-key", "ocp-apim-subscription-key"})
+
+
 def portable_job(job: ChatJob) -> tuple[dict, Any]:
-    """(the job's fields without its callbacks and grammar, the grammar's spec or None) (pure)."""
+    """(the job's fields without its callbacks, grammar and credential headers, the grammar's spec
+    or None) (pure)."""
     values = {f.name: getattr(job, f.name) for f in fields(job) if f.name not in _CALLBACKS}
     grammar = job.params.grammar
     values["params"] = replace(job.params, grammar=None)
+    values["headers"] = {k: v for k, v in (job.headers or {}).items() if k.lower() not in CREDENTIAL_HEADERS}
     return values, (grammar.spec if grammar is not None else None)
 
 
@@ -285,8 +293,8 @@ class Lockstep:
         what has arrived. Outside the lockstep path: nothing here decides anything."""
         if self.leader:
             for _, payload in self.channel.reports():
-                try:
-                    report = pickle.loads(payload)
+                try:       # plain data: a report is never unpickled (it only feeds /metrics)
+                    report = json.loads(payload)
                     self.rank_stats[int(report["rank"])] = report
                 except Exception:  # noqa: BLE001 - a report is only for /metrics
                     continue
@@ -294,7 +302,7 @@ class Lockstep:
         elif time.monotonic() - self._reported >= every:
             self._reported = time.monotonic()
             try:
-                self.channel.report(pickle.dumps(self._own_report()))
+                self.channel.report(json.dumps(self._own_report()).encode())
             except OSError:
                 pass
 

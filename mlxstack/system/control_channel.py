@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 ADDR_ENV = "MLXSTACK_CONTROL"
 SECRET_ENV = "MLXSTACK_CONTROL_SECRET"
+SECRET_FILE_ENV = "MLXSTACK_CONTROL_SECRET_FILE"    # mlx.launch ranks: a 0600 file's path, never the value
 _HEAD = struct.Struct("!Q")
 _MAC = 32
 _NONCE = 32
@@ -69,11 +70,26 @@ def parse_address(value: str) -> tuple[str, int]:
 
 
 def from_env(environ: Mapping[str, str]) -> tuple[tuple[str, int], bytes] | None:
-    """(address, secret) the launcher set, or None."""
+    """(address, secret) the launcher set -- the secret inherited (local ranks) or read from the
+    file ``MLXSTACK_CONTROL_SECRET_FILE`` names (ranks mlx.launch starts: a command line is readable
+    by every local user, a 0600 file is not) -- or None."""
     addr, secret = environ.get(ADDR_ENV, ""), environ.get(SECRET_ENV, "")
+    path = environ.get(SECRET_FILE_ENV, "")
+    if not secret and path:
+        with open(path) as f:
+            secret = f.read().strip()
     if not addr or not secret:
         return None
     return parse_address(addr), bytes.fromhex(secret)
+
+
+def secret_file(folder: str, secret: str) -> str:
+    """The secret in a new 0600 file of a 0700 folder of this user's; its path."""
+    from .secrets import make_private_dir, write_private_file
+
+    path = make_private_dir(folder) / f"control-{os.getpid()}-{os.urandom(4).hex()}.key"
+    write_private_file(path, secret)
+    return str(path)
 
 
 def _mac(secret: bytes, payload: bytes) -> bytes:
