@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -80,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         if exc is not None:
             # No endless 503 "still loading": say why and exit, so the launcher can too.
             why = app.load_error or f"{type(exc).__name__}: {exc}"   # a BaseException records nothing
-            print(f"{LOAD_FAILED_MARKER} {why}", file=sys.stderr, flush=True)
-            exit_code = EXIT_MODEL_LOAD_FAILED
+            if _group_not_formed(exc):       # a rank late or gone: the group is restarted
+                print(f"DISTRIBUTED: {exc}; restarting the group", file=sys.stderr, flush=True)
+                exit_code = 1
+            else:
+                print(f"{LOAD_FAILED_MARKER} {why}", file=sys.stderr, flush=True)
+                exit_code = EXIT_MODEL_LOAD_FAILED
             stop()
 
     app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg)).add_done_callback(loaded)
@@ -103,6 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         # process at interpreter exit ("terminate called without an active exception").
         os._exit(exit_code)
     return exit_code
+
+
+def _group_not_formed(exc: BaseException) -> bool:
+    """A load that failed because the ranks could not form their control channel (restartable),
+    not because of the model: rank 0 timed out waiting for hellos, or a follower could not reach
+    rank 0 or was refused by it."""
+    from .system.control_channel import GroupNotFormed
+
+    return isinstance(exc, (GroupNotFormed, ConnectionError, socket.timeout, ConnectionRefusedError))
 
 
 def _rank_died(what: str, code: int = 1) -> None:
@@ -150,6 +164,10 @@ def _follow(app, rank: int) -> int:  # noqa: ANN001
     loading = app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
     exc = loading.exception()
     if exc is not None:
+        if _group_not_formed(exc):
+            print(f"DISTRIBUTED: rank {rank} could not join rank 0's control channel ({exc}); restarting the group",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
         print(f"{LOAD_FAILED_MARKER} {app.load_error or exc}", file=sys.stderr, flush=True)
         os._exit(EXIT_MODEL_LOAD_FAILED)
     log.info("rank %d ready: following rank 0", rank)

@@ -215,10 +215,37 @@ def test_strangers_at_the_control_port_cannot_join_listen_or_hold_it():
     chan.close()
 
 
-def test_a_group_that_cannot_form_says_which_ranks_are_missing():
+def test_a_group_that_cannot_form_says_which_ranks_are_missing_and_is_restarted():
+    from mlxstack.serve import _group_not_formed
+    from mlxstack.system.control_channel import GroupNotFormed
+
     port, secret = _free_port(), os.urandom(32)
-    with pytest.raises(TimeoutError, match=r"formed 0 of 2 follower ranks .*missing: \[1, 2\]"):
+    with pytest.raises(GroupNotFormed, match=r"formed 0 of 2 follower ranks .*missing: \[1, 2\]") as err:
         ControlChannel.lead(("127.0.0.1", port), secret, followers=2, timeout=0.5)
+    assert _group_not_formed(err.value) and not _group_not_formed(ValueError("bad weights"))
+
+
+def test_the_control_port_is_bound_before_it_is_published():
+    """LocalRanks used to pick a free port, release it and let rank 0 bind it later (a local user
+    could take it in between: a group that never forms). Now the port is reserved bound and
+    listening, and rank 0's lead takes that very socket."""
+    from mlxstack.system.control_channel import _RESERVED, reserve
+
+    address = parse_address(reserve())
+    taker = socket.socket()
+    with pytest.raises(OSError):                       # nobody else can bind it now
+        taker.bind(address)
+    taker.close()
+    secret = os.urandom(32)
+    box: dict = {}
+    follower = threading.Thread(target=lambda: box.update(f=ControlChannel.follow(address, secret, rank=1, timeout=10)))
+    follower.start()                                   # connects before rank 0 even leads: queued
+    chan = ControlChannel.lead(address, secret, followers=1, timeout=10)
+    follower.join(10)
+    assert address not in _RESERVED
+    chan.send(b"turn")
+    assert box["f"].recv() == b"turn"
+    chan.close()
 
 
 # ----------------------------------------------------------------------------- real servers

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ..system.control_channel import ADDR_ENV, SECRET_ENV, new_secret
+from ..system.control_channel import ADDR_ENV, SECRET_ENV, new_secret, reserve
 from .supervisor import die_with_parent
 
 RANK_ENV = "MLX_RANK"
@@ -97,10 +97,11 @@ class LocalRanks:
         self.procs: dict[int, subprocess.Popen] = {}
         self.stopping = False
         fd, self.hostfile = tempfile.mkstemp(prefix="mlxstack-ranks-", suffix=".json")
-        *ring, control = free_ports(count + 1)
+        ring = free_ports(count)
         with os.fdopen(fd, "w") as f:
             json.dump(ring_hostfile(ring), f)
-        self.control = f"127.0.0.1:{control}"     # rank 0 sends each turn's record here (lockstep)
+        # rank 0 (this process) sends each turn's record here (lockstep): bound now, never released
+        self.control = reserve()
         self.secret = new_secret()
 
     def claim(self) -> None:

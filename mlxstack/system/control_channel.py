@@ -57,6 +57,26 @@ HELLO_SECONDS = 10.0          # a connection's whole hello, however it trickles
 MAX_FRAME = 1 << 31           # a frame's length field above this is an attack, not a record
 
 
+class GroupNotFormed(TimeoutError):
+    """The ranks did not complete their hellos in time (a rank is slow to load, or gone): the group
+    is restarted, not reported as a model that does not load."""
+
+
+_RESERVED: dict[tuple[str, int], socket.socket] = {}
+
+
+def reserve(host: str = "127.0.0.1") -> str:
+    """``host:port`` of a socket bound and listening here now, kept for ``lead`` in this process
+    (the launcher's rank 0): the port is never released and re-bound, so nobody can take it in
+    between."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    _RESERVED[(host, port)] = sock
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def new_secret() -> str:
     return os.urandom(32).hex()
 
@@ -168,6 +188,7 @@ class ControlChannel:
         """Rank 0: listen on ``address`` (or on ``server``, bound and listening already) and accept
         ``followers`` ranks that complete the hello, each hello in a thread of its own under
         ``HELLO_SECONDS``; TimeoutError naming the missing ranks after ``timeout``."""
+        server = server or _RESERVED.pop(address, None)
         if server is None:
             server = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -199,7 +220,7 @@ class ControlChannel:
                 if left <= 0:
                     with lock:
                         missing = sorted(set(range(1, followers + 1)) - set(by_rank))
-                    raise TimeoutError(f"the control channel formed {followers - len(missing)} of {followers} "
+                    raise GroupNotFormed(f"the control channel formed {followers - len(missing)} of {followers} "
                                        f"follower ranks in {timeout:g} s (missing: {missing})")
                 server.settimeout(min(0.2, left))
                 try:
