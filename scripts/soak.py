@@ -215,6 +215,15 @@ def battery(target: Target, vocab: int) -> list[tuple[str, bytes, dict, int | No
         ("unknown role", json.dumps({"model": m, "messages": [{"role": "wizard", "content": "x"}]}).encode(), {}, 400),
         ("empty messages", json.dumps({"model": m, "messages": []}).encode(), {}, 400),
         ("content int", json.dumps({"model": m, "messages": [{"role": "user", "content": 5}]}).encode(), {}, 400),
+        ("user message without content", json.dumps({"model": m, "messages": [{"role": "user"}]}).encode(), {}, 400),
+        ("orphan tool result", json.dumps({"model": m, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]}).encode(), {}, 400),
+        ("tool result for another call", json.dumps({"model": m, "messages": [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c9", "content": "42"}]}).encode(), {}, 400),
+        ("unknown part type", json.dumps({"model": m, "messages": [{"role": "user", "content": [
+            {"type": "video", "url": "x"}]}]}).encode(), {}, 400),
         ("logit_bias out of vocab", j(logit_bias={str(vocab + 5): 5}), {}, 400),
         ("top_logprobs without logprobs", j(top_logprobs=3), {}, 400),
         ("tool_choice unknown function", j(tools=[{"type": "function", "function": {"name": "a", "parameters": {}}}],
