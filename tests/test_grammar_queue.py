@@ -121,17 +121,20 @@ def test_the_api_answers_429_or_503_with_retry_after_and_auto_tools_fall_back(to
         fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema(i), "strict": True}}
         return SimpleNamespace(response_format=kw.get("fmt", fmt), tools=kw.get("tools"),
                                tool_choice=kw.get("choice"), parallel_tool_calls=True, body={"user": user})
-    t = threading.Thread(target=lambda: st.grammar_for(req(1, "u1")))
-    t.start()
-    while len(comp._inflight) < 1:
-        time.sleep(0.01)
+    def queued(i, user):
+        """A compile of ``user``'s that waits at the gate, once it is in the queue."""
+        waiting = len(comp._inflight) + 1
+        t = threading.Thread(target=lambda: st.grammar_for(req(i, user)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(comp._inflight) < waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return t
+    t = queued(1, "u1")
     with pytest.raises(APIError) as share:
         st.grammar_for(req(2, "u1"))
     assert (share.value.status, share.value.code, share.value.headers) == (429, "grammar_queue_share", {"Retry-After": "30"})
-    t2 = threading.Thread(target=lambda: st.grammar_for(req(3, "u2")))
-    t2.start()
-    while len(comp._inflight) < 2:
-        time.sleep(0.01)
+    t2 = queued(3, "u2")
     with pytest.raises(APIError) as full:
         st.grammar_for(req(4, "u3"))
     assert (full.value.status, full.value.code, full.value.headers["Retry-After"]) == (503, "grammar_queue_full", "30")
