@@ -78,6 +78,36 @@ def test_no_compiler_no_loop(tmp_path, monkeypatch):
         hf._products = saved
 
 
+def test_auto_keeps_the_loop_only_where_it_beats_sgemm(monkeypatch):
+    """NATIVE_PRODUCTS=auto: correct is not enough -- the loop is timed against OpenBLAS's sgemm at
+    load and dropped where it is slower (a CPU without vector FMA, a starved core). A fake clock that
+    the fake products advance makes the verdict exact."""
+    now = [0.0]
+    clock = lambda: now[0]                                    # noqa: E731
+
+    def costs(seconds):
+        def run(x, w):
+            now[0] += seconds * x.shape[0] ** 0.5
+            return x @ w.T
+        return run
+    shape = (64, 32)
+    wins, ratios = native_products.faster(costs(1.0), costs(2.0), shape=shape, clock=clock)
+    assert wins and ratios == pytest.approx({1: 0.5, 8: 0.5})
+    wins, ratios = native_products.faster(costs(3.0), costs(2.0), shape=shape, clock=clock)
+    assert not wins and ratios == pytest.approx({1: 1.5, 8: 1.5})
+    if hf.blas() is None:
+        pytest.skip("no preloaded OpenBLAS: the host path is off")
+    saved = hf._products
+    try:
+        monkeypatch.setattr(native_products, "faster", lambda p, r: (False, {1: 1.4, 8: 1.2}))
+        assert hf.use_native_products(True, timed=True) is False and not hf.native_products_on()
+        monkeypatch.setattr(native_products, "faster", lambda p, r: (True, {1: 0.6, 8: 0.7}))
+        assert hf.use_native_products(True, timed=True) is True
+        assert hf.use_native_products(True) is True             # NATIVE_PRODUCTS given, not auto: no timing
+    finally:
+        hf._products = saved
+
+
 def test_a_wrong_loop_is_refused():
     assert native_products.agrees(lambda x, w: (x @ w.T) * np.float32(1.001)) is False
     # right values, but a row depends on the batch it came in

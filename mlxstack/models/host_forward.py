@@ -390,15 +390,32 @@ def enabled(model: Any) -> bool:
     return hasattr(model, "__dict__") and model.__dict__.get(_ATTR) is not None
 
 
-def use_native_products(on: bool) -> bool:
+def use_native_products(on: bool, timed: bool = False) -> bool:
     """The host path's products (every model of the process) through models/native_products.py's
-    loop (``on`` and it loads here) or OpenBLAS's sgemm; returns whether the loop is in use.
-    Called by the loader before ``install`` (NATIVE_PRODUCTS)."""
+    loop (``on`` and it loads here; ``timed``: and it beats sgemm here at 1 and 8 rows) or
+    OpenBLAS's sgemm; returns whether the loop is in use. Called by the loader before ``install``
+    (NATIVE_PRODUCTS; one process only, so no rank has to agree with a timing)."""
     global _products
     from . import native_products
 
     _products = native_products.load() if on else None
+    if _products is not None and timed and blas() is not None:
+        wins, ratios = native_products.faster(_products, _sgemm_products)
+        log.info("native row products: %s sgemm's time at %s rows%s",
+                 " / ".join(f"{r:.2f}x" for r in ratios.values()), " / ".join(map(str, ratios)),
+                 "" if wins else "; slower here, OpenBLAS keeps the products")
+        if not wins:
+            _products = None
     return _products is not None
+
+
+def _sgemm_products(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` through the preloaded OpenBLAS (what ``_proj`` does without the loop)."""
+    x = np.ascontiguousarray(x)
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    blas()(101, 111, 112, x.shape[0], w.shape[0], x.shape[1], 1.0, x.ctypes.data, x.shape[1], w.ctypes.data,
+           x.shape[1], 0.0, y.ctypes.data, w.shape[0])
+    return y
 
 
 def native_products_on() -> bool:

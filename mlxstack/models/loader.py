@@ -132,7 +132,7 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     if install_cpu_kernels(kernels, native=native):
         host = False
         if not distributed and settings.host_forward != "off":
-            host_forward.use_native_products(settings.native_products != "off")
+            host_forward.use_native_products(settings.native_products != "off", timed=settings.native_products == "auto")
             host = host_forward.install(model)
         say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
             + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")

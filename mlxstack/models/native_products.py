@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,6 +69,32 @@ def fast_here(cpuinfo: Optional[str] = None, machine: Optional[str] = None) -> b
     if machine not in ("x86_64", "amd64", "i386", "i686"):
         return True
     return {"avx2", "fma"} <= native_build.cpu_features(cpuinfo)[0]
+
+
+def faster(products: Callable[[np.ndarray, np.ndarray], np.ndarray],
+           reference: Callable[[np.ndarray, np.ndarray], np.ndarray], rows: tuple[int, ...] = (1, 8),
+           shape: tuple[int, int] = (2048, 2048), repeats: int = 5,
+           clock: Callable[[], float] = time.perf_counter) -> tuple[bool, dict[int, float]]:
+    """(whether ``products`` beats ``reference`` -- OpenBLAS's sgemm, what the host path uses
+    without the loop -- at every row count of a decode step, {rows: its time / the reference's}),
+    each the best of ``repeats`` on a weight larger than the caches (read from memory, as a
+    model's are). Correct is not enough: a loop that is slow here (no vector FMA, a starved core)
+    must not run (NATIVE_PRODUCTS=auto)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape, dtype=np.float32)
+    ratios: dict[int, float] = {}
+    for m in rows:
+        x = rng.standard_normal((m, shape[1]), dtype=np.float32)
+        best = {}
+        for name, fn in (("loop", products), ("ref", reference)):
+            times = []
+            for _ in range(repeats):
+                start = clock()
+                fn(x, w)
+                times.append(clock() - start)
+            best[name] = min(times)
+        ratios[m] = best["loop"] / best["ref"] if best["ref"] > 0 else float("inf")
+    return all(r <= 1.0 for r in ratios.values()), ratios
 
 
 def load() -> Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]]:
