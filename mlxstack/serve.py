@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 
@@ -112,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _group_not_formed(exc: BaseException) -> bool:
     """A load that failed because the ranks could not form their control channel (restartable),
-    not because of the model: rank 0 timed out waiting for hellos, or a follower could not reach
-    rank 0 or was refused by it."""
+    not because of the model (system/control_channel.py names that failure)."""
     from .system.control_channel import GroupNotFormed
 
-    return isinstance(exc, (GroupNotFormed, ConnectionError, socket.timeout, ConnectionRefusedError))
+    return isinstance(exc, GroupNotFormed)
 
 
 def _rank_died(what: str, code: int = 1) -> None:

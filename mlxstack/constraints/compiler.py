@@ -164,16 +164,16 @@ class GrammarCompiler:
         GrammarTooComplex, or CompilerBusy when it would have to queue past the bounds (``client``:
         who asks, for the per-client share; None -- a rank replaying rank 0's request -- only the
         pool's bound)."""
-        key = spec.key
+        key, failure_key = spec.key, _failure_key(spec)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
                 return hit
-            failed = self._failed.get(_failure_key(spec))
+            failed = self._failed.get(failure_key)
             if failed is not None:
-                self._failed.move_to_end(_failure_key(spec))
+                self._failed.move_to_end(failure_key)
                 self.stats.failure_hits += 1
                 raise type(failed)(failed.where, failed.pointer, failed.reason)
             fut = self._inflight.get(key)
@@ -186,7 +186,7 @@ class GrammarCompiler:
                     self._owner[key] = client
             self._waiters[key] = self._waiters.get(key, 0) + 1
         if fresh:      # outside the lock: a future already done runs the callback right here
-            fut.add_done_callback(lambda f, k=key, fk=_failure_key(spec): self._done(k, f, fk))
+            fut.add_done_callback(lambda f, k=key, fk=failure_key: self._done(k, f, fk))
         try:
             return fut.result(timeout=self.timeout_s)
         except CancelledError:          # dropped by a waiter that gave up just as this one came
@@ -219,7 +219,7 @@ class GrammarCompiler:
             raise CompilerBusy(f"{len(self._inflight)} grammar compiles are queued (the most: {self.max_pending}); "
                                "retry shortly", mine=False, retry_after=max(1, round(self.timeout_s)))
 
-    def _done(self, key: str, fut: Future, failure_key: tuple = ()) -> None:
+    def _done(self, key: str, fut: Future, failure_key: tuple) -> None:
         with self._lock:
             self._inflight.pop(key, None)
             self._owner.pop(key, None)

@@ -171,15 +171,18 @@ _products: Any = None       # models/native_products.py's loop, when NATIVE_PROD
 def _proj(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
     """``x @ w.T`` (+ ``b``): ``x`` [M, K], ``w`` [N, K] row-major (an nn.Linear weight); up to
     ``native_products.MAX_ROWS`` rows through the native loop where it is on, else sgemm."""
-    if _products is not None and x.shape[0] <= _MAX_NATIVE_ROWS:
-        y = _products(x, w)
-        return y if b is None else y + b
+    y = _products(x, w) if _products is not None and x.shape[0] <= _MAX_NATIVE_ROWS else _sgemm_products(x, w)
+    return y if b is None else y + b
+
+
+def _sgemm_products(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` through the preloaded OpenBLAS's sgemm (``blas()`` has found it)."""
     x = np.ascontiguousarray(x)
     M, K = x.shape
     N = w.shape[0]
     y = np.empty((M, N), np.float32)
     _sgemm(101, 111, 112, M, N, K, 1.0, x.ctypes.data, K, w.ctypes.data, K, 0.0, y.ctypes.data, N)
-    return y if b is None else y + b
+    return y
 
 
 def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray, bool]) -> np.ndarray:
@@ -407,15 +410,6 @@ def use_native_products(on: bool, timed: bool = False) -> bool:
         if not wins:
             _products = None
     return _products is not None
-
-
-def _sgemm_products(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` through the preloaded OpenBLAS (what ``_proj`` does without the loop)."""
-    x = np.ascontiguousarray(x)
-    y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    blas()(101, 111, 112, x.shape[0], w.shape[0], x.shape[1], 1.0, x.ctypes.data, x.shape[1], w.ctypes.data,
-           x.shape[1], 0.0, y.ctypes.data, w.shape[0])
-    return y
 
 
 def native_products_on() -> bool:

@@ -235,15 +235,14 @@ def check_headers(method: str, path: str, headers: list[tuple[bytes, bytes]], ma
 def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None,
                   master_key: str) -> Rejection | None:
     """The answer for a request the front door refuses, else None (LiteLLM takes it)."""
-    kind = route_kind(path)
-    if method == "OPTIONS" or kind is None:
-        return None
-    refused = check_headers(method, path, headers, master_key)
-    if refused is not None:
-        return refused
+    return check_headers(method, path, headers, master_key) or check_body(method, path, body)
+
+
+def check_body(method: str, path: str, body: bytes | None) -> Rejection | None:
+    """The body of a request whose key passed: 400 for a shape LiteLLM cannot take, else None."""
     if method != "POST" or body is None or path.rstrip("/").endswith("/count_tokens") and not body:
         return None
-    checker = {"chat": check_chat, "responses": check_responses, "messages": check_messages}.get(kind)
+    checker = {"chat": check_chat, "responses": check_responses, "messages": check_messages}.get(route_kind(path))
     if checker is None:
         return None
     try:
@@ -311,7 +310,7 @@ class FrontDoor:
                     break
             body = b"".join(chunks) if not more and size <= MAX_BODY else None
         try:
-            refused = check_request(method, path, list(scope.get("headers") or []), body, self.key())
+            refused = check_body(method, path, body)      # the key passed above
         except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
             log.exception("front door check failed; passing the request on")
             refused = None

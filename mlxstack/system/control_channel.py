@@ -11,7 +11,7 @@ per follower). The records therefore travel over plain TCP, where a waiting foll
     chan.send(data)      # rank 0: to every follower
     data = chan.recv()   # a follower: blocks until rank 0's next message (EOFError: rank 0 left)
 
-Nothing else can join, listen or speak for a rank (issue 40):
+Nothing else can join, listen or speak for a rank:
 
 * the hello is a challenge-response with fresh nonces both ways: the follower sends its rank and
   a nonce, rank 0 answers with its nonce and an HMAC over both (so the follower knows it talks to
@@ -57,9 +57,10 @@ HELLO_SECONDS = 10.0          # a connection's whole hello, however it trickles
 MAX_FRAME = 1 << 31           # a frame's length field above this is an attack, not a record
 
 
-class GroupNotFormed(TimeoutError):
-    """The ranks did not complete their hellos in time (a rank is slow to load, or gone): the group
-    is restarted, not reported as a model that does not load."""
+class GroupNotFormed(ConnectionError):
+    """The ranks did not complete their hellos (rank 0 waited past its deadline, a follower could not
+    reach rank 0 or was refused by it): the group is restarted, not reported as a model that does
+    not load."""
 
 
 _RESERVED: dict[tuple[str, int], socket.socket] = {}
@@ -187,7 +188,7 @@ class ControlChannel:
              server: socket.socket | None = None) -> "ControlChannel":
         """Rank 0: listen on ``address`` (or on ``server``, bound and listening already) and accept
         ``followers`` ranks that complete the hello, each hello in a thread of its own under
-        ``HELLO_SECONDS``; TimeoutError naming the missing ranks after ``timeout``."""
+        ``HELLO_SECONDS``; GroupNotFormed naming the missing ranks after ``timeout``."""
         server = server or _RESERVED.pop(address, None)
         if server is None:
             server = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
@@ -258,22 +259,27 @@ class ControlChannel:
         """A follower: connect to rank 0 (retrying while it starts), prove the secret and check that
         rank 0 holds it too."""
         deadline = time.monotonic() + timeout
+        where = f"{address[0]}:{address[1]}"
         while True:
             try:
                 sock = socket.create_connection(address, timeout=10.0)
                 break
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise GroupNotFormed(f"rank {rank} could not reach rank 0's control channel at {where}: "
+                                         f"{exc}") from exc
                 time.sleep(0.2)
         nonce_f = os.urandom(_NONCE)
-        sock.sendall(_MAGIC + _HEAD.pack(rank) + nonce_f)
-        reply = _read_exact(sock, _NONCE + _MAC, time.monotonic() + max(HELLO_SECONDS, 1.0))
+        try:
+            sock.sendall(_MAGIC + _HEAD.pack(rank) + nonce_f)
+            reply = _read_exact(sock, _NONCE + _MAC, time.monotonic() + max(HELLO_SECONDS, 1.0))
+        except (OSError, EOFError) as exc:
+            sock.close()
+            raise GroupNotFormed(f"rank {rank}'s hello to {where} failed: {exc}") from exc
         nonce_l, proof = reply[:_NONCE], reply[_NONCE:]
         if not hmac.compare_digest(proof, _proof(secret, b"leader", rank, nonce_f, nonce_l)):
             sock.close()
-            raise ConnectionError(f"the control channel at {address[0]}:{address[1]} is not rank 0's "
-                                  "(its hello failed authentication)")
+            raise GroupNotFormed(f"the control channel at {where} is not rank 0's (its hello failed authentication)")
         sock.sendall(_proof(secret, b"follower", rank, nonce_f, nonce_l))
         down, up = session_keys(secret, rank, nonce_f, nonce_l)
         sock.settimeout(None)
