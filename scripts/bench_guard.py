@@ -628,14 +628,10 @@ def stream(base: str, model: str, content: str, max_tokens: int) -> dict:
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {STACK_KEY}"})
     first = last = None
     text, usage, deltas = [], {}, 0
+    from probelib.client import sse_data
+
     with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
+        for payload in sse_data(resp):
             frame = json.loads(payload)
             if frame.get("error"):
                 raise RuntimeError(f"stream error: {json.dumps(frame)[:500]}")

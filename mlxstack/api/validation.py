@@ -53,7 +53,7 @@ class ChatRequest:
     tools: list | None
     enable_thinking: bool
     body: dict
-    # Validated here, carried for the engine (see issue 10, item 9).
+    # Validated here, carried for the engine (refused or honoured, never silently dropped).
     n: int = 1
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -8,13 +8,13 @@ Choices below are the measured LiteLLM 1.106 behaviours from issue #2:
   through to the MLX server's session cache.
 - the master key is referenced (``os.environ/...``), never written into the file.
 - ``/v1/messages`` and ``/v1/messages/count_tokens`` are LiteLLM pass-through endpoints to the MLX
-  server's native Anthropic API (issue 13): LiteLLM's Anthropic->chat adapter rewrites a
+  server's native Anthropic API: LiteLLM's Anthropic->chat adapter rewrites a
   ``role: "system"`` entry inside ``messages[]`` into a user turn and drops ``metadata``.
 - ``model_info`` carries the served window (``max_input_tokens``) and a default output budget, which
   LiteLLM lists in /v1/models and /model/info, so clients size their budgets.
 - cooldowns off: with one deployment there is nothing to fail over to, and one client's 4xx
   (measured: a 404) otherwise answers every client 429 for the cooldown period.
-- the front door (mlxstack/routing/front_door.py, issue 18) is a callback in every config: a wrong
+- the front door (mlxstack/routing/front_door.py) is a callback in every config: a wrong
   key is 401 (not LiteLLM's 400 "No connected db."), malformed bodies 400 (not 500). With one
   backend LiteLLM runs without the repository on its path, so ``write_config`` puts a two-line
   shim module next to the config (LiteLLM imports callbacks from the config's folder first).

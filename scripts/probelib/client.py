@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]   # scripts/probelib/x.py -> the repository
@@ -86,6 +86,18 @@ def client_from_args(args: Any) -> Client:
     key = args.api_key if args.api_key is not None else default_api_key()
     return Client(args.base_url, key, model=args.model, stats_url=args.stats_url, timeout=args.timeout,
                   stream=not getattr(args, "no_stream", False))
+
+
+def sse_data(resp: Any) -> Iterator[str]:
+    """The ``data:`` payloads of an OpenAI-style event stream, in order, up to ``[DONE]``."""
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield payload
 
 
 def free_port() -> int:
@@ -292,13 +304,7 @@ class Client:
                 out.finish_reason = choice.get("finish_reason")
                 return out
             calls: dict[int, dict] = {}
-            for raw in resp:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                chunk = line[5:].strip()
-                if chunk == "[DONE]":
-                    break
+            for chunk in sse_data(resp):
                 try:
                     obj = json.loads(chunk)
                 except ValueError:
