@@ -19,10 +19,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import pickle
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from mlxstack.config.settings import SettingsError, load_settings
+from mlxstack.engine import record_codec
 from mlxstack.engine.lockstep import portable_job, scheduler_digest
 from mlxstack.engine.request import ChatJob
 from mlxstack.launcher.ranks import launch_command, rank_env, ring_hostfile
@@ -103,7 +104,7 @@ def test_portable_job_drops_callbacks_and_grammar():
     assert spec == Grammar.spec
     assert set(values) == {"request_id", "messages", "tools", "enable_thinking", "params", "stop", "body", "headers",
                            "tool_choice", "prefill_only", "response_format", "sampling_origin"}
-    again = pickle.loads(pickle.dumps(values))
+    again = record_codec.from_plain(json.loads(json.dumps(record_codec.to_plain(values))))   # as a record carries it
     assert again["params"] == SamplingParams(temperature=0.5, max_tokens=9, seed=3)
     assert job.params.grammar is not None        # the job itself is untouched
 
@@ -143,9 +144,9 @@ def test_control_channel_delivers_in_order_and_refuses_strangers():
     lead.join(20)
     chan = box["lead"]
     for i in range(3):
-        chan.send(pickle.dumps({"turn": i}))
+        chan.send(json.dumps({"turn": i}).encode())
     for rank in (1, 2):
-        assert [pickle.loads(followers[rank].recv()) for _ in range(3)] == [{"turn": 0}, {"turn": 1}, {"turn": 2}]
+        assert [json.loads(followers[rank].recv()) for _ in range(3)] == [{"turn": 0}, {"turn": 1}, {"turn": 2}]
     followers[1].report(b"mem 1")
     time.sleep(0.1)
     assert chan.reports() == [(0, b"mem 1")]
@@ -587,3 +588,66 @@ def test_the_control_secret_never_reaches_a_command_line_or_the_log(tmp_path, mo
     assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(key_path)).st_mode) == 0o700
     assert from_env({"MLXSTACK_CONTROL": env["MLXSTACK_CONTROL"], SECRET_FILE_ENV: key_path})[1] == bytes.fromhex(secret)
+
+
+def _control_address_of_ranks(server: ServerProcess, wait: float = 120.0) -> tuple[str, int]:
+    """The control channel's address, read from a follower rank's environment (rank 0 starts them
+    with it) as a local user could: what a stranger needs to reach the port."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.proc.pid)], capture_output=True, text=True)
+        for pid in out.stdout.split():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"MLXSTACK_CONTROL="):
+                    return parse_address(item.split(b"=", 1)[1].decode())
+        time.sleep(0.2)
+    raise AssertionError("no follower rank with a control address")
+
+
+def test_a_three_rank_group_forms_and_serves_with_strangers_at_its_control_port(servers, tiny_qwen2_path, tmp_path):
+    """Issue 40's done-when: mlxstack.serve with 3 local ranks (pipeline over the 4-layer model) while
+    strangers hold connections to the control port -- garbage, a forged hello answered with a
+    guess, one byte every second, silence -- forms its group, serves the reply one process gives,
+    and no secret is on any rank's command line."""
+    from mlxstack.system import control_channel as cc
+
+    server = ServerProcess("ours", env={"MODEL_PATH": str(tiny_qwen2_path), "LOG_ROOT": str(tmp_path / "three"),
+                                        **BASE_ENV, "DISTRIBUTED": "pipeline", "DISTRIBUTED_LOCAL_RANKS": "3"},
+                           log_path=str(tmp_path / "three.log"))
+    server.model_id = tiny_qwen2_path.name  # type: ignore[attr-defined]
+    stop = threading.Event()
+    held: list[socket.socket] = []
+    try:
+        addr = _control_address_of_ranks(server)
+        garbage = socket.create_connection(addr)
+        garbage.sendall(os.urandom(64))
+        forged = socket.create_connection(addr)
+        forged.sendall(cc._MAGIC + struct.pack("!Q", 1) + os.urandom(32))
+        silent = socket.create_connection(addr)
+        held += [garbage, forged, silent]
+
+        def trickle():
+            try:
+                with socket.create_connection(addr) as s:
+                    while not stop.is_set():
+                        s.sendall(b"M")
+                        time.sleep(1.0)
+            except OSError:
+                pass
+        threading.Thread(target=trickle, daemon=True).start()
+        server.wait_ready(240)
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "MLXSTACK_CONTROL_SECRET" not in ps
+        question = [{"role": "user", "content": "Which file holds the control channel's code?"}]
+        assert _chat(server, question) == _chat(servers["one"], question)
+        log_text = Path(tmp_path / "three.log").read_text()
+        assert "model load failed" not in log_text.lower()
+    finally:
+        stop.set()
+        for s in held:
+            s.close()
+        server.stop()

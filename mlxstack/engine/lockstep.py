@@ -4,7 +4,8 @@ A model split over ranks (DISTRIBUTED=tensor | pipeline: models/sharding.py) run
 inside every forward, so every rank must run the same forwards in the same order -- the same
 admissions, prefill chunks, cache hits, rows joining and leaving, drafts. Rank 0 answers HTTP;
 at every turn of the inference worker's loop (engine/worker.py) it sends every rank a ``Record``
-over the control channel (plain TCP, authenticated: a waiting follower sleeps there, where inside an
+over the control channel (TCP, authenticated and encrypted: system/control_channel.py; records as plain
+data, engine/record_codec.py; a waiting follower sleeps there, where inside an
 MLX collective it would spin):
 
 - the work it took, in order: chat jobs (without their callbacks; a grammar travels as its spec
@@ -33,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import json
-import pickle
 import threading
 import time
 from concurrent.futures import Future
@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from . import record_codec
 from .request import ChatJob
 
 log = logging.getLogger("mlxstack.lockstep")
@@ -76,6 +77,21 @@ def portable_job(job: ChatJob) -> tuple[dict, Any]:
     values["params"] = replace(job.params, grammar=None)
     values["headers"] = {k: v for k, v in (job.headers or {}).items() if k.lower() not in CREDENTIAL_HEADERS}
     return values, (grammar.spec if grammar is not None else None)
+
+
+_JOB_FIELDS = frozenset(f.name for f in fields(ChatJob)) - frozenset(_CALLBACKS)
+
+
+def _check_job(values: Any, spec: Any, rank: int) -> None:
+    """A chat item from a record: a job's fields (no callbacks), SamplingParams, a GrammarSpec or
+    None -- else this rank cannot follow (LockstepBroken)."""
+    from ..constraints.grammars import GrammarSpec
+    from ..runtime.sampling import SamplingParams
+
+    ok = (isinstance(values, dict) and set(values) <= _JOB_FIELDS and isinstance(values.get("params"), SamplingParams)
+          and (spec is None or isinstance(spec, GrammarSpec)))
+    if not ok:
+        raise LockstepBroken(f"rank {rank}: a chat item it cannot rebuild in rank 0's record")
 
 
 def scheduler_digest(scheduler: Any) -> tuple:
@@ -141,20 +157,24 @@ class Lockstep:
         return self._now
 
     # ------------------------------------------------------------------ transport
-    def share(self, obj: Any) -> Any:
-        """``obj`` from rank 0 on every rank, over the control channel (system/control_channel.py:
-        a follower waiting for rank 0 sleeps there; inside an MLX collective it would spin)."""
+    def share(self, record: Record | None) -> Record:
+        """Rank 0's ``record`` on every rank, over the control channel (system/control_channel.py:
+        a follower waiting for rank 0 sleeps there; inside an MLX collective it would spin), as
+        plain data (engine/record_codec.py: JSON, never pickle)."""
         t0 = time.perf_counter()
         if self.leader:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            assert record is not None
+            data = record_codec.encode(record)
             self.channel.send(data)
             self.bytes_sent += len(data)
-            out = obj
+            out = record
         else:
             try:
-                out = pickle.loads(self.channel.recv())
+                out = record_codec.decode(self.channel.recv(), Record)
             except (EOFError, OSError) as exc:
                 raise LockstepBroken(f"rank {self.rank}: rank 0 is gone ({exc})") from None
+            except record_codec.RecordError as exc:
+                raise LockstepBroken(f"rank {self.rank}: a record it cannot read ({exc})") from None
         self.share_seconds += time.perf_counter() - t0
         return out
 
@@ -270,8 +290,9 @@ class Lockstep:
         for item in record.items:
             if item[0] == "stop":
                 out.append(None)
-            elif item[0] == "chat":
+            elif item[0] == "chat" and len(item) == 4:
                 _, rid, values, spec = item
+                _check_job(values, spec, self.rank)
                 params = values["params"]
                 if spec is not None:
                     if self.compile_grammar is None:
@@ -283,8 +304,11 @@ class Lockstep:
                     raise LockstepBroken(f"rank {self.rank} expected request {self._next_id}, rank 0 sent {rid}")
                 self._track(job, fut, real=None)
                 out.append((_Chat(job), fut))
-            elif item[0] == "call":
+            elif item[0] == "call" and len(item) == 2 and isinstance(item[1], tuple) and item[1] \
+                    and item[1][0] in self.replicas:
                 out.append((self._replica(*item[1]), Future()))
+            else:
+                raise LockstepBroken(f"rank {self.rank}: an item it does not know in rank 0's record: {item!r:.200}")
         return out
 
     # ------------------------------------------------------------------ what the ranks hold
