@@ -83,3 +83,55 @@ def test_shared_settings_leave_out_what_is_host_local():
                         ("PROMPT_CACHE_MAX_BYTES", "1000000")):
         changed = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_LOCAL_RANKS": "3", name: value})
         assert {k for k, v in shared_settings(changed).items() if shared_settings(base)[k] != v} == {name}
+
+
+_CONTROL_RANK = """
+import json, os, socket, sys, time
+import mlx.core as mx
+from mlxstack.api.app import open_control
+group = mx.distributed.init(strict=True, backend="ring")
+if group.rank() == 0:
+    # strangers at the port the group is about to learn: they must not hold the hellos up
+    import mlxstack.system.control_channel as cc
+    real = cc.listener
+    def spied(host, port=0):
+        sock = real(host, port)
+        print(json.dumps({"port": sock.getsockname()[1]}), flush=True)
+        addr = ("127.0.0.1", sock.getsockname()[1])
+        held = [socket.create_connection(addr) for _ in range(3)]
+        held[0].sendall(os.urandom(40)); held[1].sendall(cc._MAGIC)     # garbage, half a hello, silence
+        spied.held = held
+        return sock
+    cc.listener = spied
+chan = open_control(group, ("127.0.0.1", 0), bytes.fromhex(os.environ["SECRET"]))
+if group.rank() == 0:
+    chan.send(b"turn 1")
+    print(json.dumps({"sent": True}), flush=True)
+else:
+    print(json.dumps({"got": chan.recv().decode()}), flush=True)
+chan.close()
+"""
+
+
+def test_ranks_on_hosts_learn_the_control_port_from_rank_0_after_it_listens(tmp_path):
+    """DISTRIBUTED_HOSTS (mlx.launch starts rank 0 elsewhere): the launcher publishes port 0, rank 0
+    binds a port when it runs and the group learns it over the ring (``from_rank0``): no port is
+    picked free and bound later. 3 real ring ranks form the channel with strangers holding
+    connections to it (garbage, half a hello, silence) and rank 0's record reaches both followers."""
+    from mlxstack.launcher.ranks import control_for_hosts
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps(ring_hostfile(free_ports(3))))
+    assert control_for_hosts(str(hostfile)) == "127.0.0.1:0"
+    env = {**os.environ, "SECRET": os.urandom(32).hex(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _CONTROL_RANK], env=rank_env(env, r, str(hostfile)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
+    lines = [[json.loads(x) for x in out.strip().splitlines() if x.startswith("{")] for out, _ in results]
+    assert lines[0][0]["port"] > 0 and lines[0][1] == {"sent": True}
+    assert lines[1] == lines[2] == [{"got": "turn 1"}]

@@ -179,15 +179,13 @@ class App:
         import os
 
         from ..engine.lockstep import Lockstep
-        from ..system.control_channel import ControlChannel, from_env
+        from ..system.control_channel import from_env
 
         control = from_env(os.environ)
         if control is None:
             raise RuntimeError("DISTRIBUTED: this rank has no control channel (MLXSTACK_CONTROL); start it "
                                "through start_llm.py / mlxstack.serve")
-        address, secret = control
-        channel = (ControlChannel.lead(address, secret, followers=group.size() - 1) if group.rank() == 0
-                   else ControlChannel.follow(address, secret, rank=group.rank()))
+        channel = open_control(group, *control)
         compile_grammar = self.structured.compiler.compile if self.structured is not None else None
         lock = Lockstep(group, channel, compile_grammar,
                         replicas={"warm": self._warm_call, "prepare": self._prepare_replica})
@@ -336,3 +334,20 @@ def make_server(app: App, host: str, port: int, listen_fd: int | None = None) ->
         raise SettingsError(refusal)
     handler = type("BoundHandler", (Handler,), {"app": app})
     return PooledHTTPServer((host, port), handler, threads=app.settings.mlx_http_threads, listen_fd=listen_fd)
+
+
+def open_control(group: Any, address: tuple[str, int], secret: bytes) -> Any:
+    """This rank's end of the group's control channel (system/control_channel.py): rank 0 leads,
+    the others follow. Port 0 (DISTRIBUTED_HOSTS: mlx.launch starts rank 0 on its host) means rank 0
+    listens first and the group then learns the port over MLX's own link (``from_rank0``) -- never
+    a port picked free, released and bound later, which another user could take in between."""
+    from ..models.sharding import from_rank0
+    from ..system.control_channel import ControlChannel, listener
+
+    server = None
+    if address[1] == 0:
+        server = listener(address[0]) if group.rank() == 0 else None
+        address = (address[0], from_rank0(group, server.getsockname()[1] if server is not None else 0))
+    if group.rank() == 0:
+        return ControlChannel.lead(address, secret, followers=group.size() - 1, server=server)
+    return ControlChannel.follow(address, secret, rank=group.rank())

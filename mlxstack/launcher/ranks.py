@@ -80,14 +80,15 @@ def launch_command(python: str, hostfile: str, backend: str, module_args: Sequen
 
 
 def control_for_hosts(hostfile: str) -> str:
-    """``ip:port`` for the control channel: rank 0's first IP in an mlx.launch hostfile and a
-    port free here now (rank 0 runs on this machine)."""
+    """``ip:0`` for the control channel of an mlx.launch group: rank 0's first IP in the hostfile
+    and port 0 -- rank 0 binds a port there once it runs and tells the other ranks over the MLX
+    group (api/app.py), so no port is picked here and bound later by another process."""
     with open(hostfile) as f:
         hosts = json.load(f)
     first = hosts[0]
     ips = (first.get("ips") or []) if isinstance(first, dict) else []
     ip = ips[0] if ips else "127.0.0.1"
-    return f"{ip}:{free_ports(1, ip if ips else '127.0.0.1')[0]}"
+    return f"[{ip}]:0" if ":" in ip else f"{ip}:0"
 
 
 class LocalRanks:

@@ -122,6 +122,17 @@ def agree(group: Any, leader_says: bool, every_rank_can: bool) -> tuple[bool, bo
     return lead > 0, every == group.size()
 
 
+def from_rank0(group: Any, value: int) -> int:
+    """Rank 0's ``value`` on every rank (one all_sum; every rank calls it at the same point): e.g.
+    the port rank 0's control channel is already listening on, so no port is picked free, released
+    and bound later (another user could take it in between)."""
+    import mlx.core as mx
+
+    total = mx.distributed.all_sum(mx.array([int(value) if group.rank() == 0 else 0], dtype=mx.int64), group=group)
+    mx.eval(total)
+    return int(total.item())
+
+
 # Settings a rank may hold for its own host: where its files are, how it is reached and logged,
 # how the launcher supervises it. Every other one shapes what the engine decides at each step
 # (budgets, batching, speculation, sampling defaults, kernels...) and must be the same on every rank.

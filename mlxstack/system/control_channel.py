@@ -70,12 +70,22 @@ def reserve(host: str = "127.0.0.1") -> str:
     """``host:port`` of a socket bound and listening here now, kept for ``lead`` in this process
     (the launcher's rank 0): the port is never released and re-bound, so nobody can take it in
     between."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(64)
+    sock = listener(host)
     port = sock.getsockname()[1]
     _RESERVED[(host, port)] = sock
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listener(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a port the system picks) and listening."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def new_secret() -> str:
