@@ -6,8 +6,8 @@ request alone, over every cache kind and many combinations of settings, until ti
     .venv/bin/python scripts/fuzz_parity.py --minutes 30 [--kinds dense hybrid ...] [--seed 1]
         [--examples 4] [--steps 20] [--out fuzz-found/]
 
-Each run draws one combination (kind, SHARED_PREFIX_MIN_TOKENS, speculation, KV_BITS and its
-start, a byte budget that spills and parks, the disk tier with restarts, the prefill chunk) and
+Each run draws one combination (kind, SHARED_PREFIX_MIN_TOKENS, speculation, KV_BITS with its
+scheme (uniform / turboquant) and start, a byte budget that spills and parks, the disk tier with restarts, the prefill chunk) and
 runs the Hypothesis state machine from the next seed. A finding is shrunk and written to
 ``--out`` as a ready pytest file (``test_found_<combination>_<seed>.py``: copy it into tests/ to
 keep it). The summary line gives requests, combinations, features covered, mismatches and errors;
@@ -56,9 +56,11 @@ def draw(kind: str, rnd: random.Random):
     """One combination of the warm engine's settings for ``kind``."""
     from tests.fuzz.harness import Config
 
-    kv = kind == "dense_hd64" and rnd.random() < 0.8
+    kv = kind in ("dense_hd64", "embedded") and rnd.random() < (0.8 if kind == "dense_hd64" else 0.3)
+    scheme = rnd.choice(["uniform", "turboquant"]) if kv else "uniform"
+    bits = rnd.choice([4, 8] if scheme == "uniform" else [2, 3, 4, 8]) if kv else None
     return Config(kind, min_shared=rnd.choice([8, 16, 32] if kind != "embedded" else [32, 64]),
-                  speculative=rnd.random() < 0.7, kv_bits=rnd.choice([4, 8]) if kv else None,
+                  speculative=rnd.random() < 0.7, kv_bits=bits, kv_scheme=scheme,
                   quant_start=rnd.choice([0, 16, 40]) if kv else 0,
                   budget_tokens=rnd.choice([0, 0, 60, 120, 400]), disk=rnd.random() < 0.5,
                   max_sequences=rnd.choice([2, 4, 8, 8]),

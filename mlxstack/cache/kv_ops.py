@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from .prefixed_kv import PrefixedKVCache
-from .layer_kinds import (FP_HEAD, KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key, eval_state,
-                          kind_of, mark_layer, replayable, restore_layer)
+from .layer_kinds import (FP_HEAD, KINDS, QUANTIZED_KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key,
+                          eval_state, kind_of, mark_layer, replayable, restore_layer)
 
 
 class LiveCache:
@@ -34,7 +34,7 @@ class LiveCache:
         self.layers = layers
         self.depth = depth
         self.quant = quant
-        self.quantized = quant is None or any(kind_of(c) is KINDS["quantized"] for c in layers)
+        self.quantized = quant is None or any(getattr(kind_of(c), "name", "") in QUANTIZED_KINDS for c in layers)
         # per layer: None, or (keys, values, n) -- this layer's first n tokens ARE the first n of
         # those arrays, held by a stored entry or another request (a hit's entry, a shared
         # prefill): a capture stores them by reference and copies only what follows
@@ -49,11 +49,16 @@ class LiveCache:
 
     def maybe_quantize(self) -> None:
         """At ``quant.start`` tokens, switch every plain KV layer to its quantised form (mlx-lm's
-        own conversion), so a cold run and a hit compute exactly the same from there on."""
+        own conversion; turboquant: the layer's tokens so far kept as they are, what follows coded),
+        so a cold run and a hit compute exactly the same from there on."""
         if self.quantized or self.depth < self.quant.start:
             return
         for i, layer in enumerate(self.layers):
-            if kind_of(layer) is KINDS["kv"] and hasattr(layer, "to_quantized"):
+            if kind_of(layer) is KINDS["kv"] and self.quant.scheme == "turboquant":
+                from .turboquant import TurboQuantKVCache
+
+                self.layers[i] = TurboQuantKVCache.from_kv(layer, self.quant.bits, self.quant.seed, self.depth)
+            elif kind_of(layer) is KINDS["kv"] and hasattr(layer, "to_quantized"):
                 q = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
                 if layer.keys is not None:   # what it held in full precision: stored entries keep it
                     setattr(q, FP_HEAD, (layer.keys[..., :self.depth, :], layer.values[..., :self.depth, :]))

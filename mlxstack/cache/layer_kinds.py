@@ -44,13 +44,15 @@ import mlx.core as mx
 
 @dataclass(slots=True, frozen=True)
 class KVQuant:
-    """KV quantisation (KV_BITS): the live cache switches to ``QuantizedKVCache`` at exactly
-    ``start`` tokens. A stored entry holds what a cold run holds: full precision below ``start``,
+    """KV quantisation (KV_BITS): the live cache switches to ``QuantizedKVCache`` (uniform) or
+    ``TurboQuantKVCache`` (turboquant) at exactly ``start`` tokens. A stored entry holds what a cold run holds: full precision below ``start``,
     quantised from it -- so a hit below the start is full precision and one at or past it is the
     same quantised computation (both exact)."""
     bits: int
     group_size: int
     start: int
+    scheme: str = "uniform"     # uniform (mlx-lm's QuantizedKVCache) | turboquant (cache/turboquant.py)
+    seed: int = 0               # turboquant: the rotation's seed
 
 
 UNBOUNDED = 1 << 30             # room() of a layer any forward can be cut back from
@@ -361,6 +363,76 @@ class QuantizedKind(KVKind):
         return super().load(arrays, meta, cls)
 
 
+class TurboQuantKind(KVKind):
+    """``TurboQuantKVCache`` (cache/turboquant.py): float K / V for attention, TurboQuant codes for
+    the tokens from ``fp_head`` on; any depth at or past the head.
+
+    Stored as a cold run holds it: the first ``fp_head`` tokens in full precision and the codes of
+    the rest (never the decoded floats: that is the memory it saves). Checked out at or below the
+    head it is a full-precision ``KVCache``; past it, the codes are decoded again -- exactly the
+    floats the live cache decoded token by token (the codebook's integer centroids: exact in any
+    order) -- behind the head. Slots: (key codes, value codes, key f, value f, head keys, head
+    values); params bits, fp_head, seed."""
+    name = "turboquant"
+    class_names = ("TurboQuantKVCache",)
+    always_trimmable = False
+    hands_out_prefix = False
+
+    def matches(self, layer: Any) -> bool:
+        cls = type(layer)
+        return cls.__name__ in self.class_names and cls.__module__ == "mlxstack.cache.turboquant"
+
+    def floor(self, layer: Any, depth: int) -> int:
+        return layer.fp_head
+
+    def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
+        return None
+
+    def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
+        n = layer.fp_head
+        if layer.keys is not None and depth <= n:
+            return _plain_state(_kv_class(type(layer)), layer.keys, layer.values, depth)
+        params = (("bits", layer.code_bits), ("fp_head", n), ("seed", layer.seed))
+        if layer.keys is None:
+            return LayerState(self.name, type(layer), (None,) * 6, params, 0, 0)
+        head = (_cut_tokens(layer.keys, n), _cut_tokens(layer.values, n)) if n else (None, None)
+        return LayerState(self.name, type(layer), (*layer.coded(depth), *head), params, depth, 0)
+
+    def checkout(self, state: LayerState, depth: int) -> Any:
+        from .turboquant import scheme
+
+        p = dict(state.params)
+        n = p["fp_head"]
+        ck, cv, fk, fv, hk, hv = state.arrays
+        if ck is not None and depth <= n:
+            return KVKind.checkout(self, _plain_state(_kv_class(state.cls), hk, hv, depth), depth)
+        c = state.cls(p["bits"], p["seed"], fp_head=n)
+        if ck is None:
+            return c
+        m = depth - n
+        book = scheme(p["bits"], ck.shape[-1] * 8 // p["bits"], p["seed"])     # bytes of codes -> head_dim
+        parts = (_cut_tokens(ck, m), _cut_tokens(cv, m), _cut_tokens(fk, m), _cut_tokens(fv, m))
+        keys, values = book.decode(parts[0], parts[2]), book.decode(parts[1], parts[3])
+        if n:
+            keys, values = mx.concatenate([hk[..., :n, :], keys], axis=-2), mx.concatenate([hv[..., :n, :], values], axis=-2)
+        c.keys, c.values = mx.concatenate([keys, _room(keys)], axis=-2), mx.concatenate([values, _room(values)], axis=-2)
+        c.offset = depth
+        c.codes.keys, c.codes.values, c.codes.offset = parts[0], parts[1], m
+        c.scales.keys, c.scales.values, c.scales.offset = parts[2], parts[3], m
+        return c
+
+    def cut(self, layer: Any, depth: int, target: int) -> None:
+        layer.cut(target)
+
+    def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
+        return CacheKind.dump(self, state)
+
+    def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
+        if not {"bits", "fp_head", "seed"} <= set(meta["params"]) or len(meta["slots"]) != 6:
+            raise ValueError("turboquant layer state without its bits, seed or full-precision head")
+        return CacheKind.load(self, arrays, meta, cls)
+
+
 class RotatingKind(CacheKind):
     """``RotatingKVCache`` (sliding-window layers).
 
@@ -599,7 +671,8 @@ class PrefixedKind(CacheKind):
 
 
 KINDS: dict[str, CacheKind] = {k.name: k for k in (KVKind(), QuantizedKind(), RotatingKind(), ChunkedKind(),
-                                                   ArraysKind(), ListKind(), PrefixedKind())}
+                                                   ArraysKind(), ListKind(), PrefixedKind(), TurboQuantKind())}
+QUANTIZED_KINDS = frozenset({"quantized", "turboquant"})     # the live forms past QUANTIZED_KV_START
 
 
 def kind_of(layer: Any) -> CacheKind | None:
@@ -621,6 +694,10 @@ def class_from_key(key: str) -> type:
     import importlib
 
     module, _, name = key.partition(":")
+    if key == "mlxstack.cache.turboquant:TurboQuantKVCache":
+        from .turboquant import TurboQuantKVCache
+
+        return TurboQuantKVCache
     if module not in ("mlx_lm.models.cache", "mlx_vlm.models.cache") or "." in name:
         raise ValueError(f"refusing cache class {key!r} (not an mlx-lm / mlx-vlm cache class)")
     cls = getattr(importlib.import_module(module), name, None)

@@ -4,10 +4,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
+from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..pipeline.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
@@ -67,7 +69,9 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
     two-token forward over quantised caches, logged once."""
     if settings.kv_bits == "off":
         return None
-    quant = KVQuant(int(settings.kv_bits), int(settings.kv_group_size), int(settings.quantized_kv_start))
+    turbo = settings.kv_quant_scheme == "turboquant"
+    quant = KVQuant(int(settings.kv_bits), int(settings.kv_group_size), int(settings.quantized_kv_start),
+                    settings.kv_quant_scheme, TURBOQUANT_SEED if turbo else 0)
     why = ""
     if loaded.is_vlm:
         why = "vision-language models prefill through mlx-vlm's own path"
@@ -80,15 +84,19 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
         from ..cache.kv_ops import LiveCache
 
         try:
-            live = LiveCache(make_prompt_cache(loaded.model), 0, KVQuant(quant.bits, quant.group_size, 0))
+            live = LiveCache(make_prompt_cache(loaded.model), 0, dataclasses.replace(quant, start=0))
             live.maybe_quantize()
             mx.eval(loaded.model(mx.array([[1, 2]], dtype=mx.int32), cache=live.layers))
         except Exception as exc:  # noqa: BLE001 - any failure means: not for this model
             why = f"{type(exc).__name__}: {exc}"
     if why:
-        log.warning("KV_BITS=%s is off for %s: %s", settings.kv_bits, loaded.model_id, why)
+        log.warning("KV_BITS=%s KV_QUANT_SCHEME=%s is off for %s: %s", settings.kv_bits, settings.kv_quant_scheme,
+                    loaded.model_id, why)
         return None
-    log.info("KV quantisation: %d-bit, group %d, from %d tokens", quant.bits, quant.group_size, quant.start)
+    if turbo:
+        log.info("KV quantisation: TurboQuant %d-bit (seed %#x), from %d tokens", quant.bits, quant.seed, quant.start)
+    else:
+        log.info("KV quantisation: %d-bit, group %d, from %d tokens", quant.bits, quant.group_size, quant.start)
     return quant
 
 
@@ -110,7 +118,8 @@ def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settin
     fp = model_fingerprint(loaded.path, upcast=bool(settings.cpu_float32 and is_cpu_only()),
                            memo_path=settings.model_cache_path / MEMO_NAME)
     parts = {"model": fp, "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
-             "kv_quant": [quant.bits, quant.group_size, quant.start, settings.kv_quant_scheme] if quant else "off"}
+             "kv_quant": ([quant.bits, quant.group_size, quant.start, quant.scheme]
+                          + ([quant.seed] if quant.scheme == "turboquant" else []) if quant else "off")}
     group = loaded.extra.get("group") if getattr(loaded, "extra", None) else None
     if group is not None:     # each rank keeps its own part of every entry: a namespace per rank and layout
         parts["ranks"] = f"{settings.distributed}-{group.rank()}-of-{group.size()}"

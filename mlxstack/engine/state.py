@@ -22,7 +22,7 @@ from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
 from .kv_bytes import resident_bytes
-from ..cache.layer_kinds import CacheLayout, KVQuant
+from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
@@ -217,8 +217,10 @@ class EngineState:
         return {
             "enabled": pc.enabled,
             "cache_layout": self.layout.describe(),
-            "kv_quant": ({"bits": self.kv_quant.bits, "group_size": self.kv_quant.group_size,
-                          "start": self.kv_quant.start} if self.kv_quant else None),
+            "kv_quant": ({"scheme": self.kv_quant.scheme, "bits": self.kv_quant.bits,
+                          "group_size": self.kv_quant.group_size, "start": self.kv_quant.start,
+                          **({"seed": self.kv_quant.seed} if self.kv_quant.scheme == "turboquant" else {})}
+                         if self.kv_quant else None),
             "unsupported_cache_classes": list(self.layout.unknown),
             "entries": len(entries),
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),
@@ -231,7 +233,7 @@ class EngineState:
             "tier_kv_bytes": tier,
             "kv_bytes": self.live_kv_bytes + tier,
             "quantized_bytes": sum(e.nbytes for e, payload in held
-                                   if any(s.kind == "quantized" for s in getattr(payload, "layers", ()))),
+                                   if any(s.kind in QUANTIZED_KINDS for s in getattr(payload, "layers", ()))),
             "budget_bytes": self.cache_budget,
             "max_entries": pc.config.max_entries,
             "block_size": pc.config.block_size,

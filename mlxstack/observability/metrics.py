@@ -152,9 +152,13 @@ class EngineCollector(Collector):
                       "Draft tokens the model accepted (each saved one decode step for its row).", "spec_accepted")
         yield counter("mlxstack_spec_steps", "Decode steps that verified drafts (one forward for the batch).",
                       "spec_steps")
-        yield GaugeMetricFamily("mlxstack_cache_quantized_bytes",
-                                "Bytes of RAM cache entries held as quantised K/V (KV_BITS).",
-                                value=stats.get("quantized_bytes", 0) or 0)
+        quant = stats.get("kv_quant") or {}
+        bytes_family = GaugeMetricFamily("mlxstack_cache_quantized_bytes",
+                                         "Bytes of RAM cache entries held as quantised K/V (KV_BITS), by scheme and bits.",
+                                         labels=["scheme", "bits"])
+        bytes_family.add_metric([str(quant.get("scheme", "off")), str(quant.get("bits", 0))],
+                                stats.get("quantized_bytes", 0) or 0)
+        yield bytes_family
         disk = stats.get("disk")
         if disk:
             for key, doc in (("entries", "Entries on the disk tier."), ("bytes", "Bytes on the disk tier."),

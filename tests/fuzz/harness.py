@@ -46,6 +46,7 @@ class Config:
     speculative: bool = True
     kv_bits: int | None = None
     quant_start: int = 0              # QUANTIZED_KV_START (with kv_bits)
+    kv_scheme: str = "uniform"        # KV_QUANT_SCHEME (with kv_bits): uniform | turboquant
     budget_tokens: int = 0            # PROMPT_CACHE_MAX_BYTES, in tokens of this model (0: none)
     disk: bool = False
     max_sequences: int = 8
@@ -53,7 +54,7 @@ class Config:
 
     def name(self) -> str:
         parts = [self.kind, f"min{self.min_shared}", "spec" if self.speculative else "nospec"]
-        parts += [f"kv{self.kv_bits}@{self.quant_start}"] if self.kv_bits else []
+        parts += [f"{'tq' if self.kv_scheme == 'turboquant' else 'kv'}{self.kv_bits}@{self.quant_start}"] if self.kv_bits else []
         parts += [f"budget{self.budget_tokens}"] if self.budget_tokens else []
         parts += ["disk"] if self.disk else []
         return "-".join(parts)
@@ -130,7 +131,8 @@ def _settings(path: Path, config: Config, tmp: Path, warm: bool, budget: int = 0
     common = {"prefill_step_size": config.chunk, "prefill_chunk_tokens": max(16, config.chunk),
               "grammar_compile_timeout_seconds": 120}     # a loaded CI box is not a finding
     if config.kv_bits:
-        common |= {"kv_bits": str(config.kv_bits), "quantized_kv_start": config.quant_start}
+        common |= {"kv_bits": str(config.kv_bits), "quantized_kv_start": config.quant_start,
+                   "kv_quant_scheme": config.kv_scheme}
     if not warm:
         return engine_settings(path, prompt_cache_max_entries_global=0, shared_prefix_min_tokens=0,
                                speculative="off", max_concurrent_sequences=1, **common)

@@ -157,7 +157,7 @@
                         "salvaged tokens": c.salvaged_prefill_tokens || 0 }
                     : { "salvaged tokens": c.salvaged_prefill_tokens || 0 };
     $("tiers").innerHTML = Object.keys(tiles).map((k) => ctile(k, tiles[k] || 0, k === "corrupt dropped")).join("");
-    const q = s.kv_quant ? `KV ${s.kv_quant.bits}-bit from ${fmtInt(s.kv_quant.start)} tokens, ` +
+    const q = s.kv_quant ? `KV ${s.kv_quant.scheme === "turboquant" ? "TurboQuant " : ""}${s.kv_quant.bits}-bit from ${fmtInt(s.kv_quant.start)} tokens, ` +
       `${fmtBytes(s.quantized_bytes || 0)} quantised in RAM` : "KV quantisation off";
     $("tiers-text").textContent = (d ? `disk ${fmtBytes(d.bytes)} of ${fmtBytes(d.max_bytes)} · ` : "disk tier off · ") + q;
     state.tiers = tiles;

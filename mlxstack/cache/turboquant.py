@@ -1,0 +1,223 @@
+"""TurboQuant KV quantisation (KV_QUANT_SCHEME=turboquant; Zandieh et al., arXiv 2504.19874).
+
+    book = scheme(bits, head_dim, seed)          # one per (bits, head_dim, seed), cached
+    packed, f = book.encode(x)                   # x [..., head_dim] float32 -> codes + one factor per vector
+    x_hat = book.decode(packed, f)               # what attention reads (and what a hit restores)
+    cache = TurboQuantKVCache(bits, seed, fp_head=n)   # the live layer past QUANTIZED_KV_START
+
+Each K / V vector is rotated by a fixed orthogonal transform -- a random sign per coordinate, then
+a Walsh-Hadamard transform per block of ``block`` coordinates (the largest power of two dividing
+the head dimension, at most 256: per-block rotation, not one global one) -- after which every
+coordinate of a vector follows one known distribution whatever the model (that of a coordinate of
+a random unit vector, scaled by sqrt(head_dim)). One Lloyd-Max scalar codebook per bit width,
+computed from that distribution at load (``codebook``), codes every coordinate; one float per
+vector (``f``) restores its norm exactly (the norm correction: the decoded vector has the
+original's length, not the codebook's). No calibration, nothing model-specific.
+
+Exact by construction (the parity rule: a hit is what a cold run holds, bit for bit): the
+codebook's centroids are snapped to multiples of 2^-12, so decoding is a product of small integers
+and +-1 -- every partial sum an integer below 2^24, exact in float32 in any order, on any backend
+and for any number of vectors at once -- followed by two elementwise products. So the vectors a
+live cache decoded one token at a time are the vectors a stored entry's codes decode to in one
+call. Encoding need not be exact (its output is the codes). The rotation's seed is recorded in every
+stored state and in the disk tier's namespace: another seed never reads these codes.
+
+Bytes per vector of d coordinates: d * bits / 8 for the codes (2, 3, 4 or 8 bits; packed, 3 bits
+as 8 codes in 3 bytes) + 4 for ``f``. The live cache also keeps the decoded float vectors for
+attention (speed: attention reads plain float K / V); stored entries keep only the codes.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+__all__ = ["BITS", "SEED", "GRID", "TurboQuantKVCache", "Scheme", "scheme", "codebook", "rotation_block",
+           "bytes_per_vector", "SchemeError"]
+
+BITS = (2, 3, 4, 8)
+SEED = 0x7B5EED            # the rotation's signs (recorded in states and the disk namespace)
+GRID = 2.0 ** -12           # centroids are multiples of this: decoding sums small integers, exactly
+MAX_BLOCK = 256
+
+
+class SchemeError(ValueError):
+    """A bit width or head dimension TurboQuant cannot serve (said in one line at start)."""
+
+
+def rotation_block(dim: int) -> int:
+    """The Walsh-Hadamard block: the largest power of two dividing ``dim``, at most 256; at least
+    8 coordinates (a smaller block spreads no outliers), else SchemeError."""
+    block = dim & -dim
+    block = min(block, MAX_BLOCK)
+    if block < 8:
+        raise SchemeError(f"head dimension {dim} has no power-of-two block of 8 or more to rotate")
+    return block
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """(codes, bytes) packed together: 8 // gcd(bits, 8) codes in bits * codes / 8 bytes."""
+    codes = 8 // math.gcd(bits, 8)
+    return codes, codes * bits // 8
+
+
+def bytes_per_vector(bits: int, dim: int) -> int:
+    codes, nbytes = _group(bits)
+    return dim // codes * nbytes + 4
+
+
+@lru_cache(maxsize=None)
+def codebook(bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids, boundaries) of the Lloyd-Max quantiser with 2**bits levels for one coordinate of
+    a uniformly random unit vector in ``dim`` dimensions, scaled by sqrt(dim) (density proportional
+    to (1 - t^2 / dim) ** ((dim - 3) / 2) on |t| < sqrt(dim); the standard normal as dim grows).
+    Lloyd's iteration on a fine grid until the centroids stop moving; then the centroids are snapped
+    to multiples of ``GRID`` and the boundaries are their midpoints (nearest centroid)."""
+    if bits not in BITS:
+        raise SchemeError(f"KV_BITS={bits} is not a TurboQuant width ({', '.join(map(str, BITS))})")
+    levels = 1 << bits
+    edge = math.sqrt(dim)
+    t = np.linspace(-edge, edge, 400_001)[1:-1]
+    w = np.exp((dim - 3) / 2.0 * np.log1p(-(t * t) / dim))
+    cdf = np.cumsum(w)
+    cdf /= cdf[-1]
+    c = np.interp((np.arange(levels) + 0.5) / levels, cdf, t)      # start at the quantiles
+    for _ in range(2000):
+        b = (c[1:] + c[:-1]) / 2
+        cell = np.searchsorted(b, t)
+        sums = np.bincount(cell, weights=w * t, minlength=levels)
+        mass = np.bincount(cell, weights=w, minlength=levels)
+        new = np.where(mass > 0, sums / np.maximum(mass, 1e-300), c)
+        if np.max(np.abs(new - c)) < 1e-10:
+            c = new
+            break
+        c = new
+    c = (c - c[::-1]) / 2                   # the density is symmetric: so is the codebook, exactly
+    c = np.round(c / GRID) * GRID
+    return c, (c[1:] + c[:-1]) / 2
+
+
+def _hadamard(block: int) -> np.ndarray:
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+class Scheme:
+    """One (bits, head_dim, seed): the rotation, the codebook, encode / decode."""
+
+    def __init__(self, bits: int, dim: int, seed: int) -> None:
+        centroids, bounds = codebook(bits, dim)
+        self.bits, self.dim, self.seed = bits, dim, seed
+        self.block = rotation_block(dim)
+        self.group, self.group_bytes = _group(bits)
+        if dim % self.group:
+            raise SchemeError(f"head dimension {dim} does not pack {bits}-bit codes ({self.group} a group)")
+        rng = np.random.default_rng(seed)
+        self.signs = mx.array(np.where(rng.random(dim) < 0.5, -1.0, 1.0).astype(np.float32))
+        self.h = mx.array(_hadamard(self.block))
+        self.ints = mx.array((centroids / GRID).astype(np.float32))           # exact small integers
+        self.bounds = mx.array((bounds * math.sqrt(self.block) / math.sqrt(dim)).astype(np.float32))
+        self.shifts = mx.array([bits * i for i in range(self.group)], dtype=mx.uint32)
+
+    def _blocks(self, x: mx.array) -> mx.array:
+        """x [..., dim] @ H per block ([..., dim])."""
+        shape = x.shape
+        return (x.reshape(*shape[:-1], self.dim // self.block, self.block) @ self.h).reshape(shape)
+
+    def encode(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(packed codes [..., dim * bits / 8] uint8, f [..., 1] float32) of float vectors ``x``."""
+        x = x.astype(mx.float32)
+        norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+        u = self._blocks(x * self.signs)                        # sqrt(block) * the rotated vector
+        # t * sqrt(block) / sqrt(dim) compared with boundaries scaled alike: t = sqrt(dim) u / |x|
+        scaled = u / mx.maximum(norm, mx.array(1e-30, dtype=mx.float32))
+        codes = mx.sum(scaled[..., None] > self.bounds, axis=-1).astype(mx.uint32)
+        c = mx.take(self.ints, codes)
+        f = norm / (math.sqrt(self.block) * mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True)))
+        return self._pack(codes), f.astype(mx.float32)
+
+    def decode(self, packed: mx.array, f: mx.array) -> mx.array:
+        """The float vectors ``packed`` / ``f`` stand for: exact (see the module's docstring)."""
+        y = self._blocks(mx.take(self.ints, self._unpack(packed)))
+        return (y * f) * self.signs
+
+    def _pack(self, codes: mx.array) -> mx.array:
+        shape = codes.shape
+        groups = codes.reshape(*shape[:-1], shape[-1] // self.group, self.group)
+        word = mx.sum(groups << self.shifts, axis=-1)            # disjoint bits: the sum is an OR
+        parts = [((word >> (8 * i)) & 0xFF).astype(mx.uint8) for i in range(self.group_bytes)]
+        return mx.stack(parts, axis=-1).reshape(*shape[:-1], shape[-1] // self.group * self.group_bytes)
+
+    def _unpack(self, packed: mx.array) -> mx.array:
+        shape = packed.shape
+        n = shape[-1] // self.group_bytes
+        b = packed.reshape(*shape[:-1], n, self.group_bytes).astype(mx.uint32)
+        word = b[..., 0]
+        for i in range(1, self.group_bytes):
+            word = word | (b[..., i] << (8 * i))
+        codes = (word[..., None] >> self.shifts) & ((1 << self.bits) - 1)
+        return codes.reshape(*shape[:-1], n * self.group)
+
+
+@lru_cache(maxsize=None)
+def scheme(bits: int, dim: int, seed: int = SEED) -> Scheme:
+    return Scheme(bits, dim, seed)
+
+
+class TurboQuantKVCache(KVCache):
+    """A plain-KV layer whose tokens from ``fp_head`` on are TurboQuant-coded: each appended K / V
+    vector is encoded, and its decoded form is what the buffer holds and attention reads; the codes
+    (``codes``: keys = key codes, values = value codes; ``scales``: their ``f``) are what a stored
+    entry keeps. Tokens below ``fp_head`` (before QUANTIZED_KV_START) stay full precision."""
+
+    plain_kv = True      # float K / V with KVCache's semantics: the host path takes it
+
+    def __init__(self, bits: int, seed: int = SEED, fp_head: int = 0) -> None:
+        super().__init__()
+        # not ``bits``: mlx-lm's attention takes any cache with a ``bits`` attribute for its own
+        # quantised layout (models/base.py); this one's K / V are plain floats
+        self.code_bits, self.seed, self.fp_head = int(bits), int(seed), int(fp_head)
+        self.codes = KVCache()
+        self.scales = KVCache()
+
+    @classmethod
+    def from_kv(cls, layer: KVCache, bits: int, seed: int, depth: int) -> "TurboQuantKVCache":
+        """``layer``'s tokens (full precision, kept as they are) with what follows coded."""
+        c = cls(bits, seed, fp_head=depth)
+        c.keys, c.values, c.offset = layer.keys, layer.values, depth
+        return c
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        book = scheme(self.code_bits, keys.shape[-1], self.seed)
+        ck, fk = book.encode(keys)
+        cv, fv = book.encode(values)
+        self.codes.update_and_fetch(ck, cv)
+        self.scales.update_and_fetch(fk, fv)
+        return super().update_and_fetch(book.decode(ck, fk).astype(keys.dtype), book.decode(cv, fv).astype(values.dtype))
+
+    def cut(self, target: int) -> None:
+        if target < self.fp_head:
+            raise ValueError(f"cannot cut a TurboQuant layer to {target}, below its full-precision head {self.fp_head}")
+        self.offset = target
+        self.codes.offset = self.scales.offset = target - self.fp_head
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset - self.fp_head, n)
+        self.cut(self.offset - n)
+        return n
+
+    def coded(self, depth: int) -> tuple[Any, Any, Any, Any]:
+        """(key codes, value codes, key f, value f) of tokens [fp_head, depth)."""
+        m = depth - self.fp_head
+        return (self.codes.keys[..., :m, :], self.codes.values[..., :m, :],
+                self.scales.keys[..., :m, :], self.scales.values[..., :m, :])
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.codes.nbytes + self.scales.nbytes
