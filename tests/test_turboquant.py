@@ -75,6 +75,20 @@ def test_codes_pack_and_decode_exactly(bits):
     assert tq.bytes_per_vector(bits, 64) == 64 * bits // 8 + 4
 
 
+@pytest.mark.parametrize("bits", tq.BITS)
+def test_the_table_lookup_finds_the_nearest_centroid_as_counting_boundaries_does(bits):
+    """Encoding's O(1) lookup (a table of fine bins, one comparison) gives the code a count of the
+    boundaries below each coordinate gives: random values, values on and next to every boundary,
+    values past the table's ends."""
+    book = tq.scheme(bits, 64, SEED)
+    b = book.bounds
+    eps = mx.array(1e-7, dtype=mx.float32)
+    t = mx.concatenate([mx.random.normal((4096,), key=mx.random.key(bits)) * 2, b, b - eps, b + eps,
+                        mx.array([-1e6, 1e6, -book.edge, book.edge, 0.0], dtype=mx.float32)])
+    want = mx.sum(t[:, None] > b, axis=-1).astype(mx.uint32)
+    assert mx.array_equal(book._nearest(t), want).item()
+
+
 def test_what_turboquant_cannot_serve_is_said_in_one_line():
     with pytest.raises(tq.SchemeError, match="KV_BITS=5 is not a TurboQuant width"):
         tq.codebook(5, 64)

@@ -43,6 +43,7 @@ BITS = (2, 3, 4, 8)
 SEED = 0x7B5EED            # the rotation's signs (recorded in states and the disk namespace)
 GRID = 2.0 ** -12           # centroids are multiples of this: decoding sums small integers, exactly
 MAX_BLOCK = 256
+LUT_BINS = 1 << 16           # encode's table of fine bins (see Scheme._nearest)
 
 
 class SchemeError(ValueError):
@@ -122,7 +123,16 @@ class Scheme:
         self.signs = mx.array(np.where(rng.random(dim) < 0.5, -1.0, 1.0).astype(np.float32))
         self.h = mx.array(_hadamard(self.block))
         self.ints = mx.array((centroids / GRID).astype(np.float32))           # exact small integers
-        self.bounds = mx.array((bounds * math.sqrt(self.block) / math.sqrt(dim)).astype(np.float32))
+        scaled = (bounds * math.sqrt(self.block) / math.sqrt(dim)).astype(np.float32)
+        self.bounds = mx.array(scaled)
+        # nearest centroid in O(1) a coordinate: a table over fine bins (each bin narrower than any
+        # cell, so it meets at most two) gives the cell of the bin's left edge, one comparison with
+        # that cell's upper boundary settles it -- the same codes as counting boundaries below t
+        self.edge = float(abs(scaled[0]) * 2 + abs(scaled[-1]) * 2)
+        self.bins = LUT_BINS
+        left = -self.edge + np.arange(LUT_BINS, dtype=np.float64) * (2 * self.edge / LUT_BINS)
+        self.lut = mx.array(np.searchsorted(scaled.astype(np.float64), left, side="right").astype(np.uint32))
+        self.upper = mx.array(np.append(scaled, np.float32(np.inf)).astype(np.float32))
         self.shifts = mx.array([bits * i for i in range(self.group)], dtype=mx.uint32)
 
     def _blocks(self, x: mx.array) -> mx.array:
@@ -137,10 +147,17 @@ class Scheme:
         u = self._blocks(x * self.signs)                        # sqrt(block) * the rotated vector
         # t * sqrt(block) / sqrt(dim) compared with boundaries scaled alike: t = sqrt(dim) u / |x|
         scaled = u / mx.maximum(norm, mx.array(1e-30, dtype=mx.float32))
-        codes = mx.sum(scaled[..., None] > self.bounds, axis=-1).astype(mx.uint32)
+        codes = self._nearest(scaled)
         c = mx.take(self.ints, codes)
         f = norm / (math.sqrt(self.block) * mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True)))
         return self._pack(codes), f.astype(mx.float32)
+
+    def _nearest(self, t: mx.array) -> mx.array:
+        """The code of each coordinate: how many boundaries lie below it."""
+        b = mx.clip((t + self.edge) * (self.bins / (2 * self.edge)), 0, self.bins - 1).astype(mx.int32)
+        code = mx.take(self.lut, b)
+        code = code + (t > mx.take(self.upper, code)).astype(mx.uint32)       # the next cell
+        return code - (t <= mx.take(self.upper, mx.maximum(code, 1) - 1)).astype(mx.uint32) * (code > 0)
 
     def decode(self, packed: mx.array, f: mx.array) -> mx.array:
         """The float vectors ``packed`` / ``f`` stand for: exact (see the module's docstring)."""
