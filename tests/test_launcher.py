@@ -345,3 +345,45 @@ def test_get_json_treats_an_answer_cut_short_as_no_answer():
     finally:
         t.join(timeout=10)
         srv.close()
+
+
+# --- the LiteLLM start-up limit under its seed name (issue 44) ----------------------------------------
+FAKE_MLX = """
+import json, os, socket
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"/health": {"ready": True, "model": "fake"},
+                "/v1/models": {"data": [{"id": "fake", "context_length": 4096}]}}.get(self.path.split("?")[0])
+        data = json.dumps(body or {}).encode()
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *a):
+        pass
+srv = HTTPServer(("127.0.0.1", 0), H, bind_and_activate=False)
+srv.socket.close()
+srv.socket = socket.socket(fileno=int(os.environ["MLX_LISTEN_FD"]))
+srv.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("name", ["PROXY_STARTUP_WAIT_SECONDS", "PROXY_STARTUP_TIMEOUT_SECONDS"])
+def test_the_launcher_waits_for_litellm_as_long_as_the_setting_given_and_names_it(tmp_path, monkeypatch, name):
+    """A LiteLLM that never answers: the launcher gives up after the limit set under either name
+    (the seed's PROXY_STARTUP_WAIT_SECONDS alone is the limit) and its error names that variable."""
+    from mlxstack.launcher import stack
+
+    monkeypatch.setattr(stack, "litellm_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(120)"])
+    settings = _settings(**{name: "2", "proxy_port": unused_port(), "litellm_master_key": "sk-x",
+                            "log_root": tmp_path / "logs", "backends_file": tmp_path / "none.yaml"})
+    assert stack.proxy_startup_limit(settings) == (2.0, name)
+    out = StringIO()
+    start = time.monotonic()
+    code = stack.run_stack(settings, repo=REPO, mlx_cmd=[sys.executable, "-c", FAKE_MLX], out=out)
+    elapsed = time.monotonic() - start
+    text = out.getvalue()
+    assert code == 1, text[-2000:]
+    assert f"ERROR: LiteLLM proxy not ready after 2s (raise {name} in .env?)." in text, text[-2000:]
+    assert "MLX server ready after" in text and 2.0 < elapsed < 30, (elapsed, text[-2000:])

@@ -69,3 +69,24 @@ def test_readme_documents_every_variable():
     readme = (REPO_ROOT / "README.md").read_text()
     missing = [s.name for s in SPECS if f"`{s.name}`" not in readme]
     assert not missing, f"README configuration table lacks {missing}"
+
+
+def test_proxy_startup_wait_seconds_is_the_seeds_name_for_the_litellm_limit(tmp_path: Path):
+    assert load_settings(env={}).proxy_startup_timeout_seconds == 120.0
+    seed = load_settings(env={"PROXY_STARTUP_WAIT_SECONDS": " 7.5 "})
+    assert (seed.proxy_startup_timeout_seconds, seed.proxy_startup_wait_seconds) == (7.5, "7.5")
+    assert load_settings(env=seed.as_env()) == seed                   # children re-read the same limit
+    same = load_settings(env={"PROXY_STARTUP_WAIT_SECONDS": "30", "PROXY_STARTUP_TIMEOUT_SECONDS": "30.0"})
+    assert same.proxy_startup_timeout_seconds == 30.0
+    env_file = tmp_path / ".env"                                       # a seed .env: a known name, no error
+    env_file.write_text("PROXY_STARTUP_WAIT_SECONDS=45\n")
+    assert load_settings(env={}, env_file=env_file).proxy_startup_timeout_seconds == 45.0
+    with pytest.raises(SettingsError) as exc:
+        load_settings(env={"PROXY_STARTUP_WAIT_SECONDS": "2.0", "PROXY_STARTUP_TIMEOUT_SECONDS": "120"})
+    assert str(exc.value) == ("PROXY_STARTUP_WAIT_SECONDS=2.0 and PROXY_STARTUP_TIMEOUT_SECONDS=120 are both set and "
+                              "differ: they are one limit (how long LiteLLM may take to report ready). Keep one of them.")
+    for bad in ("soon", "0.5"):
+        with pytest.raises(SettingsError) as exc:
+            load_settings(env={"PROXY_STARTUP_WAIT_SECONDS": bad})
+        assert str(exc.value).startswith(f"PROXY_STARTUP_WAIT_SECONDS={bad!r} ")
+

@@ -60,6 +60,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("LITELLM_MASTER_KEY", "str", "", "Key clients send as 'Authorization: Bearer …'. install_and_run.py generates one on first run.", group="network"),
     Spec("MLX_STARTUP_TIMEOUT_SECONDS", "float", 900.0, "How long start_llm.py waits for the MLX server to load/prepare the model (first run converts it).", minimum=1, group="network"),
     Spec("PROXY_STARTUP_TIMEOUT_SECONDS", "float", 120.0, "How long to wait for LiteLLM to report ready.", minimum=1, group="network"),
+    Spec("PROXY_STARTUP_WAIT_SECONDS", "str", "", "The seed's name for PROXY_STARTUP_TIMEOUT_SECONDS (seconds, >= 1), read so a seed .env keeps working: set alone it is the limit; set together with PROXY_STARTUP_TIMEOUT_SECONDS to another value it is a start-up error. Empty = not set.", group="network"),
     Spec("PROXY_REQUEST_TIMEOUT_SECONDS", "float", 3600.0, "LiteLLM timeout / stream_timeout towards the MLX server (long prefills).", minimum=1, group="network"),
     Spec("MAX_CONCURRENT_SEQUENCES", "int", 0, "Requests in flight at once (continuous batching: decode steps batched into one forward pass, prefill chunks interleaved). 0 = auto (8); 1 = one request at a time, FIFO.", minimum=0, group="network"),
     Spec("ARRIVAL_WINDOW_MS", "int", 30, "After an idle spell, a request that arrives while the last decode batch held several rows waits up to this long for as many requests as that batch held (agents that fan out and come back together), so their prompts prefill in one batched forward instead of two; a lone client never waits. 0 = start at once.", minimum=0, group="network"),
@@ -273,6 +274,7 @@ def load_settings(
     for spec in SPECS:
         raw = merged.get(spec.name)
         values[_attr(spec.name)] = spec.default if raw is None or raw.strip() == "" and spec.kind != "str" else _parse(spec, raw)
+    _proxy_startup_limit(values, merged.get("PROXY_STARTUP_TIMEOUT_SECONDS"))
     if values["speculative"] == "draft" and not values["draft_model"].strip():
         raise SettingsError("SPECULATIVE=draft needs DRAFT_MODEL (a smaller model with the same tokenizer); "
                             "use SPECULATIVE=auto for prompt lookup without a draft model.")
@@ -282,6 +284,22 @@ def load_settings(
         raise SettingsError(f"DISTRIBUTED={values['distributed']} needs its ranks: DISTRIBUTED_LOCAL_RANKS=N (N ranks on "
                             "this machine) or DISTRIBUTED_HOSTS=<hostfile> (mlx.launch's format, for several machines).")
     return Settings(**values)
+
+
+def _proxy_startup_limit(values: dict[str, Any], timeout_raw: str | None) -> None:
+    """PROXY_STARTUP_WAIT_SECONDS (the seed's name) is the LiteLLM start-up limit when it is the
+    only one set; both set to different values is an error naming both (never a silent pick)."""
+    wait = values["proxy_startup_wait_seconds"].strip()
+    values["proxy_startup_wait_seconds"] = wait
+    if not wait:
+        return
+    seconds = _parse(Spec("PROXY_STARTUP_WAIT_SECONDS", "float", 0.0, "Seconds LiteLLM may take to report ready.",
+                          minimum=1), wait)
+    if timeout_raw is not None and timeout_raw.strip() and values["proxy_startup_timeout_seconds"] != seconds:
+        raise SettingsError(
+            f"PROXY_STARTUP_WAIT_SECONDS={wait} and PROXY_STARTUP_TIMEOUT_SECONDS={timeout_raw.strip()} are both set "
+            "and differ: they are one limit (how long LiteLLM may take to report ready). Keep one of them.")
+    values["proxy_startup_timeout_seconds"] = seconds
 
 
 def render_env_example() -> str:

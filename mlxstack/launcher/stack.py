@@ -155,9 +155,10 @@ def litellm_command(python: str, config: Path, host: str, port: int) -> list[str
     return base + ["--config", str(config), "--host", host, "--port", str(port)]
 
 
-def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, what: str, say) -> dict:
+def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, what: str, say,
+               setting: str = "*_STARTUP_TIMEOUT_SECONDS") -> dict:
     """Poll ``probe`` until it returns a dict; show elapsed time so a long model preparation
-    never looks like a hang."""
+    never looks like a hang. ``setting``: the variable that set ``timeout`` (named when it runs out)."""
     start, last_note = time.monotonic(), 0.0
     tty = sys.stdout.isatty()
     while True:
@@ -168,11 +169,18 @@ def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, w
             return result
         elapsed = time.monotonic() - start
         if elapsed > timeout:
-            raise LaunchError(f"{what} not ready after {timeout:g}s (raise the *_STARTUP_TIMEOUT_SECONDS setting?).")
+            raise LaunchError(f"{what} not ready after {timeout:g}s (raise {setting} in .env?).")
         if elapsed - last_note >= (5 if tty else 15):
             last_note = elapsed
             say(f"waiting for {what} ... {elapsed:.0f}s")
         time.sleep(0.5)
+
+
+def proxy_startup_limit(settings: Settings) -> tuple[float, str]:
+    """(seconds LiteLLM may take to report ready, the variable that set them): the seed's
+    PROXY_STARTUP_WAIT_SECONDS when that is what .env set (load_settings folded it in)."""
+    name = "PROXY_STARTUP_WAIT_SECONDS" if settings.proxy_startup_wait_seconds else "PROXY_STARTUP_TIMEOUT_SECONDS"
+    return settings.proxy_startup_timeout_seconds, name
 
 
 def _mlx_probe(base: str) -> Callable[[], dict | None]:
@@ -269,7 +277,8 @@ def start_mlx(sup: Supervisor, settings: Settings, cmd: list[str], repo: Path, p
     to say ready (ChildExited if it dies first)."""
     mlx = _spawn_mlx(sup, name, settings, cmd, repo, pidfile, listen)
     health = wait_ready(mlx, _mlx_probe(lc.mlx_base_url(settings)), settings.mlx_startup_timeout_seconds,
-                        "MLX server (loading / preparing the model; the first run converts it)", say)
+                        "MLX server (loading / preparing the model; the first run converts it)", say,
+                        "MLX_STARTUP_TIMEOUT_SECONDS")
     return mlx, health
 
 
@@ -471,7 +480,8 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             server.child = _spawn_mlx(sup, server.name, server.settings, cmd, repo, server.pidfile, server.listen)
         healths = {name: wait_ready(server.child, _mlx_probe(lc.mlx_base_url(server.settings)),
                                     server.settings.mlx_startup_timeout_seconds,
-                                    f"MLX server{server.label} (loading / preparing the model; the first run converts it)", say)
+                                    f"MLX server{server.label} (loading / preparing the model; the first run converts it)", say,
+                                    "MLX_STARTUP_TIMEOUT_SECONDS")
                    for name, server in servers.items()}
         if single:
             mlx, health = servers["mlx"].child, healths["mlx"]
@@ -486,7 +496,8 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
                           env, cwd=str(repo))
         write_private_file(proxy_pid, f"{proxy.pid}\n")
-        wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), settings.proxy_startup_timeout_seconds, "LiteLLM proxy", say)
+        limit, limit_name = proxy_startup_limit(settings)
+        wait_ready(proxy, _proxy_probe(lc.proxy_base_url(settings)), limit, "LiteLLM proxy", say, limit_name)
         say(ready_text(settings, lc.proxy_model_names(settings)) if single else stack_ready_text(settings, groups))
         supervise_all(sup, servers, cmd, repo, say, others_serve=any(not b.local for b in backends))
     except LaunchError as exc:
