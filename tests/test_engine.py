@@ -174,3 +174,28 @@ def test_watchdog_abandons_a_long_prefill_between_chunks(tiny_dense_path):
     o = eng.run(j)
     assert o.aborted and o.finish_reason == "length" and o.completion_tokens == 0 and streamed == []
     assert len(eng.state.prompt_cache) == 0
+
+
+@pytest.mark.parametrize("partition", [True, False])
+def test_session_partitioning_serves_the_sessions_own_entry_and_counts_whose_entry_served(tiny_dense_path, partition):
+    """A and B share the system prompt. A's side request matches A's entry and B's (newer) equally
+    deep: partitioning serves it from A's own, without it B's takes the hit; the reuse is the same."""
+    eng = build_engine(engine_settings(tiny_dense_path, cache_session_partitioning=partition))
+    system = {"role": "system", "content": SYSTEM}
+    outcomes = []
+    for session, text in (("A", "Alpha: list the files."), ("B", "Beta: count the lines."),
+                          ("A", "Gamma: name the tests.")):
+        j, _ = job([system, {"role": "user", "content": text}], session=session, max_tokens=4)
+        outcomes.append(eng.run(j))
+    first, b_turn, side = outcomes
+    assert first.cached_tokens == 0 and b_turn.cached_tokens > 16 and side.cached_tokens == b_turn.cached_tokens
+    entries = {e.entry_id: e for e in eng.state.prompt_cache.entries()}
+    a_entry, b_entry = sorted(entries)[:2]
+    c = eng.state.counters
+    if partition:
+        assert (c.get("own_session_hits"), c.get("other_session_hits"), c.get("own_session_preferred")) == (1, 1, 1)
+        assert (entries[a_entry].hits, entries[b_entry].hits) == (2, 0)   # B's hit on A's entry, then A's own
+    else:
+        assert (c.get("own_session_hits"), c.get("other_session_hits"), c.get("own_session_preferred")) == (0, 2, 0)
+        assert (entries[a_entry].hits, entries[b_entry].hits) == (1, 1)
+    assert eng.state.counters.get("exact_key_rejected_by_model_lcp") == 0

@@ -379,3 +379,104 @@ def test_promoting_an_entry_ram_cannot_hold_keeps_it_disk_only_and_evicts_nothin
     fits = c.insert_disk_entry(toks(8, 40), toks(8, 40), disk_id=8, nbytes=100, floor=0)
     payload = object()
     assert c.promote(fits.entry_id, payload, 100) is True and fits.payload is payload
+
+
+# --- session partitioning (CACHE_SESSION_PARTITIONING, issue 44) --------------------------------------
+def test_partitioning_takes_the_sessions_own_entry_among_equally_deep_matches():
+    clock = Clock()
+    c = make(clock)
+    own = put(c, toks(8) + [100, 101, 102, 103], session_id="A")
+    clock.t += 1
+    other = put(c, toks(8) + [200, 201, 202, 203], session_id="B")      # used more recently
+    request = toks(8) + [300, 301, 302, 303]
+    m = c.lookup(request, request)                                       # global: most recently used
+    assert (m.entry.entry_id, m.depth, m.match_type, m.preferred) == (other.entry_id, 8, "lcp", False)
+    m = c.lookup(request, request, prefer_session="A")
+    assert (m.entry.entry_id, m.depth, m.match_type, m.preferred) == (own.entry_id, 8, "lcp", True)
+    assert (own.hits, other.hits) == (1, 1)                              # the hit went to the entry chosen
+    m = c.lookup(request, request, prefer_session="A")                   # A's is the most recently used now:
+    assert (m.entry.entry_id, m.preferred) == (own.entry_id, False)      # the global pick is its own already
+    m = c.lookup(request, request, prefer_session="C")                   # no entry of its own: global
+    assert (m.entry.entry_id, m.preferred) == (own.entry_id, False)
+    m = c.lookup(request, request, prefer_session="B")
+    assert (m.entry.entry_id, m.preferred) == (other.entry_id, True)
+
+
+def test_partitioning_never_trades_depth_or_a_ram_hit_for_the_sessions_own_entry():
+    clock = Clock()
+    c = make(clock)
+    put(c, toks(8) + [100, 101, 102, 103], session_id="A")
+    clock.t += 1
+    deeper = put(c, toks(12) + [200, 201, 202, 203], session_id="B")
+    request = toks(12) + [300, 301, 302, 303]
+    m = c.lookup(request, request, prefer_session="A")
+    assert (m.entry.entry_id, m.depth, m.preferred) == (deeper.entry_id, 12, False)
+    # an own entry on disk only does not displace an equally deep RAM pick (no load for nothing) ...
+    d = make(clock)
+    on_disk = d.insert_disk_entry(toks(8) + [100, 101, 102, 103], toks(8) + [100, 101, 102, 103], disk_id=5,
+                                  nbytes=100, floor=0, session_id="A")
+    clock.t += 1
+    in_ram = put(d, toks(8) + [200, 201, 202, 203], session_id="B")
+    m = d.lookup(request[:8] + [9, 9, 9, 9], request[:8] + [9, 9, 9, 9], prefer_session="A")
+    assert (m.entry.entry_id, m.depth, m.preferred) == (in_ram.entry_id, 8, False)
+    # ... but wins when the global pick needs a load as well
+    d.remove(in_ram.entry_id)
+    other_disk = d.insert_disk_entry(toks(8) + [200, 201, 202, 203], toks(8) + [200, 201, 202, 203], disk_id=6,
+                                     nbytes=100, floor=0, session_id="B", last_used=clock.t + 5)
+    m = d.lookup(request[:8] + [9, 9, 9, 9], request[:8] + [9, 9, 9, 9], prefer_session="A")
+    assert (m.entry.entry_id, m.preferred) == (on_disk.entry_id, True) and other_disk.hits == 0
+
+
+def test_partitioning_reuses_exactly_as_deep_as_global_lookup_on_random_traffic():
+    rng = random.Random(44)
+    clock = Clock()
+    c = make(clock, max_entries=64)
+    stored = []
+    for i in range(40):
+        base = stored[rng.randrange(len(stored))][: rng.randrange(4, 24)] if stored and rng.random() < 0.7 else []
+        model = base + [rng.randrange(50) for _ in range(rng.randrange(4, 16))]
+        put(c, model, session_id=f"s{rng.randrange(4)}")
+        stored.append(model)
+        clock.t += 1
+    preferred = 0
+    for _ in range(300):
+        base = stored[rng.randrange(len(stored))]
+        req = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
+        session = f"s{rng.randrange(5)}"
+        for broad in (False, True):
+            plain = c.lookup(req, req, broad=broad)
+            scoped = c.lookup(req, req, broad=broad, prefer_session=session)
+            assert scoped.depth == plain.depth
+            if scoped.hit:
+                assert list(scoped.entry.model_tokens[: scoped.depth]) == req[: scoped.depth]
+            if scoped.preferred:
+                preferred += 1
+                assert scoped.entry.session_id == session != plain.entry.session_id
+    assert preferred > 0      # the traffic did exercise the preference
+
+
+def test_partitioning_keeps_the_active_sessions_entry_warm_under_eviction():
+    """Two entries, room for two. Session A sends a side request that matches A's entry and B's
+    (more recently used) equally deep, and stores its own entry: without partitioning the hit
+    refreshes B's entry and A's is evicted, so A's next real turn reuses only the shared prefix."""
+    def run(partition: bool) -> tuple[int, list]:
+        clock = Clock()
+        c = make(clock, max_entries=2)
+        a = put(c, toks(8) + toks(8, 100), session_id="A")
+        clock.t += 1
+        b = put(c, toks(8) + toks(8, 200), session_id="B")
+        clock.t += 1
+        side = toks(8) + toks(8, 300)
+        m = c.lookup(side, side, prefer_session="A" if partition else "")
+        assert m.depth == 8
+        clock.t += 1
+        put(c, side + [1, 2, 3, 4], session_id="A")
+        clock.t += 1
+        turn = toks(8) + toks(8, 100) + toks(8, 400)
+        return c.lookup(turn, turn, prefer_session="A" if partition else "").depth, \
+            [(eid, reason) for eid, reason in c.eviction_log], a.entry_id, b.entry_id
+
+    depth_off, log_off, a, b = run(False)
+    depth_on, log_on, a2, b2 = run(True)
+    assert (depth_off, log_off) == (8, [(a, "count")])
+    assert (depth_on, log_on) == (16, [(b2, "count")])

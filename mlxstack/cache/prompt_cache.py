@@ -15,6 +15,10 @@ Invariants (each has a test in tests/test_prompt_cache.py):
   copy), and an entry RAM can never hold (alone over the byte budget, or of a pool whose limit
   is 0) leaves RAM first without evicting anything for it; promoting such an entry leaves it
   disk-only, and the request is served from the state it loaded.
+- Session partitioning (``prefer_session``) only changes WHICH entry serves among those that
+  match equally deep: the session's own entry (the one it stored) over the global pick (most
+  recently used), never one that costs a disk load the global pick would not. The depth is the
+  global lookup's, always.
 - Eviction order is deterministic: TTL first, then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
   ties broken by older entry id.
@@ -76,6 +80,7 @@ class MatchResult(NamedTuple):
     depth: int            # model tokens reused (KV offset after checkout)
     match_type: str       # exact | prefix | supersequence | lcp | miss
     canonical_blocks: int  # leading canonical blocks shared with the chosen entry
+    preferred: bool = False  # the request's own session's entry, chosen over the global pick of equal depth
 
     @property
     def hit(self) -> bool:
@@ -159,12 +164,15 @@ class PromptCache:
         broad: bool = False,
         extra_candidates: Iterable[int] = (),
         key_hashes: list[BlockHash] | None = None,
+        prefer_session: str = "",
     ) -> MatchResult:
         """Best reusable entry for a request.
 
         ``broad=False``: candidates are the entries sharing the deepest run of leading canonical
         blocks (O(blocks) through the index). ``broad=True`` (secondary lookup) verifies every
         entry sharing at least one block plus ``extra_candidates`` (e.g. the session's entries).
+        ``prefer_session`` (CACHE_SESSION_PARTITIONING): among the candidates reusing the same
+        (deepest) depth, an entry this session stored wins over the global pick (``preferred``).
         """
         if not self.enabled:
             return MISS
@@ -187,15 +195,19 @@ class PromptCache:
             best = MISS
             trim_loss = 0
             hid = False
+            results = []
             for eid, nblocks in cands.items():
                 result, would_be, hid_here = self._verify(self._entries[eid], key, model, nblocks)
                 trim_loss = max(trim_loss, would_be)
                 hid = hid or hid_here
+                results.append(result)
                 if result.depth > best.depth or (
                     result.depth == best.depth and result.depth > 0 and best.entry is not None
                     and result.entry.last_used > best.entry.last_used
                 ):
                     best = result
+            if prefer_session and best.hit and best.entry.session_id != prefer_session:
+                best = self._own_pick(results, best, prefer_session)
             # Counted once per lookup, and only when they cost reuse.
             if trim_loss > best.depth:
                 self.counters.bump("hybrid_trim_miss")
@@ -352,6 +364,16 @@ class PromptCache:
             if n:
                 shared[e.entry_id] = n
         return shared
+
+    @staticmethod
+    def _own_pick(results: list[MatchResult], best: MatchResult, session_id: str) -> MatchResult:
+        """The session's own entry among those reusing ``best.depth`` (most recently used first),
+        unless it lives on disk only while ``best`` is in RAM; else ``best`` itself."""
+        own = [r for r in results if r.depth == best.depth and r.entry.session_id == session_id
+               and (r.entry.payload is not None or best.entry.payload is None)]
+        if not own:
+            return best
+        return max(own, key=lambda r: r.entry.last_used)._replace(preferred=True)
 
     def _verify(self, e: CacheEntry, key: np.ndarray, model: np.ndarray, nblocks: int) -> tuple[MatchResult, int, bool]:
         """(result, depth a trim would have given an entry that cannot serve it, canonical-hid-a-difference)."""

@@ -113,6 +113,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("CACHE_USE_BLOCK_INDEX", "bool", True, "Block-hash index for O(blocks) lookup (off = linear scan, same answers).", group="cache"),
     Spec("CACHE_CANONICALIZE_TOOL_CONTEXT", "bool", True, "Normalise volatile agent fields (message ids, inbound context, runtime stats) in the cache key.", group="cache"),
     Spec("CACHE_VLM_IMAGE_IDENTITY", "bool", True, "Add per-image identity markers to VLM cache keys.", group="cache"),
+    Spec("CACHE_SESSION_PARTITIONING", "bool", True, "Among cache entries that match a request equally deep, take the one the request's own session stored (global order -- most recently used -- otherwise), so another session's entry does not take the hit, the refresh and the lineage link. Never changes how deep a hit reuses. Counted in /v1/cache/stats counters: own_session_hits, other_session_hits, own_session_preferred.", group="cache"),
     Spec("CACHE_NORM_SAFETY_CHECK", "bool", False, "Refuse a cache key >10% shorter than the prompt (falls back to original tokens).", group="cache"),
     Spec("STRIP_BILLING_HEADER", "bool", True, "Remove Claude Code's per-request x-anthropic-billing-header line from the model input too.", group="cache"),
     Spec("HEALING_STORE", "bool", True, "Restore reasoning / raw tool-call markup that clients strip from echoed assistant turns.", group="cache"),

@@ -80,10 +80,12 @@ class ChatEngine(PromptAssembly, TurnFinish):
         prefix, or misses) the broad lookup over entries sharing a block and the session's lineage."""
         cache = self.state.prompt_cache
         hashes = cache.hashes(prep.key_np)
-        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes)
+        # CACHE_SESSION_PARTITIONING: the session's own entry wins among equally deep ones
+        prefer = session_id if self.settings.cache_session_partitioning else ""
+        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes, prefer_session=prefer)
         if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
             second = cache.lookup(prep.key_np, prep.model_np, broad=True, key_hashes=hashes,
-                                  extra_candidates=self.state.sessions.candidates(session_id))
+                                  extra_candidates=self.state.sessions.candidates(session_id), prefer_session=prefer)
             if second.depth > match.depth:
                 match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")
         if match.hit and match.entry.pool == POOL_SNAPSHOT:
@@ -158,6 +160,10 @@ class ChatEngine(PromptAssembly, TurnFinish):
         if live.depth != match.depth:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
+        if match.hit:   # whose entry served it (CACHE_SESSION_PARTITIONING prefers the session's own)
+            st.counters.bump("own_session_hits" if match.entry.session_id == session.session_id else "other_session_hits")
+            if match.preferred:
+                st.counters.bump("own_session_preferred")
         if from_disk:
             st.counters.bump("hits_disk")
 
