@@ -90,3 +90,9 @@ def test_proxy_startup_wait_seconds_is_the_seeds_name_for_the_litellm_limit(tmp_
             load_settings(env={"PROXY_STARTUP_WAIT_SECONDS": bad})
         assert str(exc.value).startswith(f"PROXY_STARTUP_WAIT_SECONDS={bad!r} ")
 
+
+def test_seed_cache_settings_defaults():
+    s = load_settings(env={})
+    assert s.cache_session_partitioning is True and s.normalize_write_tool_content_for_prompt is False
+    s = load_settings(env={"CACHE_SESSION_PARTITIONING": "false", "NORMALIZE_WRITE_TOOL_CONTENT_FOR_PROMPT": "true"})
+    assert s.cache_session_partitioning is False and s.normalize_write_tool_content_for_prompt is True

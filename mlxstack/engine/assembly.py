@@ -33,6 +33,7 @@ from ..pipeline.key_text import canonical_text
 from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
 from ..pipeline.session_context import SessionContext, extract_session_context, session_opening
+from ..pipeline.write_content import omit_written_content
 from .request import ChatJob, PreparedPrompt
 
 log = logging.getLogger("mlxstack.request")
@@ -53,7 +54,9 @@ class PromptAssembly:
         safety check (``_plain_key``: what the key falls back to) -> history boundary."""
         s = self.settings
         renders = [0]
-        messages = self.state.heal(job.messages)
+        healed = self.state.heal(job.messages)
+        messages, omitted, omitted_bytes = (omit_written_content(healed, job.messages)
+                                            if s.normalize_write_tool_content_for_prompt else (healed, 0, 0))
         original, canonical = canonicalize_messages(
             messages, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
         model_text = self._render(renders, original, job)
@@ -71,6 +74,11 @@ class PromptAssembly:
                               len(model_text) - len(key_text), extras)
         prep.generation_text, prep.history_end = self._history_split(prep, job, renders)
         prep.renders = renders[0]
+        if omitted:   # the model sees placeholders; healing and the session records follow what was sent
+            prep.sent, prep.sent_canonical = canonicalize_messages(
+                healed, enabled=s.cache_canonicalize_tool_context, strip_billing_header=s.strip_billing_header)
+            self.state.counters.bump("write_contents_omitted", omitted)
+            self.state.counters.bump("write_content_bytes_omitted", omitted_bytes)
         return prep
 
     def _render(self, renders: list[int], messages: list[dict], job: ChatJob,
@@ -135,7 +143,7 @@ class PromptAssembly:
         turn store's record of the previous request when the stable messages are that whole
         record (a growing conversation), else by rendering them (a branch inside the record)."""
         turns = self.state.turns
-        n = turns.stable_prefix(session_id, prep.canonical)
+        n = turns.stable_prefix(session_id, prep.record_canonical)
         if n <= 0:
             return 0, 0
         recorded = turns.recorded_history(session_id, n)
@@ -148,7 +156,7 @@ class PromptAssembly:
 
     def session_of(self, prep: PreparedPrompt, job: ChatJob) -> SessionContext:
         """The client's session id, else the digest of the canonical opening (the router's too)."""
-        implicit = SessionContext(opening_session_id(session_opening(prep.canonical)), "message-prefix")
+        implicit = SessionContext(opening_session_id(session_opening(prep.record_canonical)), "message-prefix")
         return extract_session_context(job.body, job.headers, implicit=implicit)
 
 

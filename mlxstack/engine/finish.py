@@ -67,7 +67,7 @@ class TurnFinish:
         if store or aborted or job.prefill_only:     # an abort (a hang-up just now) salvages at once
             self._store_turn(seq, aborted, raw_ids)
         if not aborted and not job.prefill_only:
-            st.turns.update(seq.session.session_id, prep.canonical, history=prep.history_end)
+            st.turns.update(seq.session.session_id, prep.record_canonical, history=prep.history_end)
             self._remember_reply(seq, raw_text, visible)
 
         if not seq.t_first:
@@ -190,7 +190,7 @@ class TurnFinish:
                 return
         else:
             healed = self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
-        healing.remember(history_digest([healing.view(m) for m in seq.prep.original]), parsed.content,
+        healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages]), parsed.content,
                          parsed.tool_calls, healed)
 
     def _close_turn(self, seq: Sequence, content_ids: list[int]) -> list[int]:

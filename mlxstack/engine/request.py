@@ -89,10 +89,25 @@ class PreparedPrompt:
     generation_text: str = ""                    # what the generation prompt appended to the history
     history_end: int = 0                         # tokens of the rendered history (no generation prompt)
     renders: int = 0                             # chat-template renders this prompt cost
+    # NORMALIZE_WRITE_TOOL_CONTENT_FOR_PROMPT replaced old write contents in original / canonical:
+    # the conversation as the client sent it (healed; original and canonical), which the healing
+    # digest and the session records keep following. None = original / canonical themselves.
+    sent: list[dict] | None = None
+    sent_canonical: list[dict] | None = None
 
     def __post_init__(self) -> None:
         self.model_np = as_tokens(self.model_tokens)
         self.key_np = self.model_np if self.key_tokens is self.model_tokens else as_tokens(self.key_tokens)
+
+    @property
+    def history_messages(self) -> list[dict]:
+        """The messages a healing-store digest covers (as sent, never normalised)."""
+        return self.original if self.sent is None else self.sent
+
+    @property
+    def record_canonical(self) -> list[dict]:
+        """The canonical messages the turn store and the session id follow (as sent)."""
+        return self.canonical if self.sent_canonical is None else self.sent_canonical
 
     def extended(self, text: str, ids: list[int]) -> "PreparedPrompt":
         """The prompt with the start of the reply forced (``text`` encoded as ``ids``)."""
@@ -101,7 +116,7 @@ class PreparedPrompt:
         return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
                               model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras,
                               generation_text=self.generation_text, history_end=self.history_end,
-                              renders=self.renders)
+                              renders=self.renders, sent=self.sent, sent_canonical=self.sent_canonical)
 
 
 @dataclass(eq=False)       # identity: a request is itself, never "equal" to another
