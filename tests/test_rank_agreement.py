@@ -14,6 +14,23 @@ from mlxstack.config.settings import load_settings
 from mlxstack.launcher.ranks import free_ports, rank_env, ring_hostfile
 
 
+def run_ranks(code: str, tmp_path: Path, extra_env: dict, timeout: float, ranks: int = 3) -> list[str]:
+    """``code`` as ``ranks`` real ring ranks over 127.0.0.1 (a hostfile in ``tmp_path``); each rank's
+    stdout, after every rank exited 0."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps(ring_hostfile(free_ports(ranks))))
+    env = {**os.environ, **extra_env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=rank_env(env, r, str(hostfile)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    try:
+        results = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
+    return [out for out, _ in results]
+
+
 _AGREE_RANK = """
 import json, os, sys
 import mlx.core as mx
@@ -47,18 +64,8 @@ def test_ranks_agree_on_what_shapes_the_forward(tmp_path):
              [{"A": "1", "B": "x"}, {"A": "1", "B": "x"}, {"A": "1", "B": "x"}],          # settings alike
              [{"A": "1", "B": "x", "C": "2"}, {"A": "1", "B": "y", "C": "2"}, {"A": "3", "B": "x", "C": "2"}],
              [{"A": "1"}, {"A": "1"}, {"A": "1", "B": "x"}]]                               # another version
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps(ring_hostfile(free_ports(3))))
-    env = {**os.environ, "AGREE_CASES": json.dumps(cases), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_RANK], env=rank_env(env, r, str(hostfile)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
-    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    outs = run_ranks(_AGREE_RANK, tmp_path, {"AGREE_CASES": json.dumps(cases)}, timeout=240)
+    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     from mlxstack.models.cpu_kernels import native_kernel
 
     native = "auto" if native_kernel() is not None else "off"     # the same build on this machine
@@ -120,18 +127,8 @@ def test_ranks_on_hosts_learn_the_control_port_from_rank_0_after_it_listens(tmp_
     connections to it (garbage, half a hello, silence) and rank 0's record reaches both followers."""
     from mlxstack.launcher.ranks import control_for_hosts
 
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps(ring_hostfile(free_ports(3))))
-    assert control_for_hosts(str(hostfile)) == "127.0.0.1:0"
-    env = {**os.environ, "SECRET": os.urandom(32).hex(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [subprocess.Popen([sys.executable, "-c", _CONTROL_RANK], env=rank_env(env, r, str(hostfile)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
-    try:
-        results = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in results]
-    lines = [[json.loads(x) for x in out.strip().splitlines() if x.startswith("{")] for out, _ in results]
+    outs = run_ranks(_CONTROL_RANK, tmp_path, {"SECRET": os.urandom(32).hex()}, timeout=120)
+    assert control_for_hosts(str(tmp_path / "hosts.json")) == "127.0.0.1:0"
+    lines = [[json.loads(x) for x in out.strip().splitlines() if x.startswith("{")] for out in outs]
     assert lines[0][0]["port"] > 0 and lines[0][1] == {"sent": True}
     assert lines[1] == lines[2] == [{"got": "turn 1"}]
