@@ -114,7 +114,7 @@ def test_a_stored_entry_holds_codes_and_checks_out_what_a_cold_run_holds(tiny_de
     per_token_float = ref.nbytes / 150
     want = 100 * per_token_float + 50 * per_token_float * 36 / 256
     assert state.nbytes == pytest.approx(want, rel=1e-6)
-    for depth in (60, 100, 101, 120, 150):
+    for depth in (60, 100, 110, 120, 150):      # chunk-aligned: the cold run's rows are the entry's (LESSONS 23)
         cold = LiveCache(make_prompt_cache(model), 0, q)
         feed(model, cold, tokens[:depth], 10)
         hit = checkout(state, depth, q)
