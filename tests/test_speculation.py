@@ -475,3 +475,37 @@ def test_step_costs_are_timed_at_load_on_the_models_own_forward(tiny_dense_path,
     assert build_engine(engine_settings(tiny_dense_path, spec_calibrate="auto", speculative="off")
                         ).speculation.costs.table == {}
     assert build_engine(engine_settings(tiny_dense_path)).speculation.costs.table == {}
+
+
+def test_calibration_pairs_each_wide_forward_with_a_plain_one_so_a_busy_machine_cannot_price_it_out(tiny_dense_path):
+    """The guard found the width chooser never drafting for single streams: the table was timed
+    while the other stack was starting (one plain timing, then wide ones on a busy machine: 1x2 =
+    4.4 plain steps), and a prior that says "never" is never measured again. Now every wide forward
+    is timed right after a plain one and the smallest ratio kept, and no width costs more than that
+    many plain steps. A scripted clock: the machine turns 3x slower after the first plain forward."""
+    from mlx_lm import load
+
+    from mlxstack.engine.spec_calibration import calibrate
+
+    model, _ = load(str(tiny_dense_path))
+
+    def scripted(durations):
+        it, now, started = iter(durations), [0.0], [False]
+
+        def clock():
+            started[0] = not started[0]
+            if not started[0]:
+                now[0] += next(it)
+            return now[0]
+        return clock
+
+    def run(wide):
+        durations = [1.0]                                  # the first plain forward, before the load
+        for w in (2, 4):
+            durations.append(9.9)                          # this width's warm-up
+            for _ in range(3):
+                durations += [3.0, 3.0 * wide(w)]          # plain, then wide: both under the load
+        return calibrate(model, rows=(1,), widths=(2, 4), repeats=2, clock=scripted(durations))
+
+    assert run(lambda w: 1 + 0.05 * (w - 1)) == {(1, 2): 1.05, (1, 4): 1.15}
+    assert run(lambda w: 50.0) == {(1, 2): 2.0, (1, 4): 4.0}       # never above w plain steps

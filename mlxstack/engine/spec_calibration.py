@@ -33,8 +33,9 @@ CONTEXT = 32                  # tokens in the scratch cache (the attention is a 
 
 def calibrate(model: Any, rows: Sequence[int] = (1, 8), widths: Sequence[int] = WIDTHS, repeats: int = 2,
               clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
-    """{(rows, width): the forward's time over a plain one's} (each the best of ``repeats`` after a
-    warm-up; non-decreasing in width); {} where a cache layer cannot be cut back."""
+    """{(rows, width): the forward's time over a plain one's} (the smallest of ``repeats`` + 1 ratios
+    of a wide forward to the plain one timed just before it, after a warm-up; non-decreasing in
+    width, at most ``width``); {} where a cache layer cannot be cut back."""
     table: dict[tuple[int, int], float] = {}
     for r in rows:
         cache = make_prompt_cache(model)
@@ -43,20 +44,28 @@ def calibrate(model: Any, rows: Sequence[int] = (1, 8), widths: Sequence[int] = 
         with mx.stream(generation_stream()):
             mx.eval(model(mx.ones((r, CONTEXT), dtype=mx.int32), cache=cache))
 
-            def timed(width: int) -> float:
-                best = math.inf
-                for i in range(repeats + 1):
-                    start = clock()
-                    mx.eval(model(mx.ones((r, width), dtype=mx.int32), cache=cache))
-                    if i:
-                        best = min(best, clock() - start)
-                    for c in cache:
-                        c.trim(width)
-                return best
+            def once(width: int) -> float:
+                start = clock()
+                mx.eval(model(mx.ones((r, width), dtype=mx.int32), cache=cache))
+                took = clock() - start
+                for c in cache:
+                    c.trim(width)
+                return took
 
-            plain, last = timed(1), 1.0
+            once(1)
+            last = 1.0
             for w in sorted(widths):
-                # never below a narrower width's figure (a noisy short timing is not a cheaper step)
-                last = max(last, timed(w) / plain if plain > 0 else 1.0)
+                once(w)                                    # warm-up: this width's graph
+                # each wide forward timed right after a plain one, the smallest ratio kept: a busy
+                # machine (another process, a stack starting beside this one) slows both of a pair,
+                # where one plain timing then several wide ones would price speculation at several
+                # plain steps -- and a prior that says "never" is never measured again
+                ratios = []
+                for _ in range(repeats + 1):
+                    plain = once(1)
+                    ratios.append(once(w) / plain if plain > 0 else 1.0)
+                # never below a narrower width's figure, never above w plain steps (w separate
+                # forwards would do the same work)
+                last = min(float(w), max(last, min(ratios)))
                 table[(r, w)] = round(last, 3)
     return table
