@@ -16,7 +16,6 @@ step was timed, and for ranks in lockstep -- which never decide from wall times 
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
