@@ -54,11 +54,13 @@ class LiveCache:
         if self.quantized or self.depth < self.quant.start:
             return
         for i, layer in enumerate(self.layers):
-            if kind_of(layer) is KINDS["kv"] and self.quant.scheme == "turboquant":
+            if kind_of(layer) is not KINDS["kv"]:
+                continue
+            if self.quant.scheme == "turboquant":
                 from .turboquant import TurboQuantKVCache
 
                 self.layers[i] = TurboQuantKVCache.from_kv(layer, self.quant.bits, self.quant.seed, self.depth)
-            elif kind_of(layer) is KINDS["kv"] and hasattr(layer, "to_quantized"):
+            elif hasattr(layer, "to_quantized"):
                 q = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
                 if layer.keys is not None:   # what it held in full precision: stored entries keep it
                     setattr(q, FP_HEAD, (layer.keys[..., :self.depth, :], layer.values[..., :self.depth, :]))

@@ -424,13 +424,10 @@ class TurboQuantKind(KVKind):
     def cut(self, layer: Any, depth: int, target: int) -> None:
         layer.cut(target)
 
-    def dump(self, state: LayerState) -> tuple[dict[str, Any], dict]:
-        return CacheKind.dump(self, state)
-
     def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
         if not {"bits", "fp_head", "seed"} <= set(meta["params"]) or len(meta["slots"]) != 6:
             raise ValueError("turboquant layer state without its bits, seed or full-precision head")
-        return CacheKind.load(self, arrays, meta, cls)
+        return super().load(arrays, meta, cls)
 
 
 class RotatingKind(CacheKind):

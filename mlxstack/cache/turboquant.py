@@ -145,6 +145,12 @@ class Scheme:
 
     def encode(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(packed codes [..., dim * bits / 8] uint8, f [..., 1] float32) of float vectors ``x``."""
+        packed, f, _ = self.code(x)
+        return packed, f
+
+    def code(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``encode``'s (packed, f) and the vectors they decode to (``decode``'s result, from the
+        centroids in hand instead of unpacking the codes again: the same arithmetic)."""
         x = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
         u = self._blocks(x * self.signs)                        # sqrt(block) * the rotated vector
@@ -152,8 +158,8 @@ class Scheme:
         scaled = u / mx.maximum(norm, mx.array(1e-30, dtype=mx.float32))
         codes = self._nearest(scaled)
         c = mx.take(self.ints, codes)
-        f = norm / (math.sqrt(self.block) * mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True)))
-        return self._pack(codes), f.astype(mx.float32)
+        f = (norm / (math.sqrt(self.block) * mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True)))).astype(mx.float32)
+        return self._pack(codes), f, self._restore(c, f)
 
     def _nearest(self, t: mx.array) -> mx.array:
         """The code of each coordinate: how many boundaries lie below it."""
@@ -164,8 +170,11 @@ class Scheme:
 
     def decode(self, packed: mx.array, f: mx.array) -> mx.array:
         """The float vectors ``packed`` / ``f`` stand for: exact (see the module's docstring)."""
-        y = self._blocks(mx.take(self.ints, self._unpack(packed)))
-        return (y * f) * self.signs
+        return self._restore(mx.take(self.ints, self._unpack(packed)), f)
+
+    def _restore(self, c: mx.array, f: mx.array) -> mx.array:
+        """Centroid integers ``c`` back to vectors: H per block (exact), then f and the signs."""
+        return (self._blocks(c) * f) * self.signs
 
     def _pack(self, codes: mx.array) -> mx.array:
         shape = codes.shape
@@ -215,11 +224,11 @@ class TurboQuantKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         book = scheme(self.code_bits, keys.shape[-1], self.seed)
-        ck, fk = book.encode(keys)
-        cv, fv = book.encode(values)
+        ck, fk, k = book.code(keys)
+        cv, fv, v = book.code(values)
         self.codes.update_and_fetch(ck, cv)
         self.scales.update_and_fetch(fk, fv)
-        return super().update_and_fetch(book.decode(ck, fk).astype(keys.dtype), book.decode(cv, fv).astype(values.dtype))
+        return super().update_and_fetch(k.astype(keys.dtype), v.astype(values.dtype))
 
     def cut(self, target: int) -> None:
         if target < self.fp_head:

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..constraints.grammars import GrammarSpec
+from ..runtime.sampling import SamplingParams
 from . import record_codec
 from .request import ChatJob
 
@@ -85,9 +87,6 @@ _JOB_FIELDS = frozenset(f.name for f in fields(ChatJob)) - frozenset(_CALLBACKS)
 def _check_job(values: Any, spec: Any, rank: int) -> None:
     """A chat item from a record: a job's fields (no callbacks), SamplingParams, a GrammarSpec or
     None -- else this rank cannot follow (LockstepBroken)."""
-    from ..constraints.grammars import GrammarSpec
-    from ..runtime.sampling import SamplingParams
-
     ok = (isinstance(values, dict) and set(values) <= _JOB_FIELDS and isinstance(values.get("params"), SamplingParams)
           and (spec is None or isinstance(spec, GrammarSpec)))
     if not ok:
