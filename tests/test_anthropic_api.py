@@ -169,7 +169,13 @@ def test_stop_reasons_and_usage():
     assert matched_stop_sequence("abc", "abc", ["END"]) is None
     assert matched_stop_sequence("abc", "abcEND", []) is None
     assert usage_object(Usage(1000, 900, 7)) == {"input_tokens": 100, "output_tokens": 7,
-                                                 "cache_read_input_tokens": 900, "cache_creation_input_tokens": 0}
+                                                 "cache_read_input_tokens": 900, "cache_creation_input_tokens": 0,
+                                                 "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                                                    "ephemeral_1h_input_tokens": 0}}
+    assert usage_object(Usage(1000, 900, 7, 100)) == {"input_tokens": 0, "output_tokens": 7,
+                                                      "cache_read_input_tokens": 900, "cache_creation_input_tokens": 100,
+                                                      "cache_creation": {"ephemeral_5m_input_tokens": 100,
+                                                                         "ephemeral_1h_input_tokens": 0}}
 
 
 # ============================================================================ LiteLLM config (pure)
@@ -228,8 +234,10 @@ def test_same_prompt_and_output_as_chat_completions_with_the_system_entry_in_pla
     assert (s1, s2) == (200, 200)
     assert m["type"] == "message" and m["role"] == "assistant" and m["id"].startswith("msg_")
     u = m["usage"]
-    assert u["input_tokens"] + u["cache_read_input_tokens"] == c["usage"]["prompt_tokens"]
-    assert u["cache_read_input_tokens"] == c["usage"]["prompt_tokens"] - 1    # the chat request's entry
+    # the chat request's entry serves all but the last token, which this request computes and stores
+    assert (u["input_tokens"], u["cache_read_input_tokens"], u["cache_creation_input_tokens"]) == \
+        (0, c["usage"]["prompt_tokens"] - 1, 1)
+    assert u["cache_creation"] == {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}
     assert (u["output_tokens"], m["stop_reason"]) == (8, "max_tokens")
     assert text_of(m) == c["choices"][0]["message"]["content"]
     s3, n, _ = http_json(server.base + "/v1/messages/count_tokens", {k: CONV[k] for k in ("system", "messages")})
@@ -255,9 +263,13 @@ def test_stream_events_and_text_match_non_stream(server):
     assert deltas == text_of(whole)
     final = events[-2][1]
     assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    total = whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"]
-    assert final["usage"] == {"input_tokens": 1, "output_tokens": 10, "cache_read_input_tokens": total - 1,
-                              "cache_creation_input_tokens": 0}
+    w = whole["usage"]
+    total = w["input_tokens"] + w["cache_read_input_tokens"] + w["cache_creation_input_tokens"]
+    input_side = {"input_tokens": 0, "cache_read_input_tokens": total - 1, "cache_creation_input_tokens": 1,
+                  "cache_creation": {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}}
+    assert final["usage"] == {**input_side, "output_tokens": 10}
+    # the input side is on message_start already (Claude Code reads it there)
+    assert events[0][1]["message"]["usage"] == {**input_side, "output_tokens": 0}
 
 
 def test_second_turn_reads_the_cache_and_the_session_comes_from_claude_code(server):
@@ -267,7 +279,8 @@ def test_second_turn_reads_the_cache_and_the_session_comes_from_claude_code(serv
     second = {**first, "messages": [*first["messages"], {"role": "assistant", "content": a["content"]},
                                     {"role": "user", "content": "Again."}]}
     _, b, _ = http_json(server.base + "/v1/messages", second, headers=headers)
-    first_total = a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"]
+    first_total = a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"] + \
+        a["usage"]["cache_creation_input_tokens"]
     assert b["usage"]["cache_read_input_tokens"] >= first_total - 1   # the tokenizer re-splits the newline after it
     rows = http_json(server.base + "/v1/cache/stats")[1]["recent"][-2:]
     assert [r["session"] for r in rows] == ["cc-session-7", "cc-session-7"]
@@ -348,7 +361,9 @@ def test_claude_code_request_shape_reaches_the_model_whole_through_litellm(stack
     usage = events[-2][1]["usage"]
     row = stack.recent()[-1]
     assert row["session"] == "cc-through-litellm"[:16]   # stats rows show 16 characters
-    assert row["prompt_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert row["prompt_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] + \
+        usage["cache_creation_input_tokens"]
+    assert usage["cache_creation_input_tokens"] == row["prompt_tokens"] - row["cached_tokens"]
     # the request log shows the roles the model saw: the trailing system entry is still a system turn
     record = last_log_record(stack.log_path.parent / "logs", "cc-through-litel")
     assert record["message_roles"] == ["system", "user", "system"]

@@ -29,16 +29,29 @@ def outcome(finish="stop", text="", raw_text=None, thinking_started=False):
 
 # ============================================================================ usage.py
 def test_usage_in_each_fronts_words():
-    usage = outcome_usage(outcome())
+    usage = outcome_usage(outcome())    # no cache report (the cache off): nothing written
     assert usage == Usage(prompt_tokens=100, cached_tokens=80, completion_tokens=12)
     assert chat_usage(usage) == {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112,
-                                 "prompt_tokens_details": {"cached_tokens": 80}}
+                                 "prompt_tokens_details": {"cached_tokens": 80, "cache_write_tokens": 0}}
     assert responses_usage(usage, reasoning_tokens=5) == {
-        "input_tokens": 100, "input_tokens_details": {"cached_tokens": 80}, "output_tokens": 12,
-        "output_tokens_details": {"reasoning_tokens": 5}, "total_tokens": 112}
+        "input_tokens": 100, "input_tokens_details": {"cached_tokens": 80, "cache_write_tokens": 0,
+                                                      "cache_write_tokens_details": {"ttl_30m_tokens": 0,
+                                                                                     "ttl_12h_tokens": 0}},
+        "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": 5}, "total_tokens": 112}
     assert responses_usage(usage, reasoning_tokens=40)["output_tokens_details"] == {"reasoning_tokens": 12}
     assert messages_usage(usage) == {"input_tokens": 20, "output_tokens": 12, "cache_read_input_tokens": 80,
-                                     "cache_creation_input_tokens": 0}
+                                     "cache_creation_input_tokens": 0,
+                                     "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
+    # the prompt's 20 new tokens stored, 15 of them under a long-lived breakpoint
+    written = outcome_usage(NS(**vars(outcome()), cache=NS(written=20, written_long=15)))
+    assert written == Usage(100, 80, 12, 20, 15)
+    assert messages_usage(written) == {"input_tokens": 0, "output_tokens": 12, "cache_read_input_tokens": 80,
+                                       "cache_creation_input_tokens": 20,
+                                       "cache_creation": {"ephemeral_5m_input_tokens": 5, "ephemeral_1h_input_tokens": 15}}
+    assert chat_usage(written)["prompt_tokens_details"] == {"cached_tokens": 80, "cache_write_tokens": 20}
+    assert responses_usage(written, 0)["input_tokens_details"] == {
+        "cached_tokens": 80, "cache_write_tokens": 20,
+        "cache_write_tokens_details": {"ttl_30m_tokens": 5, "ttl_12h_tokens": 15}}
 
 
 def test_chat_usage_keys_keep_their_wire_order():

@@ -17,6 +17,8 @@ from mlxstack.launcher import ports
 from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 
+pytestmark = pytest.mark.e2e  # the whole stack: MLX server and LiteLLM processes (docs/testing.md#tiers)
+
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-e2e-test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -111,7 +113,8 @@ def test_anthropic_messages_shape_claude_code(stack):
     assert status == 200, reply
     assert reply["type"] == "message" and reply["role"] == "assistant"
     assert any(b["type"] == "text" and b["text"] for b in reply["content"])
-    assert reply["usage"]["input_tokens"] > 0
+    u = reply["usage"]   # what was reused, what this request stored, and the rest make the prompt
+    assert u["cache_creation_input_tokens"] > 0 and u["input_tokens"] == 0
     # streaming variant: Anthropic SSE event names
     req = urllib.request.Request(stack.base + "/v1/messages", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json", "x-api-key": KEY})

@@ -68,7 +68,8 @@ def test_live_server_writes_session_log(logged_server):
         assert rec["prompt_sha256"] == hashlib.sha256(rec["model_text"].encode()).hexdigest()
         assert rec["model_tokens"] and rec["key_tokens"]
         assert set(rec["cache"]) == {"match_type", "prompt_tokens", "cached_tokens", "prefilled_tokens",
-                                     "stable_prefix_msgs", "key_delta_chars"}
+                                     "stable_prefix_msgs", "key_delta_chars", "cache_tier", "cache_written",
+                                     "cache_explain", "cache_diagnosis"}
         assert rec["cache"]["prompt_tokens"] == len(rec["model_tokens"])
         assert set(rec["timings"]) == {"ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms"}
         assert set(rec["speculation"]) == {"proposed", "accepted"}
@@ -79,6 +80,15 @@ def test_live_server_writes_session_log(logged_server):
         assert rec["truncated"] == []
     assert first["cache"]["match_type"] == "miss"
     assert second["cache"]["match_type"] != "miss" and second["cache"]["cached_tokens"] > 0
+    # the explanation (cache/diagnosis.py): the first request has nothing to compare with; the
+    # repeat reuses all but the last prompt token of the session's previous request
+    n = first["cache"]["prompt_tokens"]
+    assert (first["cache"]["cache_tier"], first["cache"]["cache_written"], first["cache"]["cache_explain"]) == \
+        ("none", n, "first")
+    assert (second["cache"]["cache_tier"], second["cache"]["cached_tokens"], second["cache"]["cache_written"],
+            second["cache"]["cache_explain"]) == ("ram", n - 1, 1, "hit")
+    assert second["cache"]["cache_diagnosis"] == {"status": "hit", "where": None, "message": None, "field": None,
+                                                  "missed": 0, "common": n // 16 * 16, "previous": n - 1}
     assert first["prompt_sha256"] == second["prompt_sha256"]
     rows = server.app.state.stats()["recent"]
     assert [r["request_id"] for r in rows[-2:]] == [first["request_id"], second["request_id"]]

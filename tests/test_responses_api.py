@@ -130,7 +130,7 @@ def test_to_chat_body_maps_every_field():
         "stream": True, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "reasoning_effort": "none",
         "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"},
                                                                    "strict": True}},
-        "session_id": "conv-1"}
+        "session_id": "conv-1", "prompt_cache_key": "conv-1"}
     assert call.conversation == [{"role": "user", "content": "hi"}]   # instructions are not carried over
     assert (call.stream, call.store, call.reasoning_blob) == (True, False, True)
     history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "ok"}]
@@ -198,8 +198,10 @@ def test_an_empty_reply_still_has_one_message_and_no_blob_unless_asked():
 
 def test_usage_object():
     assert usage_object(Usage(100, 80, 12), reasoning_tokens=30) == {
-        "input_tokens": 100, "input_tokens_details": {"cached_tokens": 80}, "output_tokens": 12,
-        "output_tokens_details": {"reasoning_tokens": 12}, "total_tokens": 112}
+        "input_tokens": 100, "input_tokens_details": {"cached_tokens": 80, "cache_write_tokens": 0,
+                                                      "cache_write_tokens_details": {"ttl_30m_tokens": 0,
+                                                                                     "ttl_12h_tokens": 0}},
+        "output_tokens": 12, "output_tokens_details": {"reasoning_tokens": 12}, "total_tokens": 112}
 
 
 def test_response_store_is_a_bounded_lru_of_copies():

@@ -23,9 +23,12 @@ effort`` without ``thinking`` shapes the answer, not reasoning, so it does not s
 
 Reply: ``thinking`` / ``text`` / ``tool_use`` blocks in generation order; ``thinking.display:
 "omitted"`` streams thinking blocks without their text (the signature carries it back, so the next
-turn renders the same tokens). Usage: ``input_tokens`` = prompt tokens prefilled now,
-``cache_read_input_tokens`` = tokens reused from the KV cache, ``cache_creation_input_tokens`` = 0
-(every prompt is cached automatically; nothing is billed as a write), ``output_tokens``.
+turn renders the same tokens). Usage (api/usage.py): ``cache_read_input_tokens`` = tokens reused
+from the KV cache, ``cache_creation_input_tokens`` = tokens this request stored (with
+``cache_creation`` by lifetime), ``input_tokens`` = the rest, ``output_tokens``; in a stream the
+input side is on ``message_start`` already. ``diagnostics: {previous_message_id}`` (beta
+``cache-diagnosis-2026-04-07``; null on a first turn to opt in) answers ``diagnostics.
+cache_miss_reason`` (api/cache_diagnostics.py), on ``message_start`` in a stream.
 Errors are Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``; a prompt over the
 window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on).
 """
@@ -43,7 +46,8 @@ from .errors import APIError, bad_request
 from .finish import matched_stop_sequence
 from .finish import messages_stop_reason as stop_reason
 from .items import ReplyParts, ReplySplit, whole_reply_events
-from .job_adapter import JobRun, chat_job, chat_request, request_headers, require_ready, submit_on_worker
+from .cache_diagnostics import anthropic_diagnostics, anthropic_request
+from .job_adapter import Diagnosis, JobRun, chat_job, chat_request, request_headers, require_ready, submit_on_worker
 from .opaque import decode_opaque, encode_opaque
 from .sse import event_frame
 from .structured import MESSAGES_FIELDS
@@ -356,9 +360,15 @@ def reply_blocks(text: str, *, thinking_started: bool, tools: list | None, famil
 
 
 def message_object(message_id: str, model: str, blocks: list[dict], *, stop: str | None,
-                   stop_sequence: str | None, usage: dict) -> dict:
+                   stop_sequence: str | None, usage: dict, diagnostics: dict | None = None) -> dict:
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": stop, "stop_sequence": stop_sequence, "usage": usage}
+            "stop_reason": stop, "stop_sequence": stop_sequence, "usage": usage, "diagnostics": diagnostics}
+
+
+def message_diagnostics(report: Any) -> dict | None:
+    """``diagnostics`` for a request that sent ``diagnostics: {previous_message_id}`` (null otherwise,
+    and when nothing diverged)."""
+    return anthropic_diagnostics(report.asked) if report is not None else None
 
 
 def whole_message(message_id: str, model: str, outcome: Any, *, tools: list | None, family: str,
@@ -369,7 +379,8 @@ def whole_message(message_id: str, model: str, outcome: Any, *, tools: list | No
     seq = matched_stop_sequence(outcome.text, outcome.raw_text, stops)
     return message_object(message_id, model, blocks.blocks,
                           stop=stop_reason(outcome.finish_reason, blocks.has_tool_use, seq),
-                          stop_sequence=seq, usage=usage_object(outcome_usage(outcome)))
+                          stop_sequence=seq, usage=usage_object(outcome_usage(outcome)),
+                          diagnostics=message_diagnostics(outcome.cache))
 
 
 class MessagesStream:
@@ -384,8 +395,12 @@ class MessagesStream:
     def start(self, ready: Any) -> list[bytes]:
         self.split.open(ready)
         # Token counts are known only when the reply ends: message_delta carries them in full.
+        # the input side is known once the prompt is looked up; output tokens come with message_delta
+        report = getattr(ready, "cache", None)
         opening = message_object(self.message_id, self.model, [], stop=None, stop_sequence=None,
-                                 usage=usage_object(Usage(0, 0, 0)))
+                                 usage=usage_object(Usage(report.prompt, report.cached, 0, report.written,
+                                                          report.written_long) if report else Usage(0, 0, 0)),
+                                 diagnostics=message_diagnostics(getattr(ready, "cache", None)))
         return [event_frame({"type": "message_start", "message": opening})]
 
     def feed(self, text: str) -> list[bytes]:
@@ -422,7 +437,9 @@ def _messages(h: Any) -> None:
     req = chat_request(app, to_chat_body(body), MESSAGES_FIELDS)
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)
-    run = JobRun.submit(h, req, message_id[-12:], stream=req.stream)
+    wanted, previous = anthropic_request(body, request_headers(h))
+    run = JobRun.submit(h, req, message_id[-12:], stream=req.stream,
+                        diagnosis=Diagnosis(message_id, wanted, previous))
     run.answer(h, lambda: MessagesStream(message_id, app.model_id, tools=req.tools, family=app.family,
                                          stops=req.stop, omit_thinking=omit),
                lambda outcome: whole_message(message_id, app.model_id, outcome, tools=req.tools, family=app.family,

@@ -14,14 +14,17 @@ from the outcome is read in usage.py (token counts) and finish.py (why it ended)
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 from ..engine.chat import ChatJob, PromptReady
 from ..engine.worker import QueueFull
 from ..pipeline.images import ImageError
 from ..runtime.generate import SamplingParams
+from .cache_diagnostics import cache_header
 from .error_shapes import internal_logged
 from .errors import APIError, not_found, unavailable
 from .structured import CHAT_FIELDS, Fields
@@ -68,8 +71,11 @@ def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> 
 
 
 def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit: Callable[[str], None],
-             on_prompt: Callable[[PromptReady], None], is_cancelled: Callable[[], bool]) -> ChatJob:
-    """The ChatJob /v1/chat/completions builds for the same validated request."""
+             on_prompt: Callable[[PromptReady], None], is_cancelled: Callable[[], bool],
+             diagnosis: "Diagnosis | None" = None) -> ChatJob:
+    """The ChatJob /v1/chat/completions builds for the same validated request (``diagnosis``: the
+    reply's id, and the comparison the client asked for)."""
+    d = diagnosis or Diagnosis()
     return ChatJob(
         request_id=request_id, messages=req.messages, tools=req.tools, enable_thinking=req.enable_thinking,
         params=SamplingParams(
@@ -81,7 +87,24 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         ),
         stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
         tool_choice=req.tool_choice, response_format=req.response_format, sampling_origin=req.sampling_origin,
+        response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
     )
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What a front asks of the cache beside the reply: the id the reply is known by (its
+    fingerprint is kept under it), whether the client wants a diagnosis and against which reply,
+    and a prewarm (prefill and store, no output)."""
+    response_id: str = ""
+    wanted: bool = False
+    compare_to: str | None = None
+    prewarm: bool = False
+
+
+def cache_headers(report: Any) -> dict[str, str]:
+    """The response headers every front sends about the cache (``x-mlxstack-cache``)."""
+    return {"x-mlxstack-cache": cache_header(report)}
 
 
 def submit_on_worker(app: Any, fn: Callable[[], Any]) -> Any:
@@ -138,11 +161,12 @@ class JobRun:
         self.future.add_done_callback(lambda _f: self.deltas.put(_DONE))
 
     @classmethod
-    def submit(cls, handler: Any, req: ChatRequest, request_id: str, stream: bool) -> "JobRun":
+    def submit(cls, handler: Any, req: ChatRequest, request_id: str, stream: bool,
+               diagnosis: Diagnosis | None = None) -> "JobRun":
         def factory(run: "JobRun") -> ChatJob:
             sink = run.deltas.put if stream else (lambda _x: None)
             return chat_job(req, request_id, request_headers(handler), emit=sink, on_prompt=sink,
-                            is_cancelled=run.is_cancelled)
+                            is_cancelled=run.is_cancelled, diagnosis=diagnosis)
         return cls(handler, factory, stream)
 
     def _events(self) -> Iterator[Any]:
@@ -174,7 +198,7 @@ class JobRun:
                 return None
             body = whole(outcome)
             self.app.count_status(200)
-            handler._json(200, body)
+            handler._send(200, json.dumps(body).encode(), headers=cache_headers(outcome.cache))
         if outcome is not None:
             self.app.after_response(self.job, outcome)
         return outcome
@@ -192,6 +216,9 @@ class JobRun:
                 handler.send_header("Content-Type", content_type)
                 handler.send_header("Cache-Control", "no-cache")
                 handler.send_header("Connection", "close")
+                if ready is not None and ready.cache is not None:
+                    for k, v in cache_headers(ready.cache).items():
+                        handler.send_header(k, v)
                 handler.end_headers()
                 handler.close_connection = True
                 frames = [*encoder.start(ready), *frames]
@@ -231,5 +258,5 @@ class JobRun:
             return None
 
 
-__all__ = ["FrameEncoder", "JobRun", "Usage", "attach_grammar", "chat_job", "chat_request", "outcome_usage",
+__all__ = ["Diagnosis", "FrameEncoder", "JobRun", "Usage", "attach_grammar", "cache_headers", "chat_job", "chat_request", "outcome_usage",
            "request_headers", "require_ready", "submit_on_worker"]

@@ -31,7 +31,8 @@ from .error_shapes import responses_error
 from .errors import APIError, bad_request
 from .finish import responses_status as reply_status
 from .items import ReplyParts, ReplySplit, whole_reply_events
-from .job_adapter import JobRun, chat_request, require_ready
+from .cache_diagnostics import openai_diagnostics
+from .job_adapter import Diagnosis, JobRun, chat_request, require_ready
 from .response_store import ResponseStore, assistant_message, conversation_bytes, response_store  # noqa: F401
 from .responses_to_chat import (ResponsesCall, ToolNames, chat_tool_choice, decode_reasoning_blob,  # noqa: F401
                                 encode_reasoning_blob, input_to_messages, responses_tools, to_chat_body)
@@ -125,9 +126,17 @@ class OutputItems(ReplyParts):
 
 def response_object(response_id: str, model: str, created_at: int, echo: dict, *, status: str,
                     output: list[dict], usage: dict | None, error: dict | None = None,
-                    reason: str | None = "max_output_tokens") -> dict:
-    """The Responses ``response`` object (what create returns and the stream events carry)."""
-    return {
+                    reason: str | None = "max_output_tokens", cache: Any = None) -> dict:
+    """The Responses ``response`` object (what create returns and the stream events carry);
+    ``cache`` (the engine's CacheReport, once the prompt was looked up) answers
+    ``prompt_cache_diagnostics`` when ``prompt_cache_options.comparison_response_id`` asked."""
+    opts = echo.get("prompt_cache_options")
+    extra: dict[str, Any] = {}
+    if opts is not None:
+        extra["prompt_cache_options"] = {k: opts[k] for k in ("mode", "ttl", "comparison_response_id")}
+        if opts["diagnose"] and cache is not None:
+            extra["prompt_cache_diagnostics"] = openai_diagnostics(cache.asked)
+    return {**extra, 
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": False, "error": error,
         "incomplete_details": {"reason": reason} if status == "incomplete" else None,
@@ -165,6 +174,7 @@ class ResponsesStream:
         self.items = OutputItems(response_id, call.tool_names, call.reasoning_blob)
         self.split = ReplySplit(tools=tools, family=family, salt=response_id)
         self.seq = 0
+        self.cache: Any = None
 
     def _frames(self, payloads: list[dict]) -> list[bytes]:
         out = []
@@ -176,9 +186,11 @@ class ResponsesStream:
     def _response(self, status: str, usage: dict | None = None, error: dict | None = None,
                   reason: str | None = None) -> dict:
         return response_object(self.response_id, self.model, self.created_at, self.call.echo, status=status,
-                               output=list(self.items.items), usage=usage, error=error, reason=reason)
+                               output=list(self.items.items), usage=usage, error=error, reason=reason,
+                               cache=self.cache)
 
     def start(self, ready: Any) -> list[bytes]:
+        self.cache = getattr(ready, "cache", None)
         self.split.open(ready)
         first = self._response("in_progress")
         return self._frames([{"type": "response.created", "response": first},
@@ -188,8 +200,11 @@ class ResponsesStream:
         return self._frames(self.items.push_events(self.split.feed(text)))
 
     def finish(self, outcome: Any) -> list[bytes]:
+        self.cache = outcome.cache or self.cache
         payloads = self.items.push_events(self.split.finish(outcome)) + self.items.finish()
-        status, reason = reply_status(outcome)
+        if self.call.prewarm:
+            payloads, self.items.items[:] = [], []   # prewarm: the prompt stored, no output
+        status, reason = ("completed", None) if self.call.prewarm else reply_status(outcome)
         usage = usage_object(outcome_usage(outcome), self.count_tokens(reasoning_text(self.items.items)))
         self.on_finish(outcome)  # before the last event: a client may chain on it at once
         return self._frames(payloads + [{"type": f"response.{status}",
@@ -220,27 +235,30 @@ def handle_responses(h: Any) -> None:
     call = to_chat_body(body, history)
     req = chat_request(app, call.chat_body, RESPONSES_FIELDS)
     response_id = "resp_" + uuid.uuid4().hex
-    run = JobRun.submit(h, req, response_id[-12:], stream=call.stream)
+    opts = call.echo.get("prompt_cache_options") or {}
+    run = JobRun.submit(h, req, response_id[-12:], stream=call.stream,
+                        diagnosis=Diagnosis(response_id, bool(opts.get("diagnose")), opts.get("comparison_response_id"),
+                                            call.prewarm))
 
     def count_tokens(text: str) -> int:
         return len(app.loaded.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     def remember(outcome: Any) -> None:
         """Store the conversation before the client can see the response (and chain on its id)."""
-        if call.store and not outcome.aborted:
+        if call.store and not outcome.aborted and not call.prewarm:
             reply = assistant_message(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
                                       family=app.family, response_id=response_id)
             store.put(response_id, [*call.conversation, reply])
 
     def whole(outcome: Any) -> dict:
-        items = reply_items(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
-                            family=app.family, response_id=response_id, tool_names=call.tool_names,
-                            reasoning_blob=call.reasoning_blob)
+        items = [] if call.prewarm else reply_items(
+            outcome.text, thinking_started=outcome.thinking_started, tools=req.tools, family=app.family,
+            response_id=response_id, tool_names=call.tool_names, reasoning_blob=call.reasoning_blob)
         usage = usage_object(outcome_usage(outcome), count_tokens(reasoning_text(items)))
-        status, reason = reply_status(outcome)
+        status, reason = ("completed", None) if call.prewarm else reply_status(outcome)
         remember(outcome)
         return response_object(response_id, app.model_id, int(time.time()), call.echo, status=status,
-                               output=items, usage=usage, reason=reason)
+                               output=items, usage=usage, reason=reason, cache=outcome.cache)
 
     run.answer(h, lambda: ResponsesStream(response_id, app.model_id, call, tools=req.tools, family=app.family,
                                           count_tokens=count_tokens, on_finish=remember), whole)

@@ -55,6 +55,11 @@ class ResponsesCall:
     reasoning_blob: bool              # include has "reasoning.encrypted_content"
     echo: dict                        # request fields the response object repeats
 
+    @property
+    def prewarm(self) -> bool:
+        """``prompt_cache_options.prewarm``: prefill and store the prompt, generate nothing."""
+        return bool((self.echo.get("prompt_cache_options") or {}).get("prewarm"))
+
 
 def _where(i: int, *rest: Any) -> str:
     return f"input[{i}]" + "".join(f"[{r}]" if isinstance(r, int) else f".{r}" for r in rest)
@@ -312,6 +317,8 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
         chat["response_format"] = fmt
     if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"].strip():
         chat["session_id"] = body["prompt_cache_key"]  # Codex sends its conversation id here
+        chat["prompt_cache_key"] = body["prompt_cache_key"]   # compared by cache diagnoses
+    cache_options = prompt_cache_options(body)
     include = body.get("include") or []
     if not isinstance(include, list):
         raise bad_request("'include' must be a list of strings", param="include")
@@ -324,12 +331,40 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
             "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "text": body.get("text") or {"format": {"type": "text"}}, "store": store,
-            "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user")}
+            "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
+            "prompt_cache_options": cache_options}
     return ResponsesCall(chat_body=chat, conversation=conversation, tool_names=names,
                          stream=bool(body.get("stream", False)), store=store,
                          reasoning_blob="reasoning.encrypted_content" in include, echo=echo)
 
 
-__all__ = ["INPUT_ITEM_TYPES", "MESSAGE_ROLES", "REASONING_BLOB_PREFIX", "ResponsesCall", "ToolNames",
+CACHE_TTLS = ("30m", "12h")
+CACHE_MODES = ("implicit", "explicit")
+
+
+def prompt_cache_options(body: dict) -> dict | None:
+    """``prompt_cache_options`` = {comparison_response_id, prewarm, ttl, mode}, checked; None when
+    absent. The response echoes mode, ttl and comparison_response_id."""
+    opts = body.get("prompt_cache_options")
+    if opts is None:
+        return None
+    where = "prompt_cache_options"
+    if not isinstance(opts, dict):
+        raise bad_request(f"'{where}' must be an object", param=where)
+    cmp_id = opts.get("comparison_response_id")
+    if cmp_id is not None and not isinstance(cmp_id, str):
+        raise bad_request(f"'{where}.comparison_response_id' must be a string", param=f"{where}.comparison_response_id")
+    if not isinstance(opts.get("prewarm", False), bool):
+        raise bad_request(f"'{where}.prewarm' must be true or false", param=f"{where}.prewarm")
+    ttl, mode = opts.get("ttl", "30m"), opts.get("mode", "implicit")
+    if ttl not in CACHE_TTLS:
+        raise bad_request(f"'{where}.ttl' must be one of {', '.join(CACHE_TTLS)}", param=f"{where}.ttl")
+    if mode not in CACHE_MODES:
+        raise bad_request(f"'{where}.mode' must be one of {', '.join(CACHE_MODES)}", param=f"{where}.mode")
+    return {"mode": mode, "ttl": ttl, "comparison_response_id": cmp_id, "prewarm": opts.get("prewarm", False),
+            "diagnose": "comparison_response_id" in opts}
+
+
+__all__ = ["CACHE_MODES", "CACHE_TTLS", "prompt_cache_options", "INPUT_ITEM_TYPES", "MESSAGE_ROLES", "REASONING_BLOB_PREFIX", "ResponsesCall", "ToolNames",
            "chat_tool_choice", "decode_reasoning_blob", "encode_reasoning_blob", "input_to_messages",
            "responses_tools", "to_chat_body"]

@@ -120,6 +120,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("HEALING_STORE", "bool", True, "Restore reasoning / raw tool-call markup that clients strip from echoed assistant turns.", group="cache"),
     Spec("HEALING_STORE_MAX_ENTRIES", "int", 2000, "LRU capacity of the healing store.", minimum=1, group="cache"),
     Spec("HEALING_STORE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the healing store (least recently used replies go first), and of its journal file beside the disk tier while running (compacted to the newest half when an append would pass it).", minimum=1024, group="cache"),
+    Spec("CACHE_DIAGNOSTICS_MAX_ENTRIES", "int", 2048, "Request fingerprints kept for cache diagnoses (Anthropic diagnostics.previous_message_id, Responses prompt_cache_options.comparison_response_id, each session's previous request); hashes and token counts only, least recently used go first.", minimum=1, group="cache"),
+    Spec("CACHE_DIAGNOSTICS_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of those fingerprints (about 8 bytes per 16 prompt tokens plus 200 per message).", minimum=1024, group="cache"),
     Spec("SESSION_STORE_MAX_BYTES", "int", 256 * 1024 * 1024, "Byte cap of the session turn store (each session's message history; least recently updated sessions go first).", minimum=1024, group="cache"),
     Spec("TOKENIZER_CACHE_MAX_BYTES", "int", 64 * 1024 * 1024, "Byte cap of the tokeniser's piece cache (pieces over 256k characters are never cached).", minimum=1024, group="cache"),
     Spec("SNAPSHOT_MAX_ENTRIES", "int", 8, "Hybrid/recurrent-model state snapshots kept (0 = off).", minimum=0, group="cache"),

@@ -29,6 +29,7 @@ from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
 
 from .assembly import PromptAssembly
+from .diagnosis import start_report
 from .finish import TurnFinish
 from .speculation import Speculation
 from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
@@ -151,7 +152,6 @@ class ChatEngine(PromptAssembly, TurnFinish):
                          max_tokens=min(job.params.max_tokens, self.context_limit - n_prompt),
                          logit_bias=self._logit_bias(job))
         session = self.session_of(prep, job)
-        job.on_prompt(PromptReady(thinking_started))
         t_prep = time.perf_counter()
 
         match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
@@ -166,6 +166,9 @@ class ChatEngine(PromptAssembly, TurnFinish):
                 st.counters.bump("own_session_preferred")
         if from_disk:
             st.counters.bump("hits_disk")
+        fingerprint, report = start_report(st, job, prep, session.session_id, match, from_disk)
+        # the opening events (and a stream's headers) go out once the lookup says what it reused
+        job.on_prompt(PromptReady(thinking_started, report))
 
         # Caches that may not be able to cut back later (sliding windows, chunks, recurrent state)
         # are checkpointed where a later turn will extend exactly: the end of the history
@@ -179,7 +182,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
-                        forced=forced, from_disk=from_disk)
+                        forced=forced, from_disk=from_disk, fingerprint=fingerprint, cache_report=report)
 
     def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool, Any]:
         """Lookup over both tiers -> (match, stable messages, from disk, the state to check out).

@@ -24,6 +24,7 @@ from ..config import faults
 from ..parsing.harmony import healing_patch
 from ..pipeline.render import encode
 from ..runtime.generate import feed
+from .diagnosis import keep_fingerprint
 from .request import ChatOutcome, Sequence
 
 log = logging.getLogger("mlxstack.request")
@@ -100,8 +101,23 @@ class TurnFinish:
                 "spec_accepted": seq.spec.control.accepted if seq.spec is not None else 0,
             },
         )
+        outcome.cache = self._cache_report(seq, aborted, raw_ids)
         st.record(job, outcome, prep)
         return outcome
+
+    def _cache_report(self, seq: Sequence, aborted: bool, raw_ids: list[int]) -> Any:
+        """The request's cache report with the prompt tokens it hands to the cache (its turn's
+        entry holds the prompt: what was not reused is written), and its fingerprint kept over
+        what the next turn continues from (the prompt, then the reply the client saw)."""
+        report = seq.cache_report
+        if report is None:
+            return None
+        n_prompt = len(seq.prep.model_tokens)
+        stores = self.state.prompt_cache.enabled and not aborted and n_prompt > seq.start
+        report.written = n_prompt - seq.start if stores else 0
+        reply = [] if aborted or seq.job.prefill_only or seq.stopped_by_string else raw_ids
+        keep_fingerprint(self.state, seq, seq.prep.model_tokens + reply)
+        return report
 
     def store_turn(self, seq: Sequence) -> None:
         """The rest of ``finish(seq, store=False)``: close the turn and store it (once)."""

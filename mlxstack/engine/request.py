@@ -51,12 +51,34 @@ class ChatJob:
     prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
     response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
     sampling_origin: dict[str, str] = field(default_factory=dict)   # field -> request | generation_config | ...
+    # cache diagnoses (cache/diagnosis.py): the id clients know this reply by (its fingerprint is
+    # kept under it), whether the client asked for a diagnosis, and the reply it compares with
+    response_id: str = ""
+    diagnose: bool = False
+    compare_to: str | None = None
+
+
+@dataclass
+class CacheReport:
+    """What the cache did for one request (hashes and counts, never text): the tier that served
+    the prefix, tokens reused, the comparison with the session's previous request and with the
+    request the client named, and the prompt tokens this request handed to the cache."""
+    tier: str                     # ram | disk | none
+    match: str                    # exact | prefix | ... | miss
+    cached: int
+    prompt: int
+    session: Any = None           # cache/diagnosis.Diagnosis vs the session's previous request (None: first)
+    asked: Any = None             # Diagnosis vs the named reply (None: not asked)
+    written: int = 0              # prompt tokens stored by this request (cache_creation / cache_write)
+    written_long: int = 0         # of them, kept past the default lifetime (a long-ttl breakpoint)
 
 
 @dataclass(frozen=True)
 class PromptReady:
-    """Sent once the prompt is rendered: does the output start inside a <think> block?"""
+    """Sent once the prompt is rendered and looked up: does the output start inside a <think>
+    block, and what did the cache do (None: no report, e.g. a replayed job)?"""
     thinking_started: bool
+    cache: CacheReport | None = None
 
 
 @dataclass
@@ -73,6 +95,7 @@ class ChatOutcome:
     timings: dict = field(default_factory=dict)
     aborted: bool = False
     logprobs: list[dict] | None = None
+    cache: CacheReport | None = None
 
 
 @dataclass
@@ -165,3 +188,5 @@ class Sequence:
     stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
     follows: Any = None               # (leader Sequence, depth): waits to take the leader's first tokens
     shared_prefill: int = 0           # prompt tokens taken from another request's prefill (not computed)
+    fingerprint: Any = None           # cache/diagnosis.Fingerprint of the prompt (None: not taken)
+    cache_report: CacheReport | None = None

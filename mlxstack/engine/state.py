@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
+from ..cache.diagnosis import as_dict, describe
 from ..cache.disk.backing import DiskBacking
 from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
@@ -29,6 +30,7 @@ from ..cache.sessions import SessionIndex, SessionTurnStore
 from ..config.settings import Settings
 from ..pipeline.canonicalize import canonicalize_messages
 from ..pipeline.healing import HealingStore
+from ..pipeline.sized_lru import SizedLRU
 from ..models.memory import default_cache_budget
 
 log = logging.getLogger("mlxstack.request")
@@ -84,8 +86,22 @@ class EngineState:
             self.healing.on_remember = self.healing_journal.append
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
+        # request fingerprints for cache diagnoses (cache/diagnosis.py): "id:<response id>" and
+        # "session:<session id>" -> Fingerprint; hashes and counts only, bounded
+        self.fingerprints: SizedLRU[str, Any] = SizedLRU(settings.cache_diagnostics_max_entries,
+                                                         settings.cache_diagnostics_max_bytes)
+        self.fingerprints_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
+
+    def fingerprint(self, key: str) -> Any:
+        with self.fingerprints_lock:
+            return self.fingerprints.get(key)
+
+    def keep_fingerprint(self, keys: list[str], fp: Any) -> None:
+        with self.fingerprints_lock:
+            for key in keys:
+                self.fingerprints.put(key, fp, fp.nbytes)
 
     def _open_disk(self, parts: dict | None) -> DiskBacking | None:
         """The disk tier for this model's namespace, or None (off, or another process holds it)."""
@@ -183,6 +199,11 @@ class EngineState:
                                                 "queue_wait_s", "batch_size_max", "batch_size_mean",
                                                 "spec_proposed", "spec_accepted")},
         }
+        report = getattr(outcome, "cache", None)
+        # why the cache reused what it reused (hashes and counts only; cache/diagnosis.py)
+        row["cache_written"] = report.written if report is not None else 0
+        row["cache_explain"] = describe(report.session) if report is not None else "off"
+        row["cache_diagnosis"] = as_dict(report.session) if report is not None else None
         with self.rows_lock:
             self.rows.append(row)
         self.counters.bump("requests")
@@ -191,13 +212,13 @@ class EngineState:
         log.info(
             "req=%s session=%s prompt=%d cached=%d match=%s tier=%s prefilled=%d delta_chars=%d stable_msgs=%d "
             "renders=%d queue=%.3fs ttft=%.3fs prefill=%.1ftok/s decode=%.1ftok/s batch=%s spec=%d/%d finish=%s "
-            "correctness=%s",
+            "written=%d vs_session=%s correctness=%s",
             job.request_id, row["session"], row["prompt_tokens"], row["cached_tokens"], row["match_type"],
             row["cache_tier"],
             row["prefilled_tokens"], row["key_delta_chars"], row["stable_prefix_msgs"], row["renders"],
             row["queue_wait_s"],
             row["ttft_s"], row["prefill_tok_s"], row["decode_tok_s"], row["batch_size_max"], row["spec_accepted"],
-            row["spec_proposed"], row["finish_reason"],
+            row["spec_proposed"], row["finish_reason"], row["cache_written"], row["cache_explain"],
             ",".join(f"{k}:{v}" for k, v in self.counters.correctness().items()),
         )
         for hook in self.on_record:

@@ -5,7 +5,8 @@ Usage:
     ctx.session_id, ctx.source   # e.g. ("abc-123", "body.session_id")
 
 Lookup order (first non-empty value wins):
-  1. Body ids ``session_id`` > ``conversation_id`` > ``thread_id`` > ``chat_id``, each looked up at
+  1. Body ids ``session_id`` > ``conversation_id`` > ``thread_id`` > ``chat_id`` > ``prompt_cache_key``
+     (OpenAI's cache routing key: Codex sends it on every request), each looked up at
      the top level, then under ``extra_body``, then under ``metadata``
      (source ``"body.<path>"``, e.g. ``"body.metadata.thread_id"``).
      LiteLLM 1.106 forwards a top-level ``session_id`` but drops ``metadata`` and ``user``.
@@ -35,7 +36,7 @@ import numpy as np
 
 from .scrub import scrub_cache_key
 
-BODY_ID_KEYS = ("session_id", "conversation_id", "thread_id", "chat_id")
+BODY_ID_KEYS = ("session_id", "conversation_id", "thread_id", "chat_id", "prompt_cache_key")
 BODY_LOCATIONS = ((), ("extra_body",), ("metadata",))
 HEADER_KEYS = ("x-session-affinity", "x-session-id", "x-claude-code-session-id")
 MAX_ID_CHARS = 256
