@@ -4,13 +4,14 @@ The end-to-end cases (the SDKs through LiteLLM) are in tests/test_e2e_cache_diag
 """
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
 
 from mlxstack.api.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
 from mlxstack.api.errors import APIError
-from mlxstack.api.responses_to_chat import prompt_cache_options
+from mlxstack.api.responses_to_chat import backend_response_id, prompt_cache_options
 from mlxstack.cache.diagnosis import (BLOCK, Diagnosis, common_prefix, describe, diagnose, fingerprint,
                                       with_tokens)
 from mlxstack.pipeline.session_context import extract_session_context
@@ -139,7 +140,12 @@ def test_the_request_fields_that_ask():
         anthropic_request({"diagnostics": {"previous_message_id": 7}}, {})
     assert prompt_cache_options({}) is None
     assert prompt_cache_options({"prompt_cache_options": {"comparison_response_id": "resp_1", "prewarm": True}}) == {
-        "mode": "implicit", "ttl": "30m", "comparison_response_id": "resp_1", "prewarm": True, "diagnose": True}
+        "mode": "implicit", "ttl": "30m", "comparison_response_id": "resp_1", "prewarm": True, "diagnose": True,
+        "compare_to": "resp_1"}
+    # an id LiteLLM's Responses route handed out carries ours inside
+    managed = "resp_" + base64.b64encode(b"litellm:custom_llm_provider:hosted_vllm;model_id:abc;response_id:resp_9").decode()
+    assert backend_response_id(managed) == "resp_9"
+    assert backend_response_id("resp_plain") == "resp_plain"
     assert prompt_cache_options({"prompt_cache_options": {"ttl": "12h"}})["diagnose"] is False
     with pytest.raises(APIError, match="ttl"):
         prompt_cache_options({"prompt_cache_options": {"ttl": "1d"}})

@@ -237,7 +237,7 @@ def handle_responses(h: Any) -> None:
     response_id = "resp_" + uuid.uuid4().hex
     opts = call.echo.get("prompt_cache_options") or {}
     run = JobRun.submit(h, req, response_id[-12:], stream=call.stream,
-                        diagnosis=Diagnosis(response_id, bool(opts.get("diagnose")), opts.get("comparison_response_id"),
+                        diagnosis=Diagnosis(response_id, bool(opts.get("diagnose")), opts.get("compare_to"),
                                             call.prewarm))
 
     def count_tokens(text: str) -> int:

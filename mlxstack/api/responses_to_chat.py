@@ -362,9 +362,30 @@ def prompt_cache_options(body: dict) -> dict | None:
     if mode not in CACHE_MODES:
         raise bad_request(f"'{where}.mode' must be one of {', '.join(CACHE_MODES)}", param=f"{where}.mode")
     return {"mode": mode, "ttl": ttl, "comparison_response_id": cmp_id, "prewarm": opts.get("prewarm", False),
-            "diagnose": "comparison_response_id" in opts}
+            "diagnose": "comparison_response_id" in opts,
+            "compare_to": None if cmp_id is None else backend_response_id(cmp_id)}
 
 
-__all__ = ["CACHE_MODES", "CACHE_TTLS", "prompt_cache_options", "INPUT_ITEM_TYPES", "MESSAGE_ROLES", "REASONING_BLOB_PREFIX", "ResponsesCall", "ToolNames",
+LITELLM_ID_PREFIX = "litellm:custom_llm_provider:"
+
+
+def backend_response_id(response_id: str) -> str:
+    """Our own id inside a LiteLLM-managed one: LiteLLM's Responses route hands clients
+    ``resp_`` + base64("litellm:custom_llm_provider:P;model_id:M;response_id:<ours>") and decodes
+    ``previous_response_id`` on the way back, but not ids inside other fields."""
+    import base64
+    import binascii
+
+    try:
+        decoded = base64.b64decode(response_id.removeprefix("resp_").encode(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return response_id
+    parts = decoded.split(";")
+    if len(parts) >= 3 and parts[0].startswith(LITELLM_ID_PREFIX) and parts[2].startswith("response_id:"):
+        return parts[2].removeprefix("response_id:")
+    return response_id
+
+
+__all__ = ["CACHE_MODES", "CACHE_TTLS", "backend_response_id", "prompt_cache_options", "INPUT_ITEM_TYPES", "MESSAGE_ROLES", "REASONING_BLOB_PREFIX", "ResponsesCall", "ToolNames",
            "chat_tool_choice", "decode_reasoning_blob", "encode_reasoning_blob", "input_to_messages",
            "responses_tools", "to_chat_body"]
