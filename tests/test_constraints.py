@@ -256,6 +256,21 @@ def test_parallel_tool_calls_false_allows_one_call_only(smol):
     assert many.engaged and set(smol.stop) <= set(many.allowed().tolist())
 
 
+def test_a_named_tool_choice_allows_exactly_one_call_even_when_parallel_calls_are_allowed(smol):
+    """Issue 43: the embedded model repeated a named call until max_tokens when more calls were allowed."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    for fmt in (HERMES, QWEN_XML, GLM):
+        spec = spec_for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                parallel_tool_calls=True, tool_format=fmt)
+        assert spec.kind == "tool_named" and "call)*" not in spec.lark
+    row = smol.row(spec_for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                    parallel_tool_calls=True))
+    write(smol, row, call)
+    assert {smol.bytes[i] for i in row.allowed().tolist() if i not in smol.stop} == {b"\n"}
+    write(smol, row, "\n")
+    assert row.finished and row.allowed().tolist() == smol.stop
+
+
 def test_none_never_lets_the_opener_through(smol, qwen, harmony):
     for tok in (smol, qwen):
         row = tok.row(spec_for_request(tools=TOOLS, tool_choice="none", specials=tok.compiler.specials))

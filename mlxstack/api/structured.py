@@ -13,7 +13,8 @@ What is constrained (every front translates to these chat fields first):
 | request | grammar |
 |---|---|
 | ``response_format`` json_object / json_schema | the reply is that JSON (after any reasoning block) |
-| ``tool_choice`` "required" / a named function | a call from the first token (after reasoning), parallel calls unless ``parallel_tool_calls`` is false |
+| ``tool_choice`` "required" | a call from the first token (after reasoning), parallel calls unless ``parallel_tool_calls`` is false |
+| ``tool_choice`` a named function | one call of that function from the first token (after reasoning), then the reply ends |
 | ``tool_choice`` "auto" (or absent) with tools | lazy: free text until the model opens a call in its format, then a valid name and arguments |
 | ``tool_choice`` "none" with tools | any text that never opens a call |
 

@@ -23,7 +23,8 @@ Which case gives what (``call`` is one tool call in the model's own format, see 
 | request | stages | grammar |
 |---|---|---|
 | response_format json_object / json_schema | reasoning close (require) | ``%json`` |
-| tool_choice required / named | reasoning close (require) | ``call`` (+ more calls when parallel) |
+| tool_choice required | reasoning close (require) | ``call`` (+ more calls when parallel) |
+| tool_choice named | reasoning close (require) | ``call``: one call of that tool, parallel or not |
 | tool_choice auto | reasoning close, then the call opener | the rest of ``call`` (+ more calls) |
 | tool_choice none | -- | any text that never contains the opener (reasoning included) |
 | auto + json response_format | reasoning close (require) | ``%json`` or calls |
@@ -338,7 +339,9 @@ def tools_spec(tools: list, choice: Any, *, tool_format: str = HERMES, parallel:
         return _none_spec(opener, lk, schemas)
     rest, rules = _call_rules(parsed, tool_format, lk)
     harmony = tool_format == HARMONY
-    many = parallel and not harmony               # a harmony turn ends at <|call|>: one call
+    # a harmony turn ends at <|call|>: one call; a named tool_choice asks for that call, once --
+    # more calls let a small model repeat it until max_tokens (parallel or not)
+    many = parallel and not harmony and named is None
     if harmony:
         call = f"{lk.seq(('<|channel|>',), 'commentary ' + HARMONY_OPENER)} {rest}"
     else:
