@@ -112,10 +112,19 @@ def memory(model, label: str, budget: int = 1 << 30, session: int = 4000) -> lis
     return rows
 
 
-def restart(loaded, workdir: Path, size: int = 4000) -> list[dict]:
+RUN_SCHEMES = ["full", "uniform4", "turboquant4", "turboquant3"]
+
+
+def chosen(names: list[str]) -> list[tuple[str, int | None]]:
+    """("full", None) / ("uniform", 4) / ... from names like full, uniform4, turboquant3."""
+    return [("full", None) if n == "full" else (n.rstrip("0123456789"), int(n[len(n.rstrip("0123456789")):]))
+            for n in names]
+
+
+def restart(loaded, workdir: Path, size: int = 4000, schemes: list[str] = RUN_SCHEMES) -> list[dict]:
     rows = []
     msgs = long_conversation(loaded.tokenizer, size)
-    for scheme, bits in [("full", None), ("uniform", 4), ("turboquant", 4), ("turboquant", 3)]:
+    for scheme, bits in chosen(schemes):
         kv = {} if bits is None else {"kv_bits": bits, "kv_quant_scheme": scheme, "quantized_kv_start": 0}
         disk = workdir / f"kv-{scheme}-{bits}"
         first = engine(settings(disk_cache_dir=disk, disk_cache_min_tokens=256, **kv), loaded)
@@ -138,12 +147,12 @@ def restart(loaded, workdir: Path, size: int = 4000) -> list[dict]:
     return rows
 
 
-def decode(loaded, rounds: int = 2) -> list[dict]:
+def decode(loaded, rounds: int = 2, schemes: list[str] = RUN_SCHEMES) -> list[dict]:
     from tests.test_batching import run_batched
 
     prompt = long_conversation(loaded.tokenizer, 800)
     rows, base = [], {}
-    for scheme, bits in [("full", None), ("uniform", 4), ("turboquant", 4), ("turboquant", 3)]:
+    for scheme, bits in chosen(schemes):
         kv = {} if bits is None else {"kv_bits": bits, "kv_quant_scheme": scheme, "quantized_kv_start": 0}
         e = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
         for rows_n in (1, 8):
@@ -168,6 +177,8 @@ def main() -> int:
     ap.add_argument("--parts", nargs="+", default=["quality", "memory", "restart", "decode"],
                     choices=["quality", "memory", "restart", "decode"])
     ap.add_argument("--tiny", help="also a tiny model folder with head_dim 64 (quality and memory)")
+    ap.add_argument("--schemes", nargs="+", default=RUN_SCHEMES,
+                    help="restart and decode: full, uniformN, turboquantN (the first is the baseline)")
     args = ap.parse_args()
     from mlxstack.system.process_env import reexec_with
 
@@ -196,10 +207,10 @@ def main() -> int:
             print(table([r for model, _, label in models for r in memory(model, label)]) + "\n")
         if "restart" in args.parts:
             print("## restart-warm at ~4k tokens (disk tier) vs cold, QUANTIZED_KV_START=0\n")
-            print(table(restart(loaded, work)) + "\n")
+            print(table(restart(loaded, work, schemes=args.schemes)) + "\n")
         if "decode" in args.parts:
             print("## decode tok/s at 1 and 8 rows (~800-token prompts, 48 tokens), vs full precision\n")
-            print(table(decode(loaded)) + "\n")
+            print(table(decode(loaded, schemes=args.schemes)) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

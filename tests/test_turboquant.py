@@ -5,7 +5,6 @@ QUANTIZED_KV_START is the same computation as a cold run with the same scheme --
 under speculation -- while stored entries hold codes, a fraction of the float bytes."""
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -199,3 +198,106 @@ def test_turboquant_entries_survive_the_disk_tier_and_another_seed_never_reads_t
     assert parts["kv_quant"] == [4, 64, 96, "turboquant", SEED]
     again.state.close()
     ram.state.close()
+
+
+# ------------------------------------------------------------------ batched decode (slab rows)
+def _lone_step(live: LiveCache, k: mx.array, v: mx.array) -> None:
+    """One forward's K / V into a lone sequence, as the engine feeds it (quantised before)."""
+    live.maybe_quantize()
+    live.layers[0].update_and_fetch(k, v)
+    live.advance(k.shape[2])
+
+
+def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
+    """Three sequences stepped together in one slab (one coded from the start, one crossing
+    QUANTIZED_KV_START mid-batch, one never reaching it) hold, when they leave, exactly the floats
+    and the codes each holds stepped alone -- through a multi-position forward (drafts), a rewind of
+    rejected drafts, a rebuild into a smaller slab and a join from a lone coded layer."""
+    from mlxstack.engine.batch_cache import SlabKVCache, place_own_layers
+
+    quant = KVQuant(4, 64, 20, "turboquant", SEED)
+    rng = np.random.default_rng(3)
+    heads, dim = 2, 64
+
+    def kv(n, rows=1):
+        return (mx.array(rng.standard_normal((rows, heads, n, dim)).astype(np.float32)),
+                mx.array(rng.standard_normal((rows, heads, n, dim)).astype(np.float32)))
+
+    lones = []
+    for n in (24, 17, 3):                                # past the start, below it, far below it
+        live = LiveCache([KVCache()], 0, quant)
+        k, v = kv(min(n, quant.start))
+        _lone_step(live, k, v)
+        if n > quant.start:
+            _lone_step(live, *kv(n - quant.start))
+        lones.append(live)
+    assert [type(lv.layers[0]).__name__ for lv in lones] == ["TurboQuantKVCache", "KVCache", "KVCache"]
+    slab = SlabKVCache.empty(4, quant)
+    for row, lv in enumerate(lones):
+        place_own_layers([slab], row, lv.layers)
+    for step in range(6):
+        width = 3 if step == 2 else 1
+        k, v = kv(width, rows=4)
+        slab.update_and_fetch(k, v)
+        for row, lv in enumerate(lones):
+            _lone_step(lv, k[row:row + 1], v[row:row + 1])
+        if width == 3:                                   # rows keep 1, 3 and 2 of the three positions
+            for row, back in ((0, 2), (2, 1)):
+                slab.rewind(row, back)
+                lones[row].layers[0].trim(back)
+                lones[row].depth -= back
+            slab.rewind(3, 2)
+            slab.settle([0, 1, 2])
+    slab = slab.rebuilt(4, [2, 0, 1])                    # rows move: 2 -> 0, 0 -> 1, 1 -> 2
+    order = [2, 0, 1]
+    joiner = LiveCache([KVCache()], 0, quant)
+    _lone_step(joiner, *kv(30))
+    place_own_layers([slab], 3, joiner.layers)
+    lones, order = lones + [joiner], order + [3]
+    k, v = kv(1, rows=4)
+    slab.update_and_fetch(k, v)
+    for row, i in enumerate(order):
+        _lone_step(lones[i], k[row:row + 1], v[row:row + 1])
+    for row, i in enumerate(order):
+        got, want = slab.take(row, whole=True), lones[i].layers[0]
+        assert type(got) is type(want), (row, i)
+        n = want.offset
+        assert got.offset == n
+        assert mx.array_equal(got.keys[..., :n, :], want.keys[..., :n, :]).item()
+        assert mx.array_equal(got.values[..., :n, :], want.values[..., :n, :]).item()
+        if isinstance(want, tq.TurboQuantKVCache):
+            assert got.fp_head == want.fp_head
+            for a, b in zip(got.coded(n), want.coded(n)):
+                assert mx.array_equal(a, b).item(), (row, i)
+    # the rule of a lone layer: quantised before a forward at or past the start, never inside one --
+    # 17 + 1 + 1 = 19, then three drafts cross 20 uncoded: the head is 22; the joiner's 30 in one go
+    assert [lones[i].layers[0].fp_head for i in (0, 1, 3)] == [20, 22, 30]
+    assert type(lones[2].layers[0]) is KVCache                                  # never reached the start
+
+
+@pytest.mark.parametrize("start", [0, 40])
+def test_turboquant_rows_decode_batched_and_equal_each_request_alone(tiny_dense_hd64_path, start):
+    """KV_QUANT_SCHEME=turboquant batches (uniform KV_BITS does not): four requests decoded together
+    reply as each does alone, store coded entries, and a warm turn on one of them equals a cold run."""
+    from mlxstack.engine.batch import batching_support
+    from tests.test_batching import run_batched
+    from tests.test_engine import job
+
+    eng = tq_engine(tiny_dense_hd64_path, "4", start)
+    assert batching_support(eng) == (True, "")
+    uniform = build_engine(engine_settings(tiny_dense_hd64_path, kv_bits="4", quantized_kv_start=start))
+    assert batching_support(uniform)[0] is False
+    prompts = [[{"role": "user", "content": f"list {i} things about {topic}"}]
+               for i, topic in enumerate(["rivers", "rust", "tea", "maps"])]
+    jobs = [job(p, max_tokens=24, session=f"tq{i}")[0] for i, p in enumerate(prompts)]
+    outs, sizes = run_batched(eng, jobs)
+    assert max(sizes) == 4
+    alone = tq_engine(tiny_dense_hd64_path, "4", start, cache=False)
+    refs = [alone.run(job(p, max_tokens=24, session=f"r{i}")[0]) for i, p in enumerate(prompts)]
+    assert [o.raw_text for o in outs] == [r.raw_text for r in refs]
+    kinds = {s.kind for e in eng.state.prompt_cache.entries() for s in e.payload.layers}
+    assert kinds == {"turboquant"}
+    follow = prompts[1] + [{"role": "assistant", "content": outs[1].text}, {"role": "user", "content": "and then?"}]
+    warm = eng.run(job(follow, max_tokens=12, session="tq1")[0])
+    cold = alone.run(job(follow, max_tokens=12, session="c1")[0])
+    assert warm.cached_tokens > start and warm.raw_text == cold.raw_text

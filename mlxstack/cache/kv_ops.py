@@ -34,11 +34,16 @@ class LiveCache:
         self.layers = layers
         self.depth = depth
         self.quant = quant
-        self.quantized = quant is None or any(getattr(kind_of(c), "name", "") in QUANTIZED_KINDS for c in layers)
+        self.recount()
         # per layer: None, or (keys, values, n) -- this layer's first n tokens ARE the first n of
         # those arrays, held by a stored entry or another request (a hit's entry, a shared
         # prefill): a capture stores them by reference and copies only what follows
         self.roots: list[Any] = roots if roots is not None else [None] * len(layers)
+
+    def recount(self) -> None:
+        """``quantized`` from the layers held now (a batch hands a coded row back as coded layers)."""
+        self.quantized = self.quant is None or any(getattr(kind_of(c), "name", "") in QUANTIZED_KINDS
+                                                   for c in self.layers)
 
     def advance(self, n: int) -> None:
         self.depth += n

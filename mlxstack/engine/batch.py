@@ -16,8 +16,10 @@ Layers of other kinds are batched with mlx-lm's own forms: sliding windows as on
 ``BatchRotatingKVCache``, recurrent / conv state as one batched ``ArraysCache`` -- rebuilt from
 every member's state (``extract`` then ``merge``) whenever a member joins or leaves; a window or a
 recurrent state is small and bounded, so the copy is too (Gemma 3, GPT-OSS, Mamba, LFM2,
-Qwen3-Next). Without ``batching`` (chunked attention, CacheList, KV_BITS) each member is stepped
-on its own cache in turn. Each member keeps everything per request: sampler and PRNG key, stop
+Qwen3-Next). KV_QUANT_SCHEME=turboquant rows are slab rows too: the slab codes each row as a lone
+``TurboQuantKVCache`` would (cache/turboquant_rows.py) and a leaving row gets its codes back.
+Without ``batching`` (chunked attention, CacheList, uniform KV_BITS) each member is stepped on its
+own cache in turn. Each member keeps everything per request: sampler and PRNG key, stop
 strings, detokenizer, checks.
 
 Failures stay with what they touch. Per-row work (the sampler, reading the token back, the
@@ -36,6 +38,7 @@ import time
 from typing import Any, Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from ..config import faults
 from ..runtime.mlx_stream import generation_stream
@@ -80,6 +83,11 @@ class DecodeGroup:
         self.batching = batching
         # plain-KV models: several short prefills in one forward, turns closed together
         self.dense = batching and all(k == "kv" for k in engine.state.layout.kinds)
+        quant = engine.state.kv_quant
+        # KV_QUANT_SCHEME=turboquant: slab rows coded as a lone TurboQuantKVCache is (decode only:
+        # a batched prefill could cross QUANTIZED_KV_START inside one forward, a lone one never does)
+        self.quant = quant if batching and quant is not None and quant.scheme == "turboquant" else None
+        self.prefills_together = self.dense and quant is None
         self.seqs: list[Sequence] = []
         self.slab: list[Any] | None = None    # per layer, while len(seqs) > 1: a SlabKVCache (KV
         #                                       layers) or mlx-lm's batched form (other kinds)
@@ -126,7 +134,8 @@ class DecodeGroup:
         if self.slab is not None:
             kv = [(i, self.slab[i], (self.slab[i].keys, self.slab[i].values, self.slab[i].offset,
                                      self.slab[i].left_padding, self.slab[i]._idx, list(self.slab[i].gap),
-                                     self.slab[i].prefix, list(self.slab[i].shares)))
+                                     self.slab[i].prefix, list(self.slab[i].shares),
+                                     self.slab[i].codes.snapshot() if self.slab[i].codes else None))
                   for i in self.kv_idx]
         owners = list(self.seqs) + [t for t in touched if all(t is not s for s in self.seqs)]
         return (list(self.seqs), dict(self.row), self.rows, None if self.slab is None else list(self.slab), kv,
@@ -135,9 +144,11 @@ class DecodeGroup:
     def _restore(self, snap: tuple) -> None:
         seqs, row, rows, slab, kv, layers = snap
         self.seqs, self.row, self.rows, self.slab = seqs, row, rows, slab
-        for i, layer, (keys, values, offset, left_padding, idx, gap, prefix, shares) in kv or []:
+        for i, layer, (keys, values, offset, left_padding, idx, gap, prefix, shares, codes) in kv or []:
             layer.keys, layer.values, layer.offset, layer.left_padding, layer._idx = keys, values, offset, left_padding, idx
             layer.gap, layer.prefix, layer.shares, layer._rows_mask = gap, prefix, shares, None
+            if codes is not None:
+                layer.codes.restore(codes)
         for s, own in layers:
             s.live.layers = own
         self._check()
@@ -236,7 +247,7 @@ class DecodeGroup:
         if self.slab is not None and self.kv_idx:
             layers = list(seq.live.layers)
             for i in self.kv_idx:
-                layers[i] = type(layers[i])()
+                layers[i] = KVCache()
             seq.live.layers = layers
 
     def _make_room(self, joining: int, layers: list[Any]) -> None:
@@ -245,7 +256,8 @@ class DecodeGroup:
         need = len(self.seqs) + joining
         if self.slab is None:
             self.rows = _pow2(need)
-            self.slab = [SlabKVCache.empty(self.rows) if i in self.kv_idx else None for i in range(len(layers))]
+            self.slab = [SlabKVCache.empty(self.rows, self.quant) if i in self.kv_idx else None
+                         for i in range(len(layers))]
             if self.seqs:                                   # the one member so far: row 0
                 only = self.seqs[0]
                 self._place_own(0, only)
@@ -312,6 +324,7 @@ class DecodeGroup:
             for j, i in enumerate(self.other_idx):
                 layers[i] = states[id(seq)][j]
             seq.live.layers = layers
+            seq.live.recount()                          # a row coded in the slab comes back coded
         faults.hit("slab_leave", _ids(gone))
         self.seqs = rest
         if len(rest) <= 1:                                 # back to a group of one: its own cache
@@ -466,16 +479,17 @@ def _pow2(n: int) -> int:
 def batching_support(engine: ChatEngine) -> tuple[bool, str]:
     """Whether this model decodes correctly in one batched forward: plain KV layers (slab rows),
     sliding windows and recurrent / conv state (mlx-lm's BatchRotatingKVCache and batched
-    ArraysCache); not chunked attention or CacheList (no batched form in mlx-lm), no KV
-    quantisation, not a VLM -- and a real check: two sequences of different lengths stepped
+    ArraysCache); not chunked attention or CacheList (no batched form in mlx-lm), no uniform KV
+    quantisation (TurboQuant rows are float rows with codes beside them), not a VLM -- and a real check: two sequences of different lengths stepped
     together give the logits each gives alone."""
     layout = engine.state.layout
     if engine.loaded.is_vlm:
         return False, "vision-language models prefill through mlx-vlm's own path"
     if not layout.supported or any(k not in BATCHABLE_KINDS for k in layout.kinds):
         return False, f"cache layout {layout.describe()} has no batched form"
-    if engine.state.kv_quant is not None:
-        return False, "KV_BITS: quantised KV layers have no batched form"
+    quant = engine.state.kv_quant
+    if quant is not None and quant.scheme != "turboquant":
+        return False, "KV_BITS (uniform): mlx-lm's quantised KV layers have no batched form"
     from ..runtime.generate import feed
 
     model = engine.loaded.model
@@ -492,7 +506,7 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
             live = engine.new_cache()
             feed(model, live, list(range(100, 100 + n)), 16)
             lives2.append(live)
-        batch = stack_layers([live.layers for live in lives2])
+        batch = stack_layers([live.layers for live in lives2], quant=quant)
         together = model(nxt, cache=batch)[:, -1, :]
         for out in (*alone, together):   # one forward per eval: its sends / receives in one order on every rank
             mx.eval(out)

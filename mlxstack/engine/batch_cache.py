@@ -27,6 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..cache.prefixed_kv import PrefixedKVCache
+from ..cache.turboquant import TurboQuantKVCache
+from ..cache.turboquant_rows import RowCodes
 
 
 SHARED_STEP = 64   # columns a slab whose rows share a prefix grows by (its rows hold only tails)
@@ -47,10 +49,17 @@ class SlabKVCache(BatchKVCache):
         self.prefix: tuple[mx.array, mx.array, int] | None = None
         self.shares: list[bool] = [False] * len(left_padding)
         self._rows_mask: mx.array | None = None
+        # KV_QUANT_SCHEME=turboquant: each row's coding (cache/turboquant_rows.py); None: plain floats
+        self.codes: RowCodes | None = None
 
     @classmethod
-    def empty(cls, rows: int) -> "SlabKVCache":
-        return cls([0] * rows)
+    def empty(cls, rows: int, quant: Any = None) -> "SlabKVCache":
+        """A slab of ``rows`` free rows; ``quant`` (a turboquant ``KVQuant``): its rows are coded
+        from QUANTIZED_KV_START on, as a lone ``TurboQuantKVCache`` is."""
+        slab = cls([0] * rows)
+        if quant is not None:
+            slab.codes = RowCodes(rows, quant.bits, quant.seed, quant.start)
+        return slab
 
     # ------------------------------------------------------------------ ragged ends (speculation)
     @property
@@ -67,6 +76,8 @@ class SlabKVCache(BatchKVCache):
             if self._ends is None:
                 self._ends = [self._idx - g for g in self.gap]
             self.gap[row] += n
+            if self.codes is not None:
+                self.codes.rewind(row, n)
 
     def settle(self, active: list[int]) -> None:
         """After rewinds: each row's RoPE offset follows its end, free rows follow the members
@@ -90,6 +101,8 @@ class SlabKVCache(BatchKVCache):
         self._ends = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.codes is not None:
+            keys, values = self.codes.update(keys, values)
         if not self.ragged:
             return super().update_and_fetch(keys, values)
         n = keys.shape[2]
@@ -207,6 +220,13 @@ class SlabKVCache(BatchKVCache):
     def _put(self, row: int, keys: mx.array, values: mx.array, length: int, total: int, shares: bool) -> None:
         self._write(row, keys, values, length, total)
         self._set_share(row, shares)
+        if self.codes is not None:
+            self.codes.placed(row, total)
+
+    def adopt_codes(self, row: int, own: Any) -> None:
+        """The codes of ``own`` (the layer just placed in ``row``), when it is a coded layer."""
+        if self.codes is not None:
+            self.codes.placed(row, self.codes.depth[row], own)
 
     def fill(self, writes: list[tuple]) -> None:
         """Every row of an empty slab at once (``writes``: one ``_planned`` tuple per row, each row
@@ -233,6 +253,8 @@ class SlabKVCache(BatchKVCache):
         self.gap = [0] * self.rows
         for w in writes:
             self._set_share(w[0], w[5])
+            if self.codes is not None:
+                self.codes.placed(w[0], w[4])
 
     def _write(self, row: int, keys: mx.array, values: mx.array, length: int, total: int) -> None:
         """Write ``length`` positions of K/V as ``row``'s columns; the row holds ``total`` tokens
@@ -260,6 +282,10 @@ class SlabKVCache(BatchKVCache):
         self.gap[row] = 0
 
     def take(self, row: int, whole: bool = False) -> Any:
+        out = self._take(row, whole)
+        return out if self.codes is None else self.codes.take(row, out)
+
+    def _take(self, row: int, whole: bool = False) -> Any:
         """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it). A row
         that shares the slab's prefix comes out as a ``PrefixedKVCache`` (the prefix by reference,
         its tail copied) unless ``whole`` (one buffer: a row that goes on decoding alone)."""
@@ -328,6 +354,8 @@ class SlabKVCache(BatchKVCache):
                     if shared[i]:       # its tail alone is not its sequence
                         raise RuntimeError("bug: a sharing row could not keep the slab's prefix")
                     new._write(i, *views[i], views[i][2])
+        if self.codes is not None:        # after the rows are written: placing resets a row's codes
+            new.codes = self.codes.remapped(rows, keep)
         return new
 
 
@@ -374,6 +402,7 @@ def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[
     """Copy a sequence's own KVCache layers into ``row`` (``roots``: theirs, one per layer)."""
     for li, (slab, own) in enumerate(zip(slab_layers, own_layers)):
         slab._put(*_own_planned(slab, row, own, roots[li] if roots else None, min_shared))
+        slab.adopt_codes(row, own)
 
 
 def is_row_layer(layer: Any) -> bool:
@@ -381,7 +410,7 @@ def is_row_layer(layer: Any) -> bool:
     held as a row of a SlabKVCache (joins and leaves in place).
     Every other batchable kind (``RotatingKVCache``, ``ArraysCache``) is batched by mlx-lm's own
     ``merge`` / ``extract`` (BatchRotatingKVCache, a batched ArraysCache)."""
-    return type(layer) is KVCache or type(layer) is PrefixedKVCache
+    return type(layer) in (KVCache, PrefixedKVCache, TurboQuantKVCache)
 
 
 def merge_layer(caches: list[Any]) -> Any:
@@ -390,14 +419,17 @@ def merge_layer(caches: list[Any]) -> Any:
 
 
 def stack_layers(rows: list[list[Any]], roots: list[list[Any]] | None = None,
-                 min_shared: int | None = None) -> list[Any]:
+                 min_shared: int | None = None, quant: Any = None) -> list[Any]:
     """Batched layers from per-sequence layers (``rows[i]`` is sequence i's list of layers;
-    ``roots[i]`` its roots, for a shared prefix of at least ``min_shared`` tokens)."""
+    ``roots[i]`` its roots, for a shared prefix of at least ``min_shared`` tokens; ``quant``: a
+    turboquant policy, the rows coded as their own layers are)."""
     kv = [i for i, layer in enumerate(rows[0]) if is_row_layer(layer)]
-    out = [SlabKVCache.empty(len(rows)) if i in kv else merge_layer([layers[i] for layers in rows])
+    out = [SlabKVCache.empty(len(rows), quant) if i in kv else merge_layer([layers[i] for layers in rows])
            for i in range(len(rows[0]))]
     for i in kv:
         out[i].fill([_own_planned(out[i], r, layers[i], roots[r][i] if roots else None, min_shared)
                      for r, layers in enumerate(rows)])
+        for r, layers in enumerate(rows):
+            out[i].adopt_codes(r, layers[i])
     return out
 

@@ -195,7 +195,7 @@ class Scheduler:
 
     def _enter(self, seq: Sequence) -> None:
         """``seq`` starts prefilling."""
-        if self.group.dense and self.group.min_shared is not None:
+        if self.group.prefills_together and self.group.min_shared is not None:
             plan = plan_follow(seq, self.prefilling, self.group.min_shared)
             if plan is not None:
                 seq.follows = plan
@@ -337,7 +337,7 @@ class Scheduler:
         request is admitted: one closing forward for all of them instead of one in every step
         where some row ended, and no reply waits for one. Once the batch is empty, the pending
         ones and these close now, together, and these replies go out after their store."""
-        if len(self.group) and self.group.dense and self.engine.state.prompt_cache.enabled:
+        if len(self.group) and self.group.prefills_together and self.engine.state.prompt_cache.enabled:
             now, later = time.perf_counter(), [s for s in ended if self.engine.completed(s)]
             for seq in later:
                 seq.t_end = now
@@ -367,7 +367,7 @@ class Scheduler:
         template's closer) in one batched forward instead of one forward each; finish() then only
         stores. Anything unusual (an abort, a failure here) is left to finish()'s own path."""
         eng = self.engine
-        if not self.group.dense or len(finished) < 2 or not eng.state.prompt_cache.enabled:
+        if not self.group.prefills_together or len(finished) < 2 or not eng.state.prompt_cache.enabled:
             return
         plans: list[tuple[Sequence, list[int], list[int]]] = []
         for seq in finished:
@@ -395,7 +395,7 @@ class Scheduler:
     def _short_batch(self) -> list[Sequence]:
         """Waiting sequences whose whole remainders fit one padded batch within the budget (only
         with decode batching; a long prompt still waiting gets the next step)."""
-        if not self.group.dense or len(self.prefilling) < 2:
+        if not self.group.prefills_together or len(self.prefilling) < 2:
             return []
         cands = [s for s in self.prefilling if s.follows is None
                  and not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
