@@ -117,7 +117,7 @@ def constrained(structured, engine, messages, *, max_tokens=120, thinking=False,
     req = parse_chat_request({"messages": messages, "max_tokens": max_tokens, **fields}, engine.settings,
                              engine.token_count)
     j, streamed = job(req.messages, tools=req.tools, max_tokens=max_tokens, thinking=thinking, session=session)
-    j.tool_choice, j.response_format = req.tool_choice, req.response_format
+    j.tool_choice, j.response_format, j.parallel_tool_calls = req.tool_choice, req.response_format, req.parallel_tool_calls
     j.params.grammar = structured.grammar_for(req) if structured is not None else None
     return j, streamed
 
@@ -226,6 +226,55 @@ def test_none_never_lets_a_call_open(smol, monkeypatch):
     out = engine.run(j)
     assert "<tool_call>" not in out.text and not calls_of(out, engine)
     assert engine._logit_bias(j) is None                      # the grammar bans the opener, not a logit_bias
+
+
+UTC = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+CET = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+
+
+def test_a_repeated_call_ends_the_reply_and_is_never_shown(smol, monkeypatch):
+    """Issue 43: parallel calls allowed, the model repeats a call -- the reply ends before the repeat
+    (a finished reply: stop, not length), alone and in the batch, streamed exactly as returned."""
+    engine, structured, steer = smol
+    steer.install(monkeypatch, {"weather in Rome": f"{UTC}\n{CET}\n{UTC}\n{CET}\n{UTC}"})
+    before = engine.state.counters.get("tool_call_gate_stops")
+    j, streamed = constrained(structured, engine, ASK_WEATHER, tools=TOOLS, tool_choice="required", session="rep")
+    out = engine.run(j)
+    assert (out.finish_reason, out.text) == ("stop", f"{UTC}\n{CET}\n") and "".join(streamed) == out.text
+    assert out.raw_text.startswith(out.text + UTC[:-1])         # generated, never shown
+    assert [(c.name, c.arguments) for c in calls_of(out, engine)] == [("get_time", '{"zone": "UTC"}'),
+                                                                       ("get_time", '{"zone": "CET"}')]
+    j, streamed = constrained(structured, engine, ASK_WEATHER, tools=TOOLS, tool_choice="required", session="rep2")
+    (batched,), _ = run_batched(engine, [j])
+    assert (batched.finish_reason, batched.text, "".join(streamed)) == ("stop", out.text, out.text)
+    assert engine.state.counters.get("tool_call_gate_stops") == before + 2
+
+
+def test_one_call_without_a_grammar_ends_the_reply_after_it(smol, monkeypatch):
+    """parallel_tool_calls false served without a grammar (no compiler, or tools it cannot take):
+    the gate ends the reply after the first call."""
+    engine, _, steer = smol
+    steer.install(monkeypatch, {"weather in Rome": f"Let me check. {UTC}\n{CET}"})
+    j, streamed = constrained(None, engine, ASK_WEATHER, tools=TOOLS, tool_choice="auto", parallel_tool_calls=False,
+                              session="one")
+    out = engine.run(j)
+    assert (out.finish_reason, out.text, "".join(streamed)) == ("stop", f"Let me check. {UTC}", f"Let me check. {UTC}")
+
+
+def test_a_reply_cut_inside_a_call_never_shows_it(smol, monkeypatch):
+    """max_tokens ends the reply inside the second call: the first is kept, the cut one is not text."""
+    engine, structured, steer = smol
+    steer.install(monkeypatch, {"weather in Rome": f"{UTC}\n{CET}"})
+    first = len(engine.loaded.tokenizer.encode(f"{UTC}\n", add_special_tokens=False))
+    j, streamed = constrained(structured, engine, ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                              max_tokens=first + 10, session="cut")
+    out = engine.run(j)
+    assert (out.finish_reason, out.text, "".join(streamed)) == ("length", f"{UTC}\n", f"{UTC}\n")
+    assert out.raw_text.startswith(f"{UTC}\n<tool_call>")
+    j, streamed = constrained(structured, engine, ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=6,
+                              session="cut2")
+    (cut,), _ = run_batched(engine, [j])
+    assert (cut.finish_reason, cut.text, streamed) == ("length", "", [])
 
 
 # ------------------------------------------------------------------ JSON

@@ -86,7 +86,8 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
             logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=req.grammar,
         ),
         stop=req.stop, body=req.body, headers=headers, emit=emit, is_cancelled=is_cancelled, on_prompt=on_prompt,
-        tool_choice=req.tool_choice, response_format=req.response_format, sampling_origin=req.sampling_origin,
+        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, response_format=req.response_format,
+        sampling_origin=req.sampling_origin,
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
     )
 

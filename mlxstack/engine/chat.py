@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..cache.kv_ops import LiveCache, capture, checkout
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..config import faults
+from ..parsing.call_gate import CallGate
 from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..pipeline.render import encode
@@ -295,10 +296,38 @@ class ChatEngine(PromptAssembly, TurnFinish):
         width = self.sampled_width(logits)
         seq.sampler = Sampler(seq.params, seq.prep.model_tokens, width, constraint=self.new_constraint(seq, width))
         seq.spec = self.speculation.row(seq)
+        seq.calls = self.call_gate(seq)
         if seq.forced:
-            seq.visible.append(seq.forced)
-            seq.job.emit(seq.forced)
+            self._show(seq, seq.forced)
         return seq.params.max_tokens > 0
+
+    def call_gate(self, seq: Sequence) -> CallGate | None:
+        """The gate a reply that may call tools passes (parsing/call_gate.py: a call is shown once
+        it closes, a repeated call ends the reply, a cut call is never text: LESSONS 70); None when the reply
+        cannot call (no tools, tool_choice none) or the format ends a turn at its call (harmony).
+        ``single``: one call allowed and no grammar enforcing it (a grammar ends the reply itself)."""
+        job = seq.job
+        if not job.tools or job.tool_choice == "none" or self.harmony:
+            return None
+        named = isinstance(job.tool_choice, dict)
+        single = (named or not job.parallel_tool_calls) and seq.params.grammar is None
+        return CallGate(tools=job.tools, family=self.loaded.family, thinking_started=seq.thinking_started,
+                        single=single)
+
+    def _show(self, seq: Sequence, text: str, gated: bool = True) -> bool:
+        """Stream reply text through the call gate (``gated=False``: what the gate let out at the
+        end); True when the gate ends the reply there -- a finished reply whose visible text stops
+        before the rest, as at a stop string."""
+        end = False
+        if seq.calls is not None and gated:
+            text, end = seq.calls.push(text)
+        if text:
+            seq.visible.append(text)
+            seq.job.emit(text)
+        if end:
+            seq.finish_reason, seq.stopped_by_string = "stop", True
+            self.state.counters.bump("tool_call_gate_stops")
+        return end
 
     def new_constraint(self, seq: Sequence, width: int) -> Any:
         """The request's grammar as a fresh per-row constraint (None without one). A prompt that
@@ -333,10 +362,11 @@ class ChatEngine(PromptAssembly, TurnFinish):
         seq.detok.add_token(tok)
         segment = seq.detok.last_segment
         out, hit = seq.stopper.push(segment)
-        if out:
-            seq.visible.append(out)
-            seq.job.emit(out)
+        if out and self._show(seq, out):
+            return True
         if hit:
+            if seq.calls is not None:     # a client's stop string: what the gate held is shown
+                self._show(seq, seq.calls.flush(cut=False), gated=False)
             seq.finish_reason, seq.stopped_by_string = "stop", True
             return True
         if seq.harmony_stop is not None and seq.harmony_stop.push(segment):
@@ -350,9 +380,10 @@ class ChatEngine(PromptAssembly, TurnFinish):
             seq.detok.finalize()
             out, hit = seq.stopper.push(seq.detok.last_segment)
             tail = out if hit else out + seq.stopper.flush()
-            if tail:
-                seq.visible.append(tail)
-                seq.job.emit(tail)
+            if tail and self._show(seq, tail):
+                return
+            if seq.calls is not None:     # a reply cut inside a call never shows it (call_gate.py)
+                self._show(seq, seq.calls.flush(cut=seq.finish_reason == "length"), gated=False)
 
     def prefill_step(self, seq: Sequence, budget: int, defer_last: bool = False) -> bool:
         """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);

@@ -48,6 +48,7 @@ class ChatJob:
     is_cancelled: Callable[[], bool] = lambda: False
     on_prompt: Callable[["PromptReady"], None] = lambda _p: None
     tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: bool = True             # false: at most one call (anthropic disable_parallel_tool_use)
     prefill_only: bool = False                   # WARM_PROMPTS: prefill and store, no reply
     response_format: dict | None = None         # {"type": "text" | "json_object" | "json_schema", ...}
     sampling_origin: dict[str, str] = field(default_factory=dict)   # field -> request | generation_config | ...
@@ -185,6 +186,7 @@ class Sequence:
     closed: list[int] | None = None   # the turn was closed in the KV already: what it holds after the prompt
     stored: bool = False              # finish() / store_turn() stored (or salvaged) the turn: never twice
     spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)
+    calls: Any = None                 # parsing/call_gate.CallGate (None: the reply cannot call tools)
     stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
     follows: Any = None               # (leader Sequence, depth): waits to take the leader's first tokens
     shared_prefill: int = 0           # prompt tokens taken from another request's prefill (not computed)
