@@ -192,7 +192,7 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
         print(f"configuration error: DISTRIBUTED_HOSTS={settings.distributed_hosts!r}: no such hostfile", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     # the secret in a 0600 file (its path travels, never the value: command lines are world-readable);
-    # every host needs the file at the same path (a shared home, or copied: README "One model across machines")
+    # every host needs the file at the same path (a shared home, or copied: docs/distributed.md)
     key_path = secret_file(str(Path(settings.model_cache_dir or "~/.cache/mlxstack").expanduser() / "control"),
                            new_secret())
     env = {ADDR_ENV: control_for_hosts(str(hostfile)), SECRET_FILE_ENV: key_path}

@@ -10,7 +10,7 @@ token). Replies are checked identical to the single process's.
 
 On one box the ranks share its cores (and, here, two cores for three processes): tensor
 parallelism cannot be faster than one process -- the figures to read are memory per rank and the
-broadcast's cost; speed needs one machine per rank and a fast link (README: One model across machines).
+broadcast's cost; speed needs one machine per rank and a fast link (docs/distributed.md).
 
     .venv/bin/python scripts/bench_distributed.py                      # the embedded SmolLM2: 1 / 2 / 3 ranks tensor
     .venv/bin/python scripts/bench_distributed.py --model PATH --modes tensor pipeline --ranks 1 2

@@ -29,7 +29,7 @@ stays SPECULATIVE=off and the bandwidth stage decodes with SPECULATIVE=off), so
     .venv/bin/python scripts/bench_guard.py                                  # all stages
     .venv/bin/python scripts/bench_guard.py --only spec grammar              # some stages
     .venv/bin/python scripts/bench_guard.py --only spec --set SPECULATIVE=off   # must exit 1
-    .venv/bin/python scripts/bench_guard.py --json /tmp/guard.json --markdown --readme README.md
+    .venv/bin/python scripts/bench_guard.py --json /tmp/guard.json --markdown --docs   # table -> docs/benchmarks.md
     .venv/bin/python scripts/bench_guard.py --update-baseline                # this run -> the baseline
     .venv/bin/python scripts/bench_guard.py --from-json /tmp/guard.json --markdown   # judge a saved run
 """
@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from guard.verdict import (  # noqa: E402  (pure: no MLX)
     BY_NAME,
+    DOCS_PAGE,
     FIGURES,
     STAGES,
     MarkerError,
@@ -790,9 +791,11 @@ def main() -> int:
                     help="write this run's figures as the baseline of this backend (tolerances and targets kept); "
                          "the verdict printed and returned is still the one against the old baseline")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write everything (figures, parts, verdicts) here")
-    ap.add_argument("--markdown", action="store_true", help="also print the README's markdown table")
-    ap.add_argument("--readme", type=Path, metavar="PATH",
-                    help="replace the text between <!-- bench-guard:start --> and <!-- bench-guard:end --> in PATH")
+    ap.add_argument("--markdown", action="store_true", help="also print the markdown table (the one docs/benchmarks.md holds)")
+    ap.add_argument("--docs", type=Path, nargs="?", const=REPO / DOCS_PAGE, metavar="PATH",
+                    help="replace the text between <!-- bench-guard:start --> and <!-- bench-guard:end --> in PATH "
+                         f"(default {DOCS_PAGE})")
+    ap.add_argument("--readme", type=Path, dest="docs", metavar="PATH", help=argparse.SUPPRESS)  # the old name
     ap.add_argument("--from-json", type=Path, metavar="PATH", help="judge / render a run saved with --json (runs nothing)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes for trying the guard out (~5 min; judged against the targets only, never a baseline)")
@@ -872,13 +875,13 @@ def main() -> int:
         args.json.write_text(json.dumps({"meta": meta, "figures": figures, "verdicts": [v.__dict__ for v in verdicts],
                                          "passed": not any(v.failed for v in verdicts)}, indent=2) + "\n")
         print(f"[guard] wrote {args.json}")
-    if args.readme:
+    if args.docs:
         try:
-            args.readme.write_text(replace_between_markers(args.readme.read_text(), markdown))
+            args.docs.write_text(replace_between_markers(args.docs.read_text(), markdown))
         except (OSError, MarkerError) as exc:
-            print(f"[guard] error: --readme {args.readme}: {exc}", file=sys.stderr)
+            print(f"[guard] error: --docs {args.docs}: {exc}", file=sys.stderr)
             return 2
-        print(f"[guard] table written into {args.readme}")
+        print(f"[guard] table written into {args.docs}")
     if args.update_baseline:
         if meta.get("quick") or meta.get("sets"):
             print("[guard] not writing a baseline from a --quick run or one with --set", file=sys.stderr)

@@ -1,11 +1,15 @@
 """The benchmark guard's pure logic (scripts/guard/verdict.py): the pass / fail rule against a
 baseline, targets, identical replies, figures not run, the baseline update, the median of
-per-round ratios, the tables and the README block between its markers. No model, no timing."""
+per-round ratios, the tables and the docs/benchmarks.md block between its markers. No model, no timing."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from scripts.guard import verdict as g
+
+REPO = Path(__file__).resolve().parents[1]
 
 META = {"date": "2025-01-02", "commit": "abc1234", "machine": {"cpu": "Test CPU", "cores": 2, "ram_gib": 24.0},
         "backend": "cpu", "total_seconds": 600.0}
@@ -149,7 +153,7 @@ def test_parse_sets_and_stages_for():
         g.stages_for(["nope"])
 
 
-# ----------------------------------------------------------------------------- tables and README block
+# ----------------------------------------------------------------------------- tables and the docs block
 def test_markdown_table():
     figures = {"spec_copy": {"value": 2.0, "identical": True, "what": "copy | through LiteLLM"},
                "decode_bandwidth": {"value": 0.4567}, "restart_warm_4k": {"value": 123.4}}
@@ -196,3 +200,18 @@ def test_markers_replaced_exactly():
 def test_missing_or_misplaced_markers_raise(text):
     with pytest.raises(g.MarkerError):
         g.replace_between_markers(text, "table")
+
+
+def test_the_docs_page_holds_one_block_the_guard_can_rewrite():
+    """``bench_guard.py --docs`` writes into docs/benchmarks.md; the front page holds no block."""
+    text = (REPO / g.DOCS_PAGE).read_text()
+    assert text.count(g.START_MARKER) == 1 and text.count(g.END_MARKER) == 1
+    block = text.split(g.START_MARKER)[1].split(g.END_MARKER)[0].strip("\n")
+    assert block.startswith("**Bench guard, ") and "| Figure | What | Ratio | Baseline | Target |" in block
+    assert g.replace_between_markers(text, block) == text                  # rewriting it changes nothing else
+    assert g.START_MARKER not in (REPO / "README.md").read_text()
+
+
+def test_the_guard_writes_the_docs_page_by_default():
+    source = (REPO / "scripts" / "bench_guard.py").read_text()
+    assert 'const=REPO / DOCS_PAGE' in source and '"--docs"' in source

@@ -1,5 +1,5 @@
 """Imports point down only: every import of every module in mlxstack/ against the layer table in
-mlxstack/README.md (which this test keeps honest)."""
+docs/architecture.md#layers (which this test keeps honest)."""
 from __future__ import annotations
 
 import ast
@@ -72,7 +72,7 @@ def test_every_package_is_in_the_table():
 def test_imports_point_down(path):
     layer = path.relative_to(PKG).parts[0]
     wrong = imported_layers(path) - ALLOWED[layer] - {layer}
-    assert not wrong, f"{path.relative_to(PKG)} ({layer}) imports {sorted(wrong)} (see mlxstack/README.md)"
+    assert not wrong, f"{path.relative_to(PKG)} ({layer}) imports {sorted(wrong)} (see docs/architecture.md#layers)"
 
 
 @pytest.mark.parametrize("name", ["pipeline", "parsing"])

@@ -1,4 +1,5 @@
-"""Settings: defaults, parse errors that name the variable, .env handling, .env.example in sync."""
+"""Settings: defaults, parse errors that name the variable, .env handling, .env.example and
+docs/configuration.md in sync."""
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,25 @@ def test_as_env_round_trip():
     assert load_settings(env=s.as_env()) == s
 
 
-def test_readme_documents_every_variable():
-    from mlxstack.config.settings import REPO_ROOT, SPECS
+def _gen_env_example():
+    import importlib.util
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    missing = [s.name for s in SPECS if f"`{s.name}`" not in readme]
-    assert not missing, f"README configuration table lacks {missing}"
+    spec = importlib.util.spec_from_file_location("gen_env_example", REPO_ROOT / "scripts" / "gen_env_example.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_configuration_doc_matches_specs():
+    committed = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    assert committed == _gen_env_example().render_config_doc(), \
+        "stale docs/configuration.md: run python scripts/gen_env_example.py"
+
+
+def test_configuration_doc_documents_every_variable():
+    doc = (REPO_ROOT / "docs" / "configuration.md").read_text()
+    missing = [s.name for s in SPECS if f"| `{s.name}` |" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"
 
 
 def test_proxy_startup_wait_seconds_is_the_seeds_name_for_the_litellm_limit(tmp_path: Path):

@@ -22,7 +22,7 @@ A spec is comma-separated rules ``point[@key][:nth][:action]``:
           BaseException: nothing in the engine may survive it, the inference thread dies),
           ``stall=SECONDS`` (the calling thread sleeps; disarm() wakes it)
 
-Stdlib only, importable from every layer (mlxstack/README.md).
+Stdlib only, importable from every layer (docs/architecture.md#layers).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ Nothing else can join, listen or speak for a rank:
   the first rank that completes the hello takes its slot, and only a holder of the secret can.
 
 What this does not protect: MLX's own ring / JACCL links carry the model's activations in clear
-(README "One model across machines": run the ranks on a trusted link).
+(docs/distributed.md: run the ranks on a trusted link).
 
 Environment: ``MLXSTACK_CONTROL`` (``host:port`` rank 0 listens on) and
 ``MLXSTACK_CONTROL_SECRET`` (hex), set by the launcher for every rank.

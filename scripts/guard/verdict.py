@@ -1,6 +1,6 @@
 """The benchmark guard's pure logic: which figures there are, the committed baseline's format,
 the pass / fail rule, the median of per-round ratios, the text and markdown tables and the
-README block between its markers. No MLX import, no timing (tests/test_bench_guard.py).
+block between its markers in docs/benchmarks.md. No MLX import, no timing (tests/test_bench_guard.py).
 
 A run's figure (what scripts/bench_guard.py measures) is a dict::
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 STAGES = ("agents", "warm", "spec", "grammar", "bandwidth")
+DOCS_PAGE = "docs/benchmarks.md"      # the page whose marked block --docs rewrites (relative to the repo)
 START_MARKER = "<!-- bench-guard:start -->"
 END_MARKER = "<!-- bench-guard:end -->"
 
