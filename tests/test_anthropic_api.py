@@ -14,6 +14,7 @@ from mlxstack.api.anthropic_messages import (ContentBlocks, anthropic_tools, cha
                                              reply_blocks, stop_reason, to_chat_body, usage_object)
 from mlxstack.api.errors import APIError
 from mlxstack.api.job_adapter import Usage
+from mlxstack.cache.lifetimes import Segment
 from mlxstack.config.settings import load_settings
 from mlxstack.launcher import litellm_config as lc
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
@@ -172,10 +173,11 @@ def test_stop_reasons_and_usage():
                                                  "cache_read_input_tokens": 900, "cache_creation_input_tokens": 0,
                                                  "cache_creation": {"ephemeral_5m_input_tokens": 0,
                                                                     "ephemeral_1h_input_tokens": 0}}
-    assert usage_object(Usage(1000, 900, 7, 100)) == {"input_tokens": 0, "output_tokens": 7,
-                                                      "cache_read_input_tokens": 900, "cache_creation_input_tokens": 100,
-                                                      "cache_creation": {"ephemeral_5m_input_tokens": 100,
-                                                                         "ephemeral_1h_input_tokens": 0}}
+    written = Usage(1000, 900, 7, 100, (Segment(900, 1000, 1800.0, False),))
+    assert usage_object(written) == {"input_tokens": 0, "output_tokens": 7,
+                                     "cache_read_input_tokens": 900, "cache_creation_input_tokens": 100,
+                                     "cache_creation": {"ephemeral_5m_input_tokens": 100,
+                                                        "ephemeral_1h_input_tokens": 0}}
 
 
 # ============================================================================ LiteLLM config (pure)
@@ -363,7 +365,11 @@ def test_claude_code_request_shape_reaches_the_model_whole_through_litellm(stack
     assert row["session"] == "cc-through-litellm"[:16]   # stats rows show 16 characters
     assert row["prompt_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] + \
         usage["cache_creation_input_tokens"]
-    assert usage["cache_creation_input_tokens"] == row["prompt_tokens"] - row["cached_tokens"]
+    # cache_control breakpoints (Anthropic's rule): creation up to the last one -- the end of the
+    # trailing system turn -- and input_tokens after it: the generation prompt (4 tokens:
+    # <|im_start|>assistant\n)
+    assert usage["input_tokens"] == 4
+    assert usage["cache_creation_input_tokens"] == row["prompt_tokens"] - row["cached_tokens"] - 4
     # the request log shows the roles the model saw: the trailing system entry is still a system turn
     record = last_log_record(stack.log_path.parent / "logs", "cc-through-litel")
     assert record["message_roles"] == ["system", "user", "system"]

@@ -16,6 +16,7 @@ from mlxstack.api.opaque import decode_opaque, encode_opaque
 from mlxstack.api.responses import ChatStream
 from mlxstack.api.sse import DONE, event_frame
 from mlxstack.api.usage import Usage, chat_usage, messages_usage, outcome_usage, responses_usage
+from mlxstack.cache.lifetimes import Segment, applied_lifetime, long_tokens, written_segments
 from mlxstack.engine.chat import GRAMMAR_DEAD_END
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from mlxstack.parsing.tool_calls import ToolCall
@@ -42,16 +43,52 @@ def test_usage_in_each_fronts_words():
     assert messages_usage(usage) == {"input_tokens": 20, "output_tokens": 12, "cache_read_input_tokens": 80,
                                      "cache_creation_input_tokens": 0,
                                      "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
-    # the prompt's 20 new tokens stored, 15 of them under a long-lived breakpoint
-    written = outcome_usage(NS(**vars(outcome()), cache=NS(written=20, written_long=15)))
-    assert written == Usage(100, 80, 12, 20, 15)
+    # the prompt's 20 new tokens stored without breakpoints, at the server's default lifetime:
+    # all of them creation (the server caches every turn), none long-lived
+    segs = tuple(written_segments(80, 100, [], rest=1800.0))
+    written = outcome_usage(NS(**vars(outcome()), cache=NS(written=20, segments=segs, breakpoints=())))
+    assert written == Usage(100, 80, 12, 20, segs, False)
     assert messages_usage(written) == {"input_tokens": 0, "output_tokens": 12, "cache_read_input_tokens": 80,
                                        "cache_creation_input_tokens": 20,
-                                       "cache_creation": {"ephemeral_5m_input_tokens": 5, "ephemeral_1h_input_tokens": 15}}
+                                       "cache_creation": {"ephemeral_5m_input_tokens": 20, "ephemeral_1h_input_tokens": 0}}
     assert chat_usage(written)["prompt_tokens_details"] == {"cached_tokens": 80, "cache_write_tokens": 20}
     assert responses_usage(written, 0)["input_tokens_details"] == {
         "cached_tokens": 80, "cache_write_tokens": 20,
-        "cache_write_tokens_details": {"ttl_30m_tokens": 5, "ttl_12h_tokens": 15}}
+        "cache_write_tokens_details": {"ttl_30m_tokens": 20, "ttl_12h_tokens": 0}}
+
+
+def test_breakpoints_split_what_a_request_writes_by_the_lifetime_applied():
+    """Anthropic's rule with breakpoints: creation = the tokens up to the last breakpoint not read
+    (by each breakpoint's lifetime), input_tokens = the tokens after it; the Responses buckets
+    count every written token by the lifetime that applies to it."""
+    # reused 10; a 1h breakpoint at 40, a 5m (applied: the 30 min default) one at 70; prompt 100
+    segs = tuple(written_segments(10, 100, [(70, 1800.0), (40, 3600.0)], rest=43200.0))
+    assert segs == (Segment(10, 40, 3600.0, True), Segment(40, 70, 1800.0, True), Segment(70, 100, 43200.0, False))
+    usage = outcome_usage(NS(**{**vars(outcome()), "cached_tokens": 10},
+                             cache=NS(written=90, segments=segs, breakpoints=((40, 3600.0), (70, 1800.0)))))
+    assert messages_usage(usage) == {"input_tokens": 30, "output_tokens": 12, "cache_read_input_tokens": 10,
+                                     "cache_creation_input_tokens": 60,
+                                     "cache_creation": {"ephemeral_5m_input_tokens": 30, "ephemeral_1h_input_tokens": 30}}
+    assert responses_usage(usage, 0)["input_tokens_details"] == {
+        "cached_tokens": 10, "cache_write_tokens": 90,
+        "cache_write_tokens_details": {"ttl_30m_tokens": 60, "ttl_12h_tokens": 30}}
+    # a breakpoint inside what was reused writes nothing: all new tokens are after it
+    read = tuple(written_segments(50, 100, [(40, 3600.0)], rest=1800.0))
+    assert read == (Segment(50, 100, 1800.0, False),)
+    usage = outcome_usage(NS(**{**vars(outcome()), "cached_tokens": 50},
+                             cache=NS(written=50, segments=read, breakpoints=((40, 3600.0),))))
+    assert messages_usage(usage)["input_tokens"] == 50 and messages_usage(usage)["cache_creation_input_tokens"] == 0
+
+
+def test_an_entrys_lifetime_stays_within_the_servers_limits():
+    assert applied_lifetime(None, 1800.0, 3600.0) == 1800.0      # nothing asked: the default
+    assert applied_lifetime(300.0, 1800.0, 3600.0) == 1800.0     # 5m asked: never shorter than the default
+    assert applied_lifetime(3600.0, 1800.0, 3600.0) == 3600.0
+    assert applied_lifetime(86400.0, 1800.0, 3600.0) == 3600.0   # capped
+    assert applied_lifetime(86400.0, 1800.0, 0.0) == 86400.0     # no cap
+    assert applied_lifetime(3600.0, 0.0, 600.0) == 0.0           # entries never expire: stays so
+    assert long_tokens([Segment(0, 5, 0.0, True), Segment(5, 9, 3600.0, False), Segment(9, 10, 60.0, False)],
+                       3600.0) == 9
 
 
 def test_chat_usage_keys_keep_their_wire_order():

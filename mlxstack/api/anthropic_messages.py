@@ -13,7 +13,9 @@ Request (pure): ``system`` (string or text blocks) first; ``messages`` in order,
 entry kept in place; user text / image / ``tool_result`` blocks (each tool_result becomes a
 ``tool`` message at its position); assistant ``text``, ``thinking`` (-> reasoning_content; the text,
 or when the client got it omitted, the text carried in the block's ``signature``) and ``tool_use``
-(-> tool_calls); ``cache_control`` ignored (the KV cache is automatic); tools with
+(-> tool_calls); ``cache_control`` on a block, a tool or the request (ttl 5m / 1h) is a
+stored-entry boundary with its lifetime (docs/cache-diagnostics.md; the KV cache stays automatic
+without it); tools with
 ``input_schema`` (``defer_loading`` tools are not shown to the model, as on Anthropic's API;
 Anthropic-defined tool types cannot be described to it and are left out); ``thinking``
 {enabled|adaptive} -> thinking on, {disabled} or absent -> off (Anthropic's default; ``output_config.
@@ -25,7 +27,7 @@ Reply: ``thinking`` / ``text`` / ``tool_use`` blocks in generation order; ``thin
 "omitted"`` streams thinking blocks without their text (the signature carries it back, so the next
 turn renders the same tokens). Usage (api/usage.py): ``cache_read_input_tokens`` = tokens reused
 from the KV cache, ``cache_creation_input_tokens`` = tokens this request stored (with
-``cache_creation`` by lifetime), ``input_tokens`` = the rest, ``output_tokens``; in a stream the
+``cache_creation`` by lifetime; with breakpoints: up to the last one), ``input_tokens`` = the rest, ``output_tokens``; in a stream the
 input side is on ``message_start`` already. ``diagnostics: {previous_message_id}`` (beta
 ``cache-diagnosis-2026-04-07``; null on a first turn to opt in) answers ``diagnostics.
 cache_miss_reason`` (api/cache_diagnostics.py), on ``message_start`` in a stream.
@@ -38,6 +40,7 @@ import json
 import uuid
 from typing import Any
 
+from ..engine.request import CacheBreakpoint
 from ..parsing.reasoning import REASONING
 from .chat_body import copy_fields, function_tool, joined
 from .error_shapes import answer_errors
@@ -51,7 +54,7 @@ from .job_adapter import Diagnosis, JobRun, chat_job, chat_request, request_head
 from .opaque import decode_opaque, encode_opaque
 from .sse import event_frame
 from .structured import MESSAGES_FIELDS
-from .usage import Usage, outcome_usage
+from .usage import outcome_usage, report_usage
 from .usage import messages_usage as usage_object
 from .validation import parse_json
 
@@ -70,8 +73,9 @@ def decode_signature(signature: Any) -> str | None:
     return decode_opaque(SIGNATURE_PREFIX, signature, urlsafe=False)
 
 
-def _text_blocks(content: Any, where: str) -> str:
-    """``system`` / text-only content: a string or a list of text blocks, joined."""
+def _text_blocks(content: Any, where: str, marks: "Marks | None" = None, message: int = 0) -> str:
+    """``system`` / text-only content: a string or a list of text blocks, joined (a block's
+    ``cache_control`` marks chat message ``message`` after its text)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -81,7 +85,41 @@ def _text_blocks(content: Any, where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise bad_request(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": ...}}", param=f"{where}[{j}]")
         out.append(block["text"])
+        if marks is not None:
+            marks.block(block, f"{where}[{j}]", message, sum(map(len, out)))
     return "".join(out)
+
+
+ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4          # Anthropic's limit on blocks with cache_control
+
+
+def cache_control_ttl(value: Any, where: str) -> float:
+    """Seconds a ``cache_control`` asks for: {"type": "ephemeral", "ttl": "5m" | "1h"} (5m default)."""
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise bad_request(f"{where} must be {{\"type\": \"ephemeral\"}} (optionally with \"ttl\": \"5m\" or \"1h\")",
+                          param=where)
+    ttl = value.get("ttl", "5m")
+    if ttl not in ANTHROPIC_TTLS:
+        raise bad_request(f"{where}.ttl must be one of {', '.join(ANTHROPIC_TTLS)}", param=f"{where}.ttl")
+    return ANTHROPIC_TTLS[ttl]
+
+
+class Marks:
+    """The request's ``cache_control`` breakpoints as chat-message positions, collected while the
+    messages are translated (a mark after ``chars`` characters of a text message; None: after
+    the whole message -- a tool_result, an assistant block, a turn with images)."""
+
+    def __init__(self) -> None:
+        self.found: list[CacheBreakpoint] = []
+
+    def block(self, block: Any, where: str, message: int, chars: int | None = None) -> None:
+        if isinstance(block, dict) and block.get("cache_control") is not None:
+            ttl = cache_control_ttl(block["cache_control"], f"{where}.cache_control")
+            self.found.append(CacheBreakpoint(message, chars, ttl))
+            if len(self.found) > MAX_BREAKPOINTS:
+                raise bad_request(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+                                  f"Found {len(self.found)}.", param=where)
 
 
 def _image_part(block: dict, where: str) -> dict:
@@ -115,9 +153,9 @@ def _tool_result_content(content: Any, where: str) -> str | list[dict]:
     return joined(parts)
 
 
-def _user_messages(content: Any, where: str) -> list[dict]:
+def _user_messages(content: Any, where: str, marks: Marks | None = None, base: int = 0) -> list[dict]:
     """One user turn -> chat messages: text/image runs become user messages, each tool_result a tool
-    message, in block order."""
+    message, in block order (``base``: the chat index of the first; ``marks`` collects cache_control)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
@@ -137,12 +175,18 @@ def _user_messages(content: Any, where: str) -> list[dict]:
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{w}.text must be a string", param=f"{w}.text")
             run.append({"type": "text", "text": block["text"]})
+            if marks is not None:   # (a run with images stays a list of parts: its mark is its end)
+                marks.block(block, w, base + len(out), sum(len(p.get("text", "")) for p in run))
         elif kind == "image":
             run.append(_image_part(block, w))
+            if marks is not None:
+                marks.block(block, w, base + len(out))
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{w}.tool_use_id must be a non-empty string", param=f"{w}.tool_use_id")
             flush()
+            if marks is not None:
+                marks.block(block, w, base + len(out))
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": _tool_result_content(block.get("content"), f"{w}.content")})
         else:
@@ -152,7 +196,7 @@ def _user_messages(content: Any, where: str) -> list[dict]:
     return out
 
 
-def _assistant_message(content: Any, where: str) -> dict:
+def _assistant_message(content: Any, where: str, marks: Marks | None = None, index: int = 0) -> dict:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
@@ -163,6 +207,8 @@ def _assistant_message(content: Any, where: str) -> dict:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         w = f"{where}[{j}]"
+        if marks is not None:   # an assistant turn is marked at its end (reasoning, calls, closer)
+            marks.block(block, w, index)
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{w}.text must be a string", param=f"{w}.text")
@@ -192,11 +238,12 @@ def _assistant_message(content: Any, where: str) -> dict:
     return msg
 
 
-def messages_to_chat(system: Any, messages: Any) -> list[dict]:
-    """Anthropic ``system`` + ``messages`` -> chat messages, every entry kept in its place."""
+def messages_to_chat(system: Any, messages: Any, marks: Marks | None = None) -> list[dict]:
+    """Anthropic ``system`` + ``messages`` -> chat messages, every entry kept in its place
+    (``marks`` collects the blocks' ``cache_control`` breakpoints by chat message)."""
     out: list[dict] = []
     if system is not None:
-        text = _text_blocks(system, "system")
+        text = _text_blocks(system, "system", marks, 0)
         if text:
             out.append({"role": "system", "content": text})
     if not isinstance(messages, list) or not messages:
@@ -208,12 +255,35 @@ def messages_to_chat(system: Any, messages: Any) -> list[dict]:
             raise bad_request(f"{where}.role {role!r} is not one of {', '.join(MESSAGE_ROLES)}", param=f"{where}.role")
         content = m.get("content")
         if role == "user":
-            out += _user_messages(content, f"{where}.content")
+            out += _user_messages(content, f"{where}.content", marks, len(out))
         elif role == "assistant":
-            out.append(_assistant_message(content, f"{where}.content"))
+            out.append(_assistant_message(content, f"{where}.content", marks, len(out)))
         else:
-            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content")})
+            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content", marks, len(out))})
     return out
+
+
+def cache_marks(body: dict, chat: dict, marks: Marks) -> tuple[tuple[CacheBreakpoint, ...], float | None]:
+    """(breakpoints, the lifetime asked for the rest) of a request whose messages ``marks``
+    collected: a tool's ``cache_control`` marks the end of the leading system message (where
+    templates write the tools; none without one), the top-level one (automatic caching) the end
+    of the last message, as Anthropic places it on the last cacheable block."""
+    found = list(marks.found)
+    messages = chat["messages"]
+    for k, tool in enumerate(body.get("tools") or []):
+        if isinstance(tool, dict) and tool.get("cache_control") is not None:
+            ttl = cache_control_ttl(tool["cache_control"], f"tools[{k}].cache_control")
+            if messages and messages[0].get("role") == "system":
+                found.append(CacheBreakpoint(0, None, ttl))
+    top = body.get("cache_control")
+    rest = None
+    if top is not None:
+        rest = cache_control_ttl(top, "cache_control")
+        found.append(CacheBreakpoint(len(messages) - 1, None, rest))
+    if len(found) > MAX_BREAKPOINTS:
+        raise bad_request(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+                          f"Found {len(found)}.", param="cache_control")
+    return tuple(found), rest
 
 
 def anthropic_tools(tools: Any) -> list[dict] | None:
@@ -264,10 +334,11 @@ def output_format(body: dict) -> dict | None:
     return None
 
 
-def to_chat_body(body: dict) -> dict:
-    """Translate an Anthropic Messages request into the chat-completions body it means."""
+def to_chat_body(body: dict, marks: Marks | None = None) -> dict:
+    """Translate an Anthropic Messages request into the chat-completions body it means (``marks``
+    collects its ``cache_control`` breakpoints)."""
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages_to_chat(body.get("system"),
-                                                                                      body.get("messages")),
+                                                                                      body.get("messages"), marks),
                             "stream": body.get("stream", False)}
     tools = anthropic_tools(body.get("tools"))
     if tools:
@@ -398,8 +469,7 @@ class MessagesStream:
         # the input side is known once the prompt is looked up; output tokens come with message_delta
         report = getattr(ready, "cache", None)
         opening = message_object(self.message_id, self.model, [], stop=None, stop_sequence=None,
-                                 usage=usage_object(Usage(report.prompt, report.cached, 0, report.written,
-                                                          report.written_long) if report else Usage(0, 0, 0)),
+                                 usage=usage_object(report_usage(report)),
                                  diagnostics=message_diagnostics(getattr(ready, "cache", None)))
         return [event_frame({"type": "message_start", "message": opening})]
 
@@ -434,12 +504,15 @@ def _messages(h: Any) -> None:
     app = h.app
     body = parse_json(h.read_body())
     require_ready(app)
-    req = chat_request(app, to_chat_body(body), MESSAGES_FIELDS)
+    marks = Marks()
+    chat = to_chat_body(body, marks)
+    breakpoints, ttl = cache_marks(body, chat, marks)
+    req = chat_request(app, chat, MESSAGES_FIELDS)
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)
     wanted, previous = anthropic_request(body, request_headers(h))
     run = JobRun.submit(h, req, message_id[-12:], stream=req.stream,
-                        diagnosis=Diagnosis(message_id, wanted, previous))
+                        diagnosis=Diagnosis(message_id, wanted, previous, breakpoints=breakpoints, cache_ttl=ttl))
     run.answer(h, lambda: MessagesStream(message_id, app.model_id, tools=req.tools, family=app.family,
                                          stops=req.stop, omit_thinking=omit),
                lambda outcome: whole_message(message_id, app.model_id, outcome, tools=req.tools, family=app.family,

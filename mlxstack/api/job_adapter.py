@@ -89,6 +89,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, response_format=req.response_format,
         sampling_origin=req.sampling_origin,
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
+        breakpoints=d.breakpoints, cache_ttl=d.cache_ttl,
     )
 
 
@@ -96,11 +97,14 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
 class Diagnosis:
     """What a front asks of the cache beside the reply: the id the reply is known by (its
     fingerprint is kept under it), whether the client wants a diagnosis and against which reply,
-    and a prewarm (prefill and store, no output)."""
+    a prewarm (prefill and store, no output), the client's cache breakpoints (engine/request.py
+    CacheBreakpoint) and the lifetime it asked for the rest (seconds; None: the server's)."""
     response_id: str = ""
     wanted: bool = False
     compare_to: str | None = None
     prewarm: bool = False
+    breakpoints: tuple = ()
+    cache_ttl: float | None = None
 
 
 def cache_headers(report: Any) -> dict[str, str]:

@@ -143,6 +143,7 @@ def response_object(response_id: str, model: str, created_at: int, echo: dict, *
         "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
         "model": model, "output": output, "parallel_tool_calls": echo["parallel_tool_calls"],
         "previous_response_id": echo["previous_response_id"], "prompt_cache_key": echo["prompt_cache_key"],
+        "prompt_cache_retention": echo.get("prompt_cache_retention"),
         "reasoning": echo["reasoning"], "store": echo["store"], "temperature": echo["temperature"],
         "text": echo["text"], "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
         "truncation": "disabled", "usage": usage, "user": echo["user"], "metadata": echo["metadata"],
@@ -238,7 +239,7 @@ def handle_responses(h: Any) -> None:
     opts = call.echo.get("prompt_cache_options") or {}
     run = JobRun.submit(h, req, response_id[-12:], stream=call.stream,
                         diagnosis=Diagnosis(response_id, bool(opts.get("diagnose")), opts.get("compare_to"),
-                                            call.prewarm))
+                                            call.prewarm, call.breakpoints, call.cache_ttl))
 
     def count_tokens(text: str) -> int:
         return len(app.loaded.tokenizer.encode(text, add_special_tokens=False)) if text else 0

@@ -7,7 +7,9 @@ input_text / output_text / input_image), ``function_call``, ``function_call_outp
 tools such as web_search run on OpenAI's servers: they are not offered to the model here),
 ``tool_choice``, ``reasoning.effort`` (``none`` = thinking off, any other effort = on, absent =
 DEFAULT_THINKING), ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format``,
-``prompt_cache_key`` (the session id) and ``previous_response_id`` (the stored conversation it
+``prompt_cache_key`` (the session id), ``prompt_cache_breakpoint`` on content parts (stored-entry
+boundaries) with ``prompt_cache_options.ttl`` / ``prompt_cache_retention`` (their lifetime), and
+``previous_response_id`` (the stored conversation it
 names, response_store.py, comes in as ``history``).
 
 Codex's reasoning round trip: a reasoning item it echoes carries the text in ``encrypted_content``
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.request import CacheBreakpoint
 from .chat_body import copy_fields, function_tool, joined
 from .errors import bad_request
 from .opaque import decode_opaque, encode_opaque
@@ -54,6 +57,8 @@ class ResponsesCall:
     store: bool
     reasoning_blob: bool              # include has "reasoning.encrypted_content"
     echo: dict                        # request fields the response object repeats
+    breakpoints: tuple = ()           # engine/request.CacheBreakpoint per prompt_cache_breakpoint
+    cache_ttl: float | None = None    # prompt_cache_options.ttl / prompt_cache_retention, seconds
 
     @property
     def prewarm(self) -> bool:
@@ -94,8 +99,21 @@ def _text_of(parts: Any, where: str) -> str:
     return "".join(out)
 
 
-def _content_parts(content: Any, where: str) -> str | list[dict]:
-    """Responses message content -> chat content (a string, or text / image_url parts)."""
+def _breakpoint(part: dict, where: str) -> bool:
+    """Whether a content part carries ``prompt_cache_breakpoint`` ({"mode": "explicit"})."""
+    mark = part.get("prompt_cache_breakpoint")
+    if mark is None:
+        return False
+    if not isinstance(mark, dict) or mark.get("mode", "explicit") != "explicit":
+        raise bad_request(f"{where}.prompt_cache_breakpoint must be {{\"mode\": \"explicit\"}}",
+                          param=f"{where}.prompt_cache_breakpoint")
+    return True
+
+
+def _content_parts(content: Any, where: str, marks: list | None = None) -> str | list[dict]:
+    """Responses message content -> chat content (a string, or text / image_url parts);
+    ``marks`` gets, per ``prompt_cache_breakpoint``, the characters of text up to the marked part
+    (None: the whole message -- a part that is not text)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -120,6 +138,8 @@ def _content_parts(content: Any, where: str) -> str | list[dict]:
         else:
             raise bad_request(f"{where}[{j}].type {kind!r} is not supported; use input_text, output_text or "
                               "input_image", param=f"{where}[{j}].type")
+        if marks is not None and _breakpoint(part, f"{where}[{j}]"):
+            marks.append(sum(len(p["text"]) for p in parts if p["type"] == "text") if kind in _TEXT_PARTS else None)
     return joined(parts)
 
 
@@ -131,8 +151,10 @@ def _output_text(output: Any, where: str) -> str | list[dict]:
     raise bad_request(f"{where} must be a string or a list of content parts", param=where)
 
 
-def input_to_messages(items: Any, tool_names: ToolNames | None = None) -> list[dict]:
-    """Responses ``input`` -> chat messages, in order.
+def input_to_messages(items: Any, tool_names: ToolNames | None = None,
+                      marks: list[tuple[int, int | None]] | None = None) -> list[dict]:
+    """Responses ``input`` -> chat messages, in order (``marks`` gets (message index, chars) per
+    ``prompt_cache_breakpoint``; chars None: after the whole message).
 
     One assistant turn arrives as several items (reasoning, message, function_call...): they are
     merged into one assistant message (reasoning_content, content, tool_calls) -- the shape the
@@ -166,18 +188,24 @@ def input_to_messages(items: Any, tool_names: ToolNames | None = None) -> list[d
             if role not in MESSAGE_ROLES:
                 raise bad_request(f"{_where(i, 'role')} {role!r} is not one of {', '.join(MESSAGE_ROLES)}",
                                   param=_where(i, "role"))
-            content = _content_parts(item.get("content"), _where(i, "content"))
+            found: list = []
+            content = _content_parts(item.get("content"), _where(i, "content"), found)
             if role == "assistant":
                 turn = assistant()
                 if turn.get("content") or turn.get("tool_calls"):  # a second message: a new turn
                     open_turn = None
                     turn = assistant()
                 turn["content"] = content
+                at = messages.index(turn)
+                found = [None] * len(found)   # an assistant turn is marked at its end
             else:
                 if reasoning:
                     assistant()  # a reply that was only reasoning is still a turn, in its place
                 open_turn = None
+                at = len(messages)
                 messages.append({"role": role, "content": content})
+            if marks is not None:
+                marks.extend((at, chars if isinstance(content, str) else None) for chars in found)
         elif kind == "reasoning":
             text = _text_of(item.get("content"), _where(i, "content"))
             if not text:
@@ -202,8 +230,13 @@ def input_to_messages(items: Any, tool_names: ToolNames | None = None) -> list[d
             if reasoning:
                 assistant()
             open_turn = None
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": _output_text(item.get("output", ""), _where(i, "output"))})
+            found = []
+            output = item.get("output", "")
+            output = _content_parts(output, _where(i, "output"), found) if isinstance(output, list) \
+                else _output_text(output, _where(i, "output"))
+            if marks is not None:
+                marks.extend((len(messages), None) for _ in found)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise bad_request(f"{_where(i, 'type')} {kind!r} is not supported; use one of "
                               f"{', '.join(INPUT_ITEM_TYPES)} (send the full item instead of an item_reference)",
@@ -294,8 +327,10 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", param="instructions")
     chat_tools, names = responses_tools(body.get("tools"))
-    conversation = [*(history or []), *input_to_messages(body.get("input"), names)]
+    marks: list[tuple[int, int | None]] = []
+    conversation = [*(history or []), *input_to_messages(body.get("input"), names, marks)]
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    before = len(messages) - len(conversation) + len(history or [])   # chat index of the input's first message
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream", False)}
     if chat_tools:
         chat["tools"] = chat_tools
@@ -319,6 +354,16 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
         chat["session_id"] = body["prompt_cache_key"]  # Codex sends its conversation id here
         chat["prompt_cache_key"] = body["prompt_cache_key"]   # compared by cache diagnoses
     cache_options = prompt_cache_options(body)
+    retention = body.get("prompt_cache_retention")
+    if retention is not None and retention not in RETENTIONS:
+        raise bad_request(f"'prompt_cache_retention' must be one of {', '.join(RETENTIONS)}",
+                          param="prompt_cache_retention")
+    asked = [t for t in (RETENTIONS.get(retention), CACHE_TTLS.get((cache_options or {}).get("ttl"))) if t is not None]
+    ttl = max(asked) if asked else None
+    if len(marks) > MAX_BREAKPOINTS:
+        raise bad_request(f"at most {MAX_BREAKPOINTS} content blocks may carry prompt_cache_breakpoint "
+                          f"(found {len(marks)})", param="input")
+    breakpoints = tuple(CacheBreakpoint(before + m, chars, ttl) for m, chars in marks)
     include = body.get("include") or []
     if not isinstance(include, list):
         raise bad_request("'include' must be a list of strings", param="include")
@@ -332,13 +377,16 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
             "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
             "text": body.get("text") or {"format": {"type": "text"}}, "store": store,
             "prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user"),
-            "prompt_cache_options": cache_options}
+            "prompt_cache_options": cache_options, "prompt_cache_retention": retention}
     return ResponsesCall(chat_body=chat, conversation=conversation, tool_names=names,
                          stream=bool(body.get("stream", False)), store=store,
-                         reasoning_blob="reasoning.encrypted_content" in include, echo=echo)
+                         reasoning_blob="reasoning.encrypted_content" in include, echo=echo,
+                         breakpoints=breakpoints, cache_ttl=ttl)
 
 
-CACHE_TTLS = ("30m", "12h")
+CACHE_TTLS = {"30m": 1800.0, "12h": 12 * 3600.0}      # prompt_cache_options.ttl -> seconds
+RETENTIONS = {"in_memory": None, "24h": 24 * 3600.0}  # prompt_cache_retention -> seconds (None: default)
+MAX_BREAKPOINTS = 4                                   # cache writes a request may mark
 CACHE_MODES = ("implicit", "explicit")
 
 

@@ -19,7 +19,8 @@ Invariants (each has a test in tests/test_prompt_cache.py):
   match equally deep: the session's own entry (the one it stored) over the global pick (most
   recently used), never one that costs a disk load the global pick would not. The depth is the
   global lookup's, always.
-- Eviction order is deterministic: TTL first, then highest cost score
+- Eviction order is deterministic: TTL first (an entry's own lifetime, a client breakpoint's,
+  else its pool's), then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
   ties broken by older entry id.
 
@@ -61,6 +62,7 @@ class CacheEntry:
     hits: int = 0
     superseded: bool = False   # a longer entry now covers it (kept only as a safety net)
     disk_id: int | None = None  # its copy on the disk tier (written through or spilled)
+    ttl: float | None = None    # its own idle lifetime (a client's breakpoint ttl); None: the pool's
 
     @property
     def depth(self) -> int:
@@ -228,7 +230,9 @@ class PromptCache:
         floor: int = 0,
         pool: str = POOL_KV,
         session_id: str = "",
+        ttl: float | None = None,
     ) -> CacheEntry | None:
+        """Store an entry; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its pool's."""
         if not self.enabled or self._limits[pool].max_entries <= 0:
             return None
         with self._lock:
@@ -243,6 +247,7 @@ class PromptCache:
                 entry_id=self._next_id, key_tokens=key, model_tokens=model,
                 block_hashes=self.hashes(key), payload=payload, nbytes=int(nbytes),
                 floor=min(int(floor), len(model)), pool=pool, session_id=session_id, created=now, last_used=now,
+                ttl=ttl,
             )
             self._next_id += 1
             self._entries[entry.entry_id] = entry
@@ -405,7 +410,7 @@ class PromptCache:
     def _expire(self) -> None:
         now = self.clock()
         for e in list(self._entries.values()):
-            ttl = self._limits[e.pool].ttl
+            ttl = self._limits[e.pool].ttl if e.ttl is None else e.ttl
             if e.payload is not None and ttl > 0 and now - e.last_used > ttl:
                 self._evict(e, "ttl")
 

@@ -108,6 +108,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("PROMPT_CACHE_MAX_BYTES", "int", 0, "KV byte budget: the RAM cache tier, and admission -- a request waits (no row) while the KV of the requests in flight plus what it will add would pass it (alone, a request always runs). 0 = auto: 40% of RAM (Linux) or of Metal's recommended working set.", minimum=0, group="cache"),
     Spec("PROMPT_CACHE_MAX_ENTRIES_PER_SESSION", "int", 2, "Cache keys remembered per session (session index).", minimum=1, group="cache"),
     Spec("PROMPT_CACHE_TTL_SECONDS", "float", 1800.0, "Entry time-to-live (0 = never expires).", minimum=0, group="cache"),
+    Spec("CACHE_TTL_MAX_SECONDS", "float", 3600.0, "Longest idle lifetime a client may ask for an entry (Anthropic cache_control ttl 1h, Responses prompt_cache_options.ttl / prompt_cache_retention); an entry is never kept shorter than PROMPT_CACHE_TTL_SECONDS (0 = no cap).", minimum=0, group="cache"),
     Spec("PROMPT_CACHE_SESSION_MAX_IDLE_SECONDS", "float", 1800.0, "Idle sessions are forgotten after this (0 = never).", minimum=0, group="cache"),
     Spec("PROMPT_CACHE_BLOCK_SIZE", "int", 16, "Tokens per hash block.", minimum=1, group="cache"),
     Spec("CACHE_USE_BLOCK_INDEX", "bool", True, "Block-hash index for O(blocks) lookup (off = linear scan, same answers).", group="cache"),

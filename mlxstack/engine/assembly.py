@@ -34,7 +34,7 @@ from ..pipeline.render import TemplateError, encode
 from ..pipeline.scrub import scrub_cache_key
 from ..pipeline.session_context import SessionContext, extract_session_context, session_opening
 from ..pipeline.write_content import omit_written_content
-from .request import ChatJob, PreparedPrompt
+from .request import CacheBreakpoint, ChatJob, PreparedPrompt
 
 log = logging.getLogger("mlxstack.request")
 
@@ -73,6 +73,7 @@ class PromptAssembly:
         prep = PreparedPrompt(original, canonical, model_text, model_tokens, key_tokens,
                               len(model_text) - len(key_text), extras)
         prep.generation_text, prep.history_end = self._history_split(prep, job, renders)
+        prep.breakpoints = self._breakpoints(prep, job, renders)
         prep.renders = renders[0]
         if omitted:   # the model sees placeholders; healing and the session records follow what was sent
             prep.sent, prep.sent_canonical = canonicalize_messages(
@@ -118,6 +119,48 @@ class PromptAssembly:
         start = _common_prefix_chars(history_text, prep.model_text)
         return prep.model_text[start:], lcp(self._tokens_of(history_text, prep), prep.model_np)
 
+    def _breakpoints(self, prep: PreparedPrompt, job: ChatJob, renders: list[int]) -> list[tuple[int, float | None]]:
+        """The client's cache breakpoints as (token position, asked ttl), sorted, one per position.
+        A breakpoint's position is where the prompt's text stops agreeing with a render of the
+        messages up to it (the marked message cut after its marked block, no generation prompt),
+        re-tokenised and matched token by token: a position the next request that shares the
+        text up to the mark also reaches, whatever the template writes around it. The end of the
+        last message is the history boundary (no render). A mark whose message was dropped or
+        merged on the way (the counts differ) or that the template refuses is skipped."""
+        marks = job.breakpoints
+        if not marks:
+            return []
+        sent = job.messages
+        original = prep.original
+        if len(sent) != len(original):
+            return []
+        found: dict[int, float | None] = {}
+        for mark in map(lambda m: CacheBreakpoint(*m), marks):   # a rank's record holds plain tuples
+            if not 0 <= mark.message < len(original):
+                continue
+            pos = self._mark_position(prep, job, renders, mark.message, _cut(sent[mark.message], original[mark.message],
+                                                                              mark.chars))
+            if pos is None or pos <= 0:
+                continue
+            if pos in found and found[pos] is not None and (mark.ttl is None or mark.ttl < found[pos]):
+                continue
+            found[pos] = mark.ttl
+        return sorted(found.items())
+
+    def _mark_position(self, prep: PreparedPrompt, job: ChatJob, renders: list[int], m: int,
+                       cut: int | None) -> int | None:
+        original = prep.original
+        if cut is None and m == len(original) - 1:
+            return prep.history_end
+        msgs = original[:m + 1]
+        if cut is not None:
+            msgs = msgs[:-1] + [{**msgs[-1], "content": msgs[-1]["content"][:cut]}]
+        text = self._render_prefix(renders, msgs, job)
+        if text is None:
+            return None
+        chars = _common_prefix_chars(text, prep.model_text)
+        return lcp(self._tokens_of(prep.model_text[:chars], prep), prep.model_np)
+
     def _suffix_ids(self, suffix: str) -> list[int]:
         memo = self.__dict__.setdefault("_suffix_memo", {})
         if suffix not in memo:
@@ -158,6 +201,19 @@ class PromptAssembly:
         """The client's session id, else the digest of the canonical opening (the router's too)."""
         implicit = SessionContext(opening_session_id(session_opening(prep.record_canonical)), "message-prefix")
         return extract_session_context(job.body, job.headers, implicit=implicit)
+
+
+def _cut(sent: dict, original: dict, chars: int | None) -> int | None:
+    """Where a mark ``chars`` into the text content the client sent falls in the message as the
+    pipeline rendered it (canonicalisation may have dropped a leading line, e.g. a billing header:
+    the text after the mark is matched from the end); None: after the whole message."""
+    if chars is None:
+        return None
+    a, b = sent.get("content"), original.get("content")
+    if not isinstance(a, str) or not isinstance(b, str) or chars >= len(a):
+        return None
+    tail = a[chars:]
+    return len(b) - len(tail) if b.endswith(tail) and len(b) >= len(tail) else None
 
 
 def _common_prefix_chars(a: str, b: str) -> int:

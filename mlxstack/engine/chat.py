@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..cache.kv_ops import LiveCache, capture, checkout
+from ..cache.lifetimes import applied_lifetime, written_segments
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..config import faults
 from ..parsing.call_gate import CallGate
@@ -175,15 +176,29 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # are checkpointed where a later turn will extend exactly: the end of the history
         # (before the generation prompt) and prompt[:-1]. Checkpoints the final entry can serve
         # itself are dropped again in finish().
+        # A client's cache breakpoints (cache_control, prompt_cache_breakpoint) are checkpoints too:
+        # the next request that branches there is served at exactly that depth.
         history_end = prep.history_end
+        marks = [k for k, _ttl in prep.breakpoints]
         checkpoints: list[int] = []
         if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
-            checkpoints = sorted({k for k in (history_end, n_prompt - 1) if match.depth < k < n_prompt})
+            checkpoints = sorted({k for k in (history_end, n_prompt - 1, *marks) if match.depth < k < n_prompt})
+        lifetimes = {k: self.lifetime(ttl) for k, ttl in prep.breakpoints}
+        report.breakpoints = tuple(sorted(lifetimes.items()))
+        if report.written:   # what this request will write, by the lifetime applied (cache/lifetimes.py)
+            report.segments = tuple(written_segments(match.depth, n_prompt, lifetimes.items(), self.lifetime(job.cache_ttl)))
         deadline = started + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
         return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
-                        forced=forced, from_disk=from_disk, fingerprint=fingerprint, cache_report=report)
+                        forced=forced, from_disk=from_disk, fingerprint=fingerprint, cache_report=report,
+                        lifetimes=lifetimes)
+
+    def lifetime(self, asked: float | None) -> float:
+        """The idle lifetime a stored entry gets for a client's ``asked`` ttl (cache/lifetimes.py:
+        never below PROMPT_CACHE_TTL_SECONDS, never above CACHE_TTL_MAX_SECONDS)."""
+        s = self.settings
+        return applied_lifetime(asked, s.prompt_cache_ttl_seconds, s.cache_ttl_max_seconds)
 
     def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool, Any]:
         """Lookup over both tiers -> (match, stable messages, from disk, the state to check out).

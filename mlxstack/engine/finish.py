@@ -115,6 +115,8 @@ class TurnFinish:
         n_prompt = len(seq.prep.model_tokens)
         stores = self.state.prompt_cache.enabled and not aborted and n_prompt > seq.start
         report.written = n_prompt - seq.start if stores else 0
+        if not stores:
+            report.segments = ()
         reply = [] if aborted or seq.job.prefill_only or seq.stopped_by_string else raw_ids
         keep_fingerprint(self.state, seq, seq.prep.model_tokens + reply)
         return report
@@ -299,8 +301,12 @@ class TurnFinish:
         extra = max(0, depth - n_prompt)
         key = (prep.key_tokens if n_prompt == len(prep.model_tokens) else self.key_prefix(prep, n_prompt)) \
             + continuation[:extra]
+        # the turn's entry is kept as long as the longest lifetime asked of a depth it can serve
+        # (the request's own; a breakpoint's where it can be cut back there)
+        asked = [seq.job.cache_ttl] + [t for k, t in seq.prep.breakpoints if state.can_serve(k)]
+        ttl = max(self.lifetime(a) for a in asked) if any(a is not None for a in asked) else None
         entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=st.group_bytes(state.nbytes), floor=state.floor,
-                                       pool=POOL_KV, session_id=session_id)
+                                       pool=POOL_KV, session_id=session_id, ttl=ttl)
         if entry is not None:
             inserted.append(entry.entry_id)
             faults.hit("store", seq.job.request_id)
@@ -312,7 +318,7 @@ class TurnFinish:
                 continue  # the turn's own entry serves this depth: no copy needed
             snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth],
                                                 snap, nbytes=st.group_bytes(snap.nbytes), floor=snap.floor, pool=POOL_SNAPSHOT,
-                                                session_id=session_id)
+                                                session_id=session_id, ttl=seq.lifetimes.get(snap.depth))
             if snap_entry is not None:
                 inserted.append(snap_entry.entry_id)
                 st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)

@@ -8,13 +8,23 @@ the prepared prompt, the in-flight sequence (cache, prefill and decode state), t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..cache.kv_ops import KVState, LiveCache
 from ..cache.lcp import as_tokens
 from ..cache.prompt_cache import MatchResult
 from ..pipeline.session_context import SessionContext
 from ..runtime.sampling import Sampler, SamplingParams
+
+
+class CacheBreakpoint(NamedTuple):
+    """Where a client marked a reusable prefix to end (Anthropic ``cache_control``, Responses
+    ``prompt_cache_breakpoint``): after ``chars`` characters of chat message ``message``'s text
+    content (None: after the whole message, its turn closer included), kept ``ttl`` seconds (None:
+    the server's default). Resolved to a token position by the assembly pass (engine/assembly.py)."""
+    message: int
+    chars: int | None = None
+    ttl: float | None = None
 
 
 class ClientGone(RuntimeError):
@@ -57,6 +67,9 @@ class ChatJob:
     response_id: str = ""
     diagnose: bool = False
     compare_to: str | None = None
+    # client cache controls: stored-entry boundaries and the lifetime asked for the rest (seconds)
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
+    cache_ttl: float | None = None
 
 
 @dataclass
@@ -71,7 +84,8 @@ class CacheReport:
     session: Any = None           # cache/diagnosis.Diagnosis vs the session's previous request (None: first)
     asked: Any = None             # Diagnosis vs the named reply (None: not asked)
     written: int = 0              # prompt tokens stored by this request (cache_creation / cache_write)
-    written_long: int = 0         # of them, kept past the default lifetime (a long-ttl breakpoint)
+    segments: tuple = ()          # cache/lifetimes.Segment: the written tokens by breakpoint and lifetime
+    breakpoints: tuple = ()       # (token position, applied lifetime) of the client's breakpoints
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,7 @@ class PreparedPrompt:
     generation_text: str = ""                    # what the generation prompt appended to the history
     history_end: int = 0                         # tokens of the rendered history (no generation prompt)
     renders: int = 0                             # chat-template renders this prompt cost
+    breakpoints: list[tuple[int, float | None]] = field(default_factory=list)   # (token position, asked ttl)
     # NORMALIZE_WRITE_TOOL_CONTENT_FOR_PROMPT replaced old write contents in original / canonical:
     # the conversation as the client sent it (healed; original and canonical), which the healing
     # digest and the session records keep following. None = original / canonical themselves.
@@ -140,7 +155,8 @@ class PreparedPrompt:
         return PreparedPrompt(self.original, self.canonical, self.model_text + text, model,
                               model if self.key_tokens is self.model_tokens else key, self.key_delta_chars, self.extras,
                               generation_text=self.generation_text, history_end=self.history_end,
-                              renders=self.renders, sent=self.sent, sent_canonical=self.sent_canonical)
+                              renders=self.renders, sent=self.sent, sent_canonical=self.sent_canonical,
+                              breakpoints=self.breakpoints)
 
 
 @dataclass(eq=False)       # identity: a request is itself, never "equal" to another
@@ -192,3 +208,4 @@ class Sequence:
     shared_prefill: int = 0           # prompt tokens taken from another request's prefill (not computed)
     fingerprint: Any = None           # cache/diagnosis.Fingerprint of the prompt (None: not taken)
     cache_report: CacheReport | None = None
+    lifetimes: dict[int, float] = field(default_factory=dict)   # snapshot depth -> applied lifetime (breakpoints)
