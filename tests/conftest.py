@@ -191,3 +191,25 @@ def embedded_server(embedded_model_path, tmp_path_factory):
 # ===========================================================================
 # (end of engine and live-server helpers)
 # ===========================================================================
+
+
+# ===========================================================================
+# Test tiers: the e2e and slow markers (pytest.ini, docs/testing.md)
+# ===========================================================================
+
+# Fixtures that start a real stack (LiteLLM in front of MLX server processes): every test that uses
+# one is e2e, whichever module it lives in. Modules that are e2e or slow throughout say so with
+# ``pytestmark``; this covers the in-process modules with a stack section at their end.
+STACK_FIXTURES = frozenset({"stack", "vlm_stack", "hybrid_stack"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
+# ===========================================================================
+# (end of test tiers)
+# ===========================================================================

@@ -65,6 +65,7 @@ def test_front_page_keeps_the_two_commands_and_the_test_time():
     assert "python3 install_and_run.py          #" in text
     assert "python3 install_and_run.py --test   #" in text
     assert re.search(r"about [\d,]+ tests, ~[\d-]+ minutes on 2 cores", text)
+    assert 'not e2e and not slow' in text                      # the fast tier, one line
 
 
 @pytest.mark.parametrize("path", LINKED, ids=lambda p: str(p.relative_to(REPO)))

@@ -1,0 +1,85 @@
+"""The ``mlxstack`` command: one name for the entry points that already exist.
+
+    mlxstack serve [--env-file PATH]     the stack: MLX server(s) behind LiteLLM (start_llm.py)
+    mlxstack mlx-server                  one MLX server, no proxy (python -m mlxstack.serve)
+    mlxstack test [--fast] [pytest args] the test suite with the optimised BLAS preloaded
+                                         (mlxstack.launcher.test_runner; --fast: the fast tier)
+    mlxstack bench [guard args]          the benchmark guard (scripts/bench_guard.py)
+    mlxstack env-example                 regenerate .env.example and docs/configuration.md
+
+Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e .``, as
+``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
+``mlxstack bench --help`` is the guard's own help). ``python3 install_and_run.py`` stays the
+bootstrap that builds .venv; this module needs that .venv's Python 3.12 and a checkout (the
+scripts live beside the package, not inside it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+COMMANDS = {
+    "serve": "start the stack: MLX server(s) behind the LiteLLM proxy (start_llm.py)",
+    "mlx-server": "start one MLX server without the proxy (python -m mlxstack.serve)",
+    "test": "run the tests with the optimised BLAS preloaded; --fast: -m \"not e2e and not slow\"",
+    "bench": "run the benchmark guard (scripts/bench_guard.py; ~10 min, not in CI)",
+    "env-example": "regenerate .env.example and docs/configuration.md from the settings",
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: mlxstack <command> [args...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS.items()]
+    lines += ["", "Arguments after the command go to its entry point ('mlxstack bench --help' is the guard's help).",
+              "Set-up and the first run: python3 install_and_run.py (README.md)."]
+    return "\n".join(lines)
+
+
+def _script(relative: str) -> str:
+    path = REPO / relative
+    if not path.is_file():
+        raise SystemExit(f"mlxstack: {relative} not found beside the package (run from a checkout: {REPO})")
+    return str(path)
+
+
+def _exec_python(args: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        _exec_python([_script("start_llm.py"), *rest])
+    elif command == "mlx-server":
+        _exec_python(["-m", "mlxstack.serve", *rest])
+    elif command == "test":
+        from .launcher import test_runner
+
+        os.chdir(REPO)                           # pytest.ini and tests/ are found from the checkout
+        test_runner.main(rest)
+    elif command == "bench":
+        _exec_python([_script("scripts/bench_guard.py"), *rest])
+    elif command == "env-example":
+        if rest[:1] in (["-h"], ["--help"]):
+            print(f"usage: mlxstack env-example\n\n{COMMANDS['env-example']}")
+            return 0
+        if rest:
+            print(f"mlxstack env-example: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
+            return 2
+        _exec_python([_script("scripts/gen_env_example.py")])
+    else:
+        print(f"mlxstack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
