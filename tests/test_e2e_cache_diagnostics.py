@@ -103,11 +103,9 @@ def test_responses_diagnostics_prewarm_and_cache_write_through_4000(stack):
     from openai import OpenAI
     from openai.types.beta import BetaResponseUsage
 
-    # Usage, prewarm and the header go through LiteLLM (4000); the comparison by id is asked on the
-    # MLX port: the id LiteLLM's Responses route hands out does not yet map back to ours inside
-    # prompt_cache_options (open item, docs/cache-diagnostics.md)
+    # All through LiteLLM (4000), the comparison by id too: the id LiteLLM hands out (encrypted
+    # around its managed id) is turned back into ours by the front door (LESSONS 71)
     client = OpenAI(base_url=stack.base + "/v1", api_key=KEY)
-    direct = OpenAI(base_url=stack.mlx + "/v1", api_key=KEY)
     instructions = "You answer in one short sentence. " * 6
     inp = [{"role": "user", "content": "Name a colour."}]
 
@@ -126,15 +124,16 @@ def test_responses_diagnostics_prewarm_and_cache_write_through_4000(stack):
     assert gone.model_dump()["prompt_cache_diagnostics"] == {"type": "comparison_response_not_found"}
     assert cache_header(headers).startswith("tier=")
 
-    warm, _ = create(direct, extra_body={"prompt_cache_options": {"prewarm": True}})
-    full, _ = create(direct, extra_body={"prompt_cache_options": {"comparison_response_id": warm.id}})
+    warm, _ = create(extra_body={"prompt_cache_options": {"prewarm": True}})
+    assert warm.id.startswith("resp_") and stack.recent()[-1]["request_id"] not in warm.id   # LiteLLM's id, not ours
+    full, _ = create(extra_body={"prompt_cache_options": {"comparison_response_id": warm.id}})
     f = full.model_dump()
     assert f["prompt_cache_diagnostics"] == {"type": "cache_hit"}           # prewarm then a full hit
     assert f["usage"]["input_tokens_details"]["cached_tokens"] == f["usage"]["input_tokens"] - 1
     assert f["usage"]["input_tokens_details"]["cache_write_tokens"] == 1
     assert f["output"] and f["usage"]["output_tokens"] > 0
 
-    changed, _ = create(direct, extra_body={"prompt_cache_options": {"comparison_response_id": full.id}},
+    changed, _ = create(extra_body={"prompt_cache_options": {"comparison_response_id": full.id}},
                         tools=[{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}])
     diag = changed.model_dump()["prompt_cache_diagnostics"]
     assert (diag["type"], diag["reason"]) == ("cache_miss", "tools_changed")

@@ -314,3 +314,20 @@ def test_anthropic_sdk_gets_typed_errors_through_4000(stack):
     assert err.value.body["error"]["type"] == "invalid_request_error"
     status, body = raw_post(stack, "/v1/messages", b"[1]", STACK_KEY)
     assert status == 400 and body["type"] == "error"
+
+
+def test_a_comparison_id_is_turned_back_into_the_backends_own():
+    """LiteLLM maps its response ids back only in previous_response_id; the front door maps the
+    one inside prompt_cache_options (LESSONS 71), with LiteLLM's own decryption and owner check."""
+    import base64
+
+    from mlxstack.routing.front_door import comparison_to_backend_id, litellm_backend_response_id
+
+    managed = "resp_" + base64.b64encode(
+        b"litellm:custom_llm_provider:hosted_vllm;model_id:m1;response_id:resp_ours123").decode()
+    assert litellm_backend_response_id(managed, None) == "resp_ours123"
+    assert litellm_backend_response_id("resp_unknown", None) == "resp_unknown"   # not LiteLLM's: as sent
+    data = {"input": "hi", "prompt_cache_options": {"comparison_response_id": managed, "ttl": "30m"}}
+    assert comparison_to_backend_id(data, lambda rid: litellm_backend_response_id(rid, None)) == {
+        "input": "hi", "prompt_cache_options": {"comparison_response_id": "resp_ours123", "ttl": "30m"}}
+    assert comparison_to_backend_id({"input": "hi"}, str.upper) == {"input": "hi"}

@@ -440,7 +440,44 @@ class FrontDoorHook(CustomLogger):
                 keep_original_tools(data)
             except Exception:  # noqa: BLE001 - never cost a request: the tools go on as LiteLLM has them
                 log.exception("front door: copying the request's tools failed")
+        if call_type in ("responses", "aresponses"):
+            comparison_to_backend_id(data, lambda rid: litellm_backend_response_id(rid, user_api_key_dict))
         return data
+
+
+# ------------------------------------------------------------------ Responses ids inside other fields
+def comparison_to_backend_id(data: Any, backend_id: Callable[[str], str]) -> Any:
+    """``prompt_cache_options.comparison_response_id`` as the MLX server knows it. LiteLLM hands
+    clients its own response ids -- encrypted with the proxy's key (its response-id security) around
+    a managed id that names the provider, the deployment and ours -- and turns them back into ours
+    only in ``previous_response_id`` (and the retrieve / delete routes); an id inside any other
+    field reaches the backend as LiteLLM wrote it, which no backend can read."""
+    opts = data.get("prompt_cache_options") if isinstance(data, dict) else None
+    rid = opts.get("comparison_response_id") if isinstance(opts, dict) else None
+    if isinstance(rid, str) and rid:
+        opts["comparison_response_id"] = backend_id(rid)
+    return data
+
+
+def litellm_backend_response_id(response_id: str, user_api_key_dict: Any) -> str:
+    """The backend's id inside a LiteLLM response id: decrypted and access-checked as LiteLLM does for
+    ``previous_response_id`` (another key's id answers 403, LiteLLM's own refusal), then the managed
+    id decoded. An id LiteLLM did not issue passes as it is (the MLX server answers
+    comparison_response_not_found for an id it does not know)."""
+    from litellm.proxy.hooks.responses_id_security import ResponsesIDSecurity
+    from litellm.responses.utils import ResponsesAPIRequestUtils
+
+    security = ResponsesIDSecurity()
+    try:
+        encrypted = security._is_encrypted_response_id(response_id)
+    except Exception:  # noqa: BLE001 - a LiteLLM without this layout: the id goes on unchanged
+        log.exception("front door: reading a Responses id failed")
+        return response_id
+    if encrypted:
+        managed, user_id, team_id = security._decrypt_response_id(response_id)
+        security.check_user_access_to_response_id(user_id, team_id, user_api_key_dict)   # 403 for another's
+        response_id = managed
+    return ResponsesAPIRequestUtils.decode_previous_response_id_to_original_previous_response_id(response_id)
 
 
 front_door = FrontDoorHook()
