@@ -72,9 +72,9 @@ def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> 
 
 def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit: Callable[[str], None],
              on_prompt: Callable[[PromptReady], None], is_cancelled: Callable[[], bool],
-             diagnosis: "Diagnosis | None" = None) -> ChatJob:
+             diagnosis: "Diagnosis | None" = None, api: str = "") -> ChatJob:
     """The ChatJob /v1/chat/completions builds for the same validated request (``diagnosis``: the
-    reply's id, and the comparison the client asked for)."""
+    reply's id, and the comparison the client asked for; ``api``: the front, for the logs)."""
     d = diagnosis or Diagnosis()
     return ChatJob(
         request_id=request_id, messages=req.messages, tools=req.tools, enable_thinking=req.enable_thinking,
@@ -89,7 +89,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, response_format=req.response_format,
         sampling_origin=req.sampling_origin,
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
-        breakpoints=d.breakpoints, cache_ttl=d.cache_ttl,
+        breakpoints=d.breakpoints, cache_ttl=d.cache_ttl, api=api,
     )
 
 
@@ -134,6 +134,19 @@ def request_headers(handler: Any) -> dict[str, str]:
     return {k.lower(): v for k, v in handler.headers.items()}
 
 
+API_ROUTES = (("/chat/completions", "chat"), ("/responses", "responses"), ("/messages", "messages"))
+
+
+def api_name(path: str) -> str:
+    """The front a request path belongs to (request logs, /v1/cache/stats): chat, responses,
+    messages; the path itself for any other."""
+    route = (path or "").split("?", 1)[0].rstrip("/")
+    for suffix, name in API_ROUTES:
+        if route.endswith(suffix):
+            return name
+    return route
+
+
 class FrameEncoder(Protocol):
     """A front's streaming encoder: bytes to write for each stage of one generation."""
 
@@ -171,7 +184,8 @@ class JobRun:
         def factory(run: "JobRun") -> ChatJob:
             sink = run.deltas.put if stream else (lambda _x: None)
             return chat_job(req, request_id, request_headers(handler), emit=sink, on_prompt=sink,
-                            is_cancelled=run.is_cancelled, diagnosis=diagnosis)
+                            is_cancelled=run.is_cancelled, diagnosis=diagnosis,
+                            api=api_name(getattr(handler, "path", "")))
         return cls(handler, factory, stream)
 
     def _events(self) -> Iterator[Any]:

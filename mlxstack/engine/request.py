@@ -70,6 +70,7 @@ class ChatJob:
     # client cache controls: stored-entry boundaries and the lifetime asked for the rest (seconds)
     breakpoints: tuple[CacheBreakpoint, ...] = ()
     cache_ttl: float | None = None
+    api: str = ""                                # the front it came in by: chat | responses | messages
 
 
 @dataclass

@@ -186,6 +186,7 @@ class EngineState:
         row = {
             "time": time.time(),
             "request_id": job.request_id,
+            "api": getattr(job, "api", ""),
             "session": outcome.session_id[:16],
             "prompt_tokens": outcome.prompt_tokens,
             "cached_tokens": outcome.cached_tokens,

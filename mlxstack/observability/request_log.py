@@ -6,10 +6,13 @@
     for rec in read_records(path): ...          # scripts/diff_turns.py reads them this way
 
 One line (``v`` = 1) holds:
-- ``request_id``, ``time`` (ISO local), ``ts`` (epoch), ``session`` (16 chars), ``model``
+- ``request_id``, ``api`` (the front: chat, responses, messages), ``time`` (ISO local), ``ts`` (epoch),
+  ``session`` (16 chars), ``model``
 - ``prompt_sha256``: sha256 of the rendered model text; ``key_sha256``: sha256 of the cache-key tokens
 - ``message_roles``: roles of the request's messages, in order
-- ``cache``: match_type, prompt/cached/prefilled tokens, stable_prefix_msgs, key_delta_chars
+- ``cache``: match_type, prompt/cached/prefilled tokens, stable_prefix_msgs, key_delta_chars, and why
+  (cache/diagnosis.py): cache_tier (ram / disk / none), cache_written (prompt tokens stored),
+  cache_explain (one line) and cache_diagnosis (the comparison with the session's previous request)
 - ``timings``: ttft_s, prefill_tok_s, decode_tok_s, total_s, prepare_ms
 - ``speculation``: draft tokens proposed and accepted for this reply (SPECULATIVE)
 - ``output``: completion_tokens, finish_reason, aborted, ``text_head`` (first 200 characters)
@@ -87,6 +90,7 @@ def build_record(row: dict, *, model: str = "", decode: Callable[[list[int]], st
     rec: dict[str, Any] = {
         "v": LOG_VERSION,
         "request_id": row.get("request_id"),
+        "api": row.get("api", ""),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}",
         "ts": round(ts, 3),
         "session": row.get("session", ""),
