@@ -211,6 +211,45 @@
     body.innerHTML = out.join("");
   }
 
+  // A request's cache explanation in words: the same words as mlxstack/observability/cache_explain.py
+  // (scripts/explain_cache.py), from the row's cache_diagnosis (cache/diagnosis.py as_dict).
+  const PARTS = { model: "model", prompt_cache_key: "prompt_cache_key", system: "system prompt", tools: "tools" };
+  function divergence(d) {
+    if (!d || !d.where) return "";
+    if (d.where === "reply") return `the previous reply (message ${d.message})`;
+    if (d.where === "messages") return `message ${d.message} ${(d.field || "").replace("(volatile)", "(volatile field)")}`;
+    if (d.where.startsWith("settings.")) return "setting " + d.where.slice("settings.".length);
+    return PARTS[d.where] || d.where;
+  }
+  function explanation(r) {
+    if (r.cache_explain === "off") return "cache off";
+    const d = r.cache_diagnosis;
+    if (!d) return "first request of its session";
+    if (d.status === "hit") return `hit: continues the previous request (${d.common || 0} tokens in common)`;
+    if (d.status === "unavailable") return `unavailable: the prompt continues the previous request ` +
+      `(${d.common || 0} tokens in common) but its entry is gone (evicted or expired)`;
+    if (d.status === "miss") return `miss: ${divergence(d)} changed; ${d.missed || 0} of ${d.previous || 0} ` +
+      `reusable tokens not reused, the prompts part at token ${d.common || 0}`;
+    return String(d.status);
+  }
+
+  function renderExplain(rows, firstIndex) {
+    const body = $("explain").tBodies[0];
+    if (!rows.length) { body.innerHTML = '<tr><td colspan="10" class="muted">no requests yet</td></tr>'; return; }
+    const out = [];
+    for (let i = rows.length - 1; i >= Math.max(0, rows.length - 25); i--) {
+      const r = rows[i], d = r.cache_diagnosis;
+      const when = r.time ? new Date(r.time * 1000).toLocaleTimeString() : "";
+      const miss = d && d.status === "miss";
+      out.push(`<tr class="${miss ? "missrow" : ""}" data-request="${esc(r.request_id)}"><td>${firstIndex + i}</td>` +
+        `<td>${esc(when)}</td><td>${esc(r.api)}</td><td><code>${esc(r.session)}</code></td>` +
+        `<td>${esc(r.cache_tier)}</td><td class="num">${fmtInt(r.prompt_tokens)}</td>` +
+        `<td class="num">${fmtInt(r.cached_tokens)}</td><td class="num">${fmtInt(r.cache_written)}</td>` +
+        `<td class="${miss ? "miss" : ""}">${esc(miss ? divergence(d) : "")}</td><td>${esc(explanation(r))}</td></tr>`);
+    }
+    body.innerHTML = out.join("");
+  }
+
   function setStatus(text, cls) {
     const el = $("status");
     el.textContent = text;
@@ -230,9 +269,10 @@
       renderMemory(s);
       renderHits(s);
       renderCounters(s);
-    renderTiers(s);
+      renderTiers(s);
       renderTiles(s, rows);
       renderTable(rows, firstIndex);
+      renderExplain(rows, firstIndex);
       state.ready = true;
       state.recentRows = rows.length;
       state.refreshes++;
