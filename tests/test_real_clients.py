@@ -131,3 +131,69 @@ def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request,
             # (OpenClaw also moves its ~90-token inbound-context block behind the new turn)
             assert warm["uncached_tokens"] <= warm["grew_by"] + 150, (client, warm)
             assert warm["reuse"] >= 0.95, (client, warm)
+
+
+def test_cache_problems_from_the_request_log():
+    from scripts.test_real_clients import cache_problems
+
+    def turn(n, prompt, read, written, usage=None):
+        return {"turn": n, "requests": 1, "client_usage": usage,
+                "log": {"prompt_tokens": prompt, "cache_read": read, "cache_creation": written}}
+
+    good = [turn(1, 1000, 0, 1000, {"cache_read_input_tokens": 0, "cache_creation_input_tokens": 990,
+                                    "input_tokens": 10}),
+            turn(2, 1040, 1020, 20), turn(3, 1100, 1040, 60)]
+    assert cache_problems(good) == []
+    bad = [turn(1, 1000, 0, 999, {"cache_read_input_tokens": 0, "cache_creation_input_tokens": 1000, "input_tokens": 0}),
+           turn(2, 1040, 900, 140), {"turn": 3, "requests": 1, "log": None}]
+    assert cache_problems(bad) == [
+        "turns without a request-log record: [3]",
+        "turn 1: creation 999 != prompt 1000 - read 0",
+        "turn 1: the client was told read 0, creation + input 1000; the log says 0, 999",
+        "turn 2: read 900 < the previous turn's prompt 1000"]
+
+
+@pytest.mark.e2e
+@pytest.mark.real_clients
+def test_claude_code_and_codex_cache_figures_turn_by_turn(request, tmp_path, embedded_model_path):
+    """Claude Code (Anthropic Messages) and Codex (Responses), 3 turns each through LiteLLM: each
+    turn's agent request in the MLX server's request log reads at least the whole previous prompt
+    and stores the rest; Claude Code's own JSON result reports the same read and creation + input."""
+    if "real_clients" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("opt-in: installs the real clients from npm and runs them; run with -m real_clients")
+    from scripts.test_real_clients import npm_reachable
+
+    reason = npm_reachable()
+    if reason:
+        pytest.skip(f"cannot install the real clients: {reason}")
+    from scripts.real_clients.long_window_model import build_long_window_model
+    from tests.test_e2e_stack import KEY, Stack
+
+    # no disk tier: the first turn starts cold, whatever an earlier run of the clients stored
+    stack = Stack(tmp_path, str(embedded_model_path.parent), MODEL_PATH=str(build_long_window_model()),
+                  DEFAULT_THINKING="false", DEFAULT_MAX_TOKENS="2048", PROXY_STARTUP_TIMEOUT_SECONDS="300",
+                  DISK_CACHE_DIR="off")
+    out = tmp_path / "results.json"
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "test_real_clients.py"), "--proxy-url", stack.base,
+                               "--mlx-url", stack.mlx, "--api-key", KEY, "--clients", "claude,codex",
+                               "--log-root", str(tmp_path / "logs"), "--json", str(out)],
+                              capture_output=True, text=True, timeout=840, cwd=REPO)
+    finally:
+        stack.stop()
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["claude", "codex"]
+    for client, api in (("claude", "messages"), ("codex", "responses")):
+        turns = results[client]["turns"]
+        assert results[client]["cache_problems"] == [], client
+        logs = [t["log"] for t in turns]
+        assert [lg["api"] for lg in logs] == [api] * 3
+        assert len({lg["session"] for lg in logs}) == 1, client          # one session, turn after turn
+        assert (logs[0]["cache_read"], logs[0]["cache_creation"]) == (0, logs[0]["prompt_tokens"])
+        for prev, cur in zip(logs, logs[1:]):
+            assert prev["prompt_tokens"] <= cur["cache_read"] < cur["prompt_tokens"], (client, cur)
+            assert cur["cache_creation"] == cur["prompt_tokens"] - cur["cache_read"], (client, cur)
+            assert cur["cache_tier"] == "ram"
+    assert all(t["client_usage"] is not None for t in results["claude"]["turns"])
