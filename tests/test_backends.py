@@ -278,6 +278,7 @@ def test_litellm_dying_stops_supervision_of_several_servers(tmp_path):
         sup.stop_all(grace=1.0)
 
 
+@pytest.mark.e2e
 def test_restart_of_one_backend_never_touches_the_other(tmp_path, embedded_model_path):
     """kill -9 of one of two real MLX servers: it alone is restarted on its held port (new pid,
     ready), the other keeps its pid and answers throughout."""

@@ -22,6 +22,8 @@ from mlxstack.runtime.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # batched decode parity on every tiny kind and the embedded model, ~1.5 min here (docs/testing.md#tiers)
+
 SYSTEM = "You are a coding agent. Keep answers short and precise. " * 3
 PROMPTS = ["Explain the parser.", "List three test commands for this repository please.",
            "Why does caching matter for agents?", "Summarise the README in one sentence.",

@@ -15,6 +15,8 @@ from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # warm turns on the embedded model and tiny kinds, alone, batched and from disk (docs/testing.md#tiers)
+
 SYSTEM = "You are a careful assistant. Answer briefly and repeat code exactly when asked. " * 3
 TURNS = ["Explain what a KV cache is.", "Repeat this exactly: def f(x): return x * 2 + 1; def g(y): return y - 3",
          "And why does reuse matter?", "Summarise in one line."]

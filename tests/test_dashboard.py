@@ -59,6 +59,7 @@ def test_assets_are_the_folder_files_only():
     assert all(p.resolve().is_relative_to(DASHBOARD_DIR) for p in assets.values())
 
 
+@pytest.mark.slow
 def test_routes_serve_pages_and_refuse_traversal(dash_server):
     base = dash_server.base
     status, body, ctype = get(f"{base}/dashboard")
@@ -71,6 +72,7 @@ def test_routes_serve_pages_and_refuse_traversal(dash_server):
         assert status == 404, bad
 
 
+@pytest.mark.e2e
 def test_dashboard_renders_charts_in_headless_chromium(dash_server, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to run it")

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
+
 from mlxstack.engine.batch import batching_support
 from mlxstack.engine.scheduler import Scheduler
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
+
+pytestmark = pytest.mark.slow  # 8-row batches on the embedded model, ~1.5 min here (docs/testing.md#tiers)
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one line."}
 SHORT = [SYSTEM, {"role": "user", "content": "Name a colour."}]

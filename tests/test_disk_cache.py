@@ -15,6 +15,8 @@ from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 from tests.test_model_families import SYSTEM, TURNS
 
+pytestmark = pytest.mark.slow  # restarts and disk hits with parity on every tiny kind (docs/testing.md#tiers)
+
 KINDS = ["dense", "hybrid", "gemma3", "llama4", "mamba2", "lfm2", "gpt_oss"]
 
 

@@ -257,6 +257,7 @@ def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), embedded_model_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode,tolerance", [("tensor", 1e-4), ("pipeline", 0.0)])
 def test_split_logits_within_the_measured_tolerance(tiny_qwen2_path, mode, tolerance):
     """scripts/shard_logits.py over 2 local ranks: pipeline parallel is bit for bit one process's
@@ -316,6 +317,7 @@ def _chat(server: ServerProcess, messages, **extra):
 SYSTEM = "You are a careful coding agent. Read the files first, then answer briefly. " * 12
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_replies_and_warm_turns_match_one_process(servers, mode):
     for i in range(2):
@@ -329,6 +331,7 @@ def test_replies_and_warm_turns_match_one_process(servers, mode):
         assert ranks2[2]["prompt_tokens_details"]["cached_tokens"] > 150    # the warm turn reused its history
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_sampled_structured_and_concurrent_match(servers, mode):
     msgs = [{"role": "user", "content": f"Pick a number and a colour ({mode})."}]
@@ -365,6 +368,7 @@ def _stream_and_hang_up(server: ServerProcess, chunks: int) -> int:
     return seen.count(b"data: ")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
     assert _stream_and_hang_up(servers[mode], 5) >= 5
@@ -382,6 +386,7 @@ def test_hang_up_and_4xx_keep_the_ranks_in_step(servers, mode):
     assert status == 200 and health["status"] == "ok"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_speculation_in_step(servers, mode):
     """Drafts (here the text a grammar forces: no drafter guesswork) are verified for the batch in
@@ -398,6 +403,7 @@ def test_speculation_in_step(servers, mode):
     assert row["spec_proposed"] >= 10 and row["spec_accepted"] >= 10
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_stats_and_metrics_show_the_ranks(servers, mode):
     _chat(servers[mode], [{"role": "user", "content": f"Count to twenty ({mode})."}], max_tokens=30)
@@ -414,6 +420,7 @@ def test_stats_and_metrics_show_the_ranks(servers, mode):
     assert "distributed" not in http_json(servers["one"].base_url + "/cache/stats")[1]
 
 
+@pytest.mark.e2e
 def test_disk_tier_per_rank_restart_warm(servers, tiny_qwen2_path, tmp_path):
     """Each rank writes its own part of every entry under its own namespace; a restarted group
     answers the next turn from disk, as one process answers it from RAM. A rank whose tier lost
@@ -457,6 +464,7 @@ def test_disk_tier_per_rank_restart_warm(servers, tiny_qwen2_path, tmp_path):
         fresh.stop()
 
 
+@pytest.mark.e2e
 def test_hybrid_model_over_pipeline_ranks(tiny_hybrid_path, tmp_path):
     """qwen3_next (gated-delta recurrent layers between attention layers; mlx-lm splits it by
     pipeline only): each rank holds its layers' KV and recurrent state, and the snapshots a warm
@@ -508,6 +516,7 @@ def _gone(pids: list[int], timeout: float) -> bool:
     return False
 
 
+@pytest.mark.e2e
 def test_split_that_does_not_fit_is_refused_in_one_line(tiny_dense_path, tmp_path):
     server = ServerProcess("ours", env={"MODEL_PATH": str(tiny_dense_path), **BASE_ENV, "DISTRIBUTED": "tensor",
                                         "DISTRIBUTED_LOCAL_RANKS": "3"}, log_path=str(tmp_path / "refused.log"))
@@ -521,6 +530,7 @@ def test_split_that_does_not_fit_is_refused_in_one_line(tiny_dense_path, tmp_pat
     assert "[rank 1]" not in log                  # refused before any other rank started
 
 
+@pytest.mark.e2e
 def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_path):
     server = _server(tiny_qwen2_path, tmp_path, "kill", DISTRIBUTED="tensor", DISTRIBUTED_LOCAL_RANKS="2")
     try:
@@ -608,6 +618,7 @@ def _control_address_of_ranks(server: ServerProcess, wait: float = 120.0) -> tup
     raise AssertionError("no follower rank with a control address")
 
 
+@pytest.mark.e2e
 def test_a_three_rank_group_forms_and_serves_with_strangers_at_its_control_port(servers, tiny_qwen2_path, tmp_path):
     """Issue 40's done-when: mlxstack.serve with 3 local ranks (pipeline over the 4-layer model) while
     strangers hold connections to the control port -- garbage, a forged hello answered with a

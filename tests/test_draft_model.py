@@ -23,6 +23,8 @@ from tests.test_batching import run_batched
 from tests.test_engine import job
 from tests.test_speculation import COPY, FREE, LOOP, alone, spec_totals
 
+pytestmark = pytest.mark.slow  # draft models on every tiny kind, ~1 min here (docs/testing.md#tiers)
+
 
 def draft_engines(path, draft, mode="draft", **extra):
     """(speculating engine, SPECULATIVE=off engine); the draft model's cost and the wider step's are

@@ -21,6 +21,8 @@ from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 from tests.test_distributed import _alive, _children, _gone
 
+pytestmark = pytest.mark.e2e  # the embedded model over 3 rank processes behind LiteLLM (docs/testing.md#tiers)
+
 KEY = "sk-e2e-distributed"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "SmolLM2-135M-Instruct"

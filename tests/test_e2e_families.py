@@ -17,6 +17,8 @@ from scripts.probelib.servers import launch_stack
 from tests.conftest import LiveServer, engine_settings, http_json, unused_ports
 from tests.test_model_families import SYSTEM, TURNS
 
+pytestmark = pytest.mark.e2e  # a real stack per model family (docs/testing.md#tiers)
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ["gemma3", "gpt_oss", "llama4", "mamba2", "lfm2"]
 KEY, MLX_KEY = "sk-e2e-families", "sk-mlx-e2e-families"

@@ -10,6 +10,8 @@ import pytest
 
 from tests.test_e2e_stack import Stack
 
+pytestmark = pytest.mark.e2e  # real stacks on the VLM and hybrid fixtures (docs/testing.md#tiers)
+
 
 def _png(color: tuple[int, int, int]) -> str:
     from PIL import Image

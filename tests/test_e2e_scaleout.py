@@ -19,6 +19,8 @@ import pytest
 from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 
+pytestmark = pytest.mark.e2e  # several MLX server processes behind LiteLLM (docs/testing.md#tiers)
+
 REPO = Path(__file__).resolve().parents[1]
 KEY, MLX_KEY = "sk-e2e-scaleout", "sk-mlx-scaleout-backends"
 AUTH, MLX_AUTH = {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {MLX_KEY}"}

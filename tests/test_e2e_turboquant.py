@@ -4,10 +4,14 @@ stored prompt with the replies a cold engine of the same settings gives; after a
 tier restores the session's codes and the next turn is warm and the same."""
 from __future__ import annotations
 
+import pytest
+
 from mlxstack.config.settings import load_settings
 from tests.conftest import build_engine, http_json
 from tests.test_e2e_stack import MODEL, Stack
 from tests.test_engine import job
+
+pytestmark = pytest.mark.e2e  # a real stack with TurboQuant KV (docs/testing.md#tiers)
 
 TQ_ENV = {"KV_QUANT_SCHEME": "turboquant", "KV_BITS": "4", "QUANTIZED_KV_START": "0"}
 TURNS = ["You are reviewing a pull request that renames the config loader. List three risks, briefly.",

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import LiveServer, engine_settings, http_json
 from tests.fuzz.traffic import at_once, fan_out
 
+pytestmark = pytest.mark.slow  # fan-outs through 8080 on every tiny kind (docs/testing.md#tiers)
+
 KINDS = ["dense", "hybrid", "gemma3", "llama4", "mamba2", "lfm2", "gpt_oss"]
 SYSTEM = "You are a careful assistant. Answer briefly and repeat code exactly when asked. " * 2
 

@@ -169,6 +169,7 @@ def test_replaced_weights_fall_back_at_once():
     close(got, mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
 
 
+@pytest.mark.slow
 def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
     """The embedded model (SmolLM2, a Llama), 4 agents under one system prompt decoding together
     (a shared prefix in the slab, speculation on): the replies with the host path equal mlx-lm's

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import http_json
 
+pytestmark = pytest.mark.slow  # a live server on the embedded model, multi-turn parity over HTTP (docs/testing.md#tiers)
+
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 

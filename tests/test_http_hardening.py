@@ -15,6 +15,8 @@ from mlxstack.api.errors import APIError
 from mlxstack.api.sse import ChunkEncoder, chunk_dict, encode_frame
 from tests.conftest import http_json
 
+pytestmark = pytest.mark.slow  # hostile HTTP against live servers on the embedded model (docs/testing.md#tiers)
+
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"messages": Q, "max_tokens": 8, "temperature": 0}
 

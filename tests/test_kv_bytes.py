@@ -6,6 +6,7 @@ import urllib.request
 from concurrent.futures import Future
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlxstack.engine.batch import batching_support
@@ -14,6 +15,8 @@ from mlxstack.engine.scheduler import Scheduler
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
 from tests.test_speculation import COPY, LOOP
+
+pytestmark = pytest.mark.slow  # KV accounting through the engine and HTTP (docs/testing.md#tiers)
 
 
 def test_an_array_two_caches_share_counts_once():

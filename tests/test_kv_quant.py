@@ -18,6 +18,8 @@ from tests.conftest import build_engine, engine_settings
 from tests.test_disk_cache import run_turns
 from tests.test_model_families import TURNS
 
+pytestmark = pytest.mark.slow  # quantised parity sweeps (docs/testing.md#tiers)
+
 
 def q_engine(path, bits="8", start=0, cache=True):
     extra = {} if cache else {"prompt_cache_max_entries_global": 0}

@@ -203,6 +203,7 @@ def _health(settings):
         return None, None
 
 
+@pytest.mark.e2e
 def test_failed_model_load_exits_at_once_with_its_error(tmp_path, embedded_model_path):
     from mlxstack.launcher.stack import run_stack
 
@@ -222,6 +223,7 @@ def test_failed_model_load_exits_at_once_with_its_error(tmp_path, embedded_model
     assert "starting LiteLLM" not in text and ports.port_is_free("127.0.0.1", settings.mlx_port)
 
 
+@pytest.mark.e2e
 def test_serve_exits_3_on_load_failure_and_2_on_exposed_bind(tmp_path):
     env = {**os.environ, "MODEL_PATH": str(tmp_path), "MLX_PORT": str(unused_port()), "ENABLE_REQUEST_LOGGING": "false"}
     start = time.monotonic()
@@ -233,6 +235,7 @@ def test_serve_exits_3_on_load_failure_and_2_on_exposed_bind(tmp_path):
     assert done.returncode == 2 and "MLX_API_KEY is empty" in done.stderr
 
 
+@pytest.mark.e2e
 def test_dead_mlx_server_is_restarted_then_crash_loop_stops(tmp_path, embedded_model_path):
     """kill -9 of a real MLX server: restarted (new pid, ready again) while the other child keeps
     running, and a request sent while it is down waits on the launcher's socket instead of being
@@ -369,6 +372,7 @@ srv.serve_forever()
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["PROXY_STARTUP_WAIT_SECONDS", "PROXY_STARTUP_TIMEOUT_SECONDS"])
 def test_the_launcher_waits_for_litellm_as_long_as_the_setting_given_and_names_it(tmp_path, monkeypatch, name):
     """A LiteLLM that never answers: the launcher gives up after the limit set under either name

@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import LiveServer, engine_settings, http_json
 
+pytestmark = pytest.mark.slow  # a live server on the embedded model, ~20 s to start here (docs/testing.md#tiers)
+
 PROMPT = [{"role": "system", "content": "You are a terse assistant."},
           {"role": "user", "content": "Name three colours of the rainbow."}]
 

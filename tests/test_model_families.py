@@ -15,6 +15,8 @@ from mlxstack.pipeline.render import encode
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # multi-turn parity for every model family in process (docs/testing.md#tiers)
+
 FAMILIES = ["gemma3", "gpt_oss", "llama4", "mamba2", "lfm2"]
 SYSTEM = ("You are a careful coding agent working in a large repository. Read files before "
           "editing them, run the tests after each change, and explain briefly what you did. ") * 2

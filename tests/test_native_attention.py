@@ -141,6 +141,7 @@ def test_the_switches(tiny_dense_path):
         cpu_kernels.install_cpu_kernels("auto")
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_batched_replies_are_the_same_with_the_kernel_on_and_off(embedded_model_path, monkeypatch):
     """The embedded model, 4 agents under one system prompt decoding together (a shared prefix in

@@ -137,6 +137,7 @@ def test_host_forward_with_the_loop_matches_mlx_lm(native_on):
     close(model(mx.array([[4], [5], [6]]), cache=a), mlx_forward(model, mx.array([[4], [5], [6]]), b))
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_embedded_model_replies_are_the_same_with_the_loop_and_sgemm(embedded_model_path):
     """4 agents decoding together on the embedded model: the same replies with the host path's

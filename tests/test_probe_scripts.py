@@ -95,6 +95,7 @@ def _embedded_model_ready() -> bool:
     return (base / "SmolLM2-135M-Instruct-f32" / "config.json").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not _embedded_model_ready(), reason="embedded model not prepared yet (run start_llm.py once)")
 def test_probe_session_end_to_end(tmp_path: Path) -> None:
     """Start the MLX server on a free port and run probe_session.py against it (small prompts)."""

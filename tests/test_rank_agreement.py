@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mlxstack.config.settings import load_settings
 from mlxstack.launcher.ranks import free_ports, rank_env, ring_hostfile
 
@@ -49,6 +51,7 @@ print(json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.e2e
 def test_ranks_agree_on_what_shapes_the_forward(tmp_path):
     """Real ring collectives over 3 local ranks: ``agree`` gives every rank rank 0's say and
     whether all can; ``agreed_modes`` (the loader's CPU-kernel choice with ranks) turns the
@@ -120,6 +123,7 @@ chan.close()
 """
 
 
+@pytest.mark.e2e
 def test_ranks_on_hosts_learn_the_control_port_from_rank_0_after_it_listens(tmp_path):
     """DISTRIBUTED_HOSTS (mlx.launch starts rank 0 elsewhere): the launcher publishes port 0, rank 0
     binds a port when it runs and the group learns it over the ring (``from_rank0``): no port is

@@ -95,6 +95,7 @@ def test_warm_summary():
 
 
 # ============================================================================ opt-in: the real clients
+@pytest.mark.e2e
 @pytest.mark.real_clients
 def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request, tmp_path, embedded_model_path):
     if "real_clients" not in (request.config.getoption("markexpr") or ""):

@@ -140,6 +140,7 @@ def test_session_id_path_never_renders_a_list_the_template_refuses(tmp_path, tin
 
 
 # ---------------------------------------------------------------------------- (9) fields that used to vanish
+@pytest.mark.slow
 def test_logprobs_are_the_models_own_distribution(embedded_server):
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 6,
             "temperature": 0, "logprobs": True, "top_logprobs": 3}

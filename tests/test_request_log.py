@@ -44,6 +44,7 @@ def logged_server(embedded_model_path, tmp_path_factory):
         server.close()
 
 
+@pytest.mark.slow
 def test_live_server_writes_session_log(logged_server):
     server, root = logged_server
     messages = [{"role": "user", "content": "Say hello."}]

@@ -169,6 +169,7 @@ def test_summary_lists_the_prefixes_of_sessions_whose_kv_is_held():
 
 
 # --- live: the server's summary and the hook's placement -------------------------------------------
+@pytest.mark.slow
 def test_live_summary_holds_the_digests_the_router_computes(embedded_server):
     msgs = [SYSTEM, {"role": "user", "content": "Name one prime number."}]
     status, _, _ = http_json(embedded_server.base + "/v1/chat/completions",

@@ -19,6 +19,8 @@ from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # constrained sampling on the embedded model (docs/testing.md#tiers)
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                            "city": {"type": "string", "enum": ["Paris", "London", "Berlin"]}},

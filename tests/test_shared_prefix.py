@@ -22,6 +22,8 @@ from mlxstack.runtime.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # sub-agents under one prompt on the embedded model (docs/testing.md#tiers)
+
 SYSTEM = "You are a careful sub-agent. Read the files first, change little, test every change. " * 14
 
 

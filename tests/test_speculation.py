@@ -22,6 +22,8 @@ from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
 
+pytestmark = pytest.mark.slow  # engines on the embedded model and every tiny kind, ~10 min here (docs/testing.md#tiers)
+
 FILE = "\n".join(f"def func_{i}(x):\n    return x * {i} + {i * 7 % 13}" for i in range(6))
 COPY = [{"role": "user", "content": "Repeat this file exactly:\n" + FILE}]
 FREE = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]

@@ -27,6 +27,8 @@ from tests.test_batching import run_batched
 from tests.test_engine import job
 from tests.test_prefix_stability import _swap, variant
 
+pytestmark = pytest.mark.slow  # constrained decoding on the embedded model through the engine and HTTP, ~4 min here (docs/testing.md#tiers)
+
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 14},

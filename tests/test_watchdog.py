@@ -12,6 +12,8 @@ import time
 from io import StringIO
 from pathlib import Path
 
+import pytest
+
 from mlxstack.config import faults
 from mlxstack.engine.scheduler import Scheduler
 from mlxstack.engine.worker import InferenceWorker, WorkerDied
@@ -200,6 +202,7 @@ def _wait_for(out: StringIO, text: str, runner, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_launcher_restarts_a_server_whose_health_reports_it_dead(tmp_path):
     """A server that stays up but reports its inference thread dead is stopped after
     MLX_UNHEALTHY_RESTART_SECONDS and restarted with the crash banner; LiteLLM stays up."""
@@ -234,6 +237,7 @@ def test_launcher_restarts_a_server_whose_health_reports_it_dead(tmp_path):
         listen.close()
 
 
+@pytest.mark.e2e
 def test_launcher_restarts_a_real_server_after_its_inference_thread_died(tmp_path, tiny_dense_path, monkeypatch):
     """The real MLX server with a fatal fault armed through MLXSTACK_FAULTS: the request that hits
     it gets a 503, /health says why, and the launcher replaces the process."""

@@ -8,6 +8,8 @@ import pytest
 from .harness import Config, Totals
 from .machine import model_path, run_machine
 
+pytestmark = pytest.mark.slow  # the fuzzer's CI tier, ~2-3 minutes (docs/testing.md#tiers)
+
 SEED = 20261128
 CONFIGS = [
     Config("dense", budget_tokens=120, disk=True),                # spills, parking, restarts from disk

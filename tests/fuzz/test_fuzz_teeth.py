@@ -15,6 +15,8 @@ from .harness import Config
 from .machine import model_path, run_machine
 from .replay import replay
 
+pytestmark = pytest.mark.slow  # a fuzzer run that must find the old fork bug (docs/testing.md#tiers)
+
 
 def _fork_before_the_fix(follower: Any, quant: Any) -> None:
     """engine/shared_prefill.py ``fork`` at 600fc6e (the defect, kept here as the fuzzer's target)."""
