@@ -147,28 +147,39 @@ def restart(loaded, workdir: Path, size: int = 4000, schemes: list[str] = RUN_SC
     return rows
 
 
-def decode(loaded, rounds: int = 2, schemes: list[str] = RUN_SCHEMES) -> list[dict]:
+def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES) -> list[dict]:
+    """Aggregate decode tok/s of 1 and 8 requests at once through the real scheduler, the schemes
+    interleaved round by round (a busy machine slows every scheme alike), medians of ``rounds``."""
     from tests.test_batching import run_batched
 
     prompt = long_conversation(loaded.tokenizer, 800)
-    rows, base = [], {}
-    for scheme, bits in chosen(schemes):
+    picked = chosen(schemes)
+    engines = {}
+    for scheme, bits in picked:
         kv = {} if bits is None else {"kv_bits": bits, "kv_quant_scheme": scheme, "quantized_kv_start": 0}
-        e = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
+        engines[(scheme, bits)] = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
+    speeds: dict[tuple, list[float]] = {}
+    batched: dict[tuple, bool] = {}
+    for r in range(rounds + 1):                  # round 0 warms every engine's graphs
         for rows_n in (1, 8):
-            speeds = []
-            for r in range(rounds + 1):
+            for key in picked:
                 jobs = [job(prompt[:-1] + [{"role": "user", "content": prompt[-1]["content"] + f" ({i}, {r})"}],
                             max_tokens=48, session=f"d{i}-{r}") for i in range(rows_n)]
                 t0 = time.perf_counter()
-                outs, _ = run_batched(e, jobs, budget=256)
+                outs, _ = run_batched(engines[key], jobs, budget=256)
                 first = max(t0 + o.timings["ttft_s"] for o in outs)
-                if r:      # the first round warms the graphs
-                    speeds.append(sum(o.completion_tokens - 1 for o in outs) / max(1e-9, time.perf_counter() - first))
-            tps = statistics.median(speeds)
-            base.setdefault(rows_n, tps)
-            rows.append({"scheme": scheme, "bits": bits or "-", "rows": rows_n, "decode_tok_s": tps,
-                         "vs_full": tps / base[rows_n], "batched": getattr(run_batched, "sched").group.batching})
+                batched[(*key, rows_n)] = getattr(run_batched, "sched").group.batching
+                if r:
+                    tps = sum(o.completion_tokens - 1 for o in outs) / max(1e-9, time.perf_counter() - first)
+                    speeds.setdefault((*key, rows_n), []).append(tps)
+    rows = []
+    for rows_n in (1, 8):
+        base = statistics.median(speeds[(*picked[0], rows_n)])
+        for key in picked:
+            tps = statistics.median(speeds[(*key, rows_n)])
+            rows.append({"scheme": key[0], "bits": key[1] or "-", "rows": rows_n, "decode_tok_s": tps,
+                         "vs_first": tps / base, "rounds": " ".join(f"{x:.1f}" for x in speeds[(*key, rows_n)]),
+                         "batched": batched[(*key, rows_n)]})
     return rows
 
 

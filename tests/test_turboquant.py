@@ -5,7 +5,6 @@ QUANTIZED_KV_START is the same computation as a cold run with the same scheme --
 under speculation -- while stored entries hold codes, a fraction of the float bytes."""
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 import pytest

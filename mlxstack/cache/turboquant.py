@@ -137,6 +137,9 @@ class Scheme:
         self.lut = mx.array(np.searchsorted(scaled.astype(np.float64), left, side="right").astype(np.uint32))
         self.upper = mx.array(np.append(scaled, np.float32(np.inf)).astype(np.float32))
         self.shifts = mx.array([bits * i for i in range(self.group)], dtype=mx.uint32)
+        # K and V of a forward coded in one fused graph: a decode step codes every layer's new
+        # vectors, and on an op-bound backend two dozen small ops a call are most of that cost
+        self._pair = mx.compile(lambda k, v: self.code_unpacked(mx.stack([k, v])))
 
     def _blocks(self, x: mx.array) -> mx.array:
         """x [..., dim] @ H per block ([..., dim])."""
@@ -151,6 +154,11 @@ class Scheme:
     def code(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """``encode``'s (packed, f) and the vectors they decode to (``decode``'s result, from the
         centroids in hand instead of unpacking the codes again: the same arithmetic)."""
+        codes, f, out = self.code_unpacked(x)
+        return self.pack(codes), f, out
+
+    def code_unpacked(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``code`` with the codes one uint8 a coordinate (``pack`` them to store them)."""
         x = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
         u = self._blocks(x * self.signs)                        # sqrt(block) * the rotated vector
@@ -159,7 +167,15 @@ class Scheme:
         codes = self._nearest(scaled)
         c = mx.take(self.ints, codes)
         f = (norm / (math.sqrt(self.block) * mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True)))).astype(mx.float32)
-        return self._pack(codes), f, self._restore(c, f)
+        return codes.astype(mx.uint8), f, self._restore(c, f)
+
+    def code_pair(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
+        """``code_unpacked`` of keys and of values (same shape), as ((codes, f, decoded) for keys,
+        the same for values): one compiled graph; the same as two calls."""
+        if keys.shape != values.shape:
+            return self.code_unpacked(keys), self.code_unpacked(values)
+        codes, f, out = self._pair(keys, values)
+        return (codes[0], f[0], out[0]), (codes[1], f[1], out[1])
 
     def _nearest(self, t: mx.array) -> mx.array:
         """The code of each coordinate: how many boundaries lie below it."""
@@ -171,6 +187,14 @@ class Scheme:
     def decode(self, packed: mx.array, f: mx.array) -> mx.array:
         """The float vectors ``packed`` / ``f`` stand for: exact (see the module's docstring)."""
         return self._restore(mx.take(self.ints, self._unpack(packed)), f)
+
+    def pack(self, codes: mx.array) -> mx.array:
+        """Codes one a uint8 (``code_unpacked``) as stored: ``bits`` each, packed."""
+        return self._pack(codes.astype(mx.uint32))
+
+    def unpack(self, packed: mx.array) -> mx.array:
+        """Stored codes back to one a uint8."""
+        return self._unpack(packed).astype(mx.uint8)
 
     def _restore(self, c: mx.array, f: mx.array) -> mx.array:
         """Centroid integers ``c`` back to vectors: H per block (exact), then f and the signs."""
@@ -224,8 +248,8 @@ class TurboQuantKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         book = scheme(self.code_bits, keys.shape[-1], self.seed)
-        ck, fk, k = book.code(keys)
-        cv, fv, v = book.code(values)
+        (ck, fk, k), (cv, fv, v) = book.code_pair(keys, values)
+        ck, cv = book.pack(ck), book.pack(cv)
         self.codes.update_and_fetch(ck, cv)
         self.scales.update_and_fetch(fk, fv)
         return super().update_and_fetch(k.astype(keys.dtype), v.astype(values.dtype))

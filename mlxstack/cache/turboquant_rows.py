@@ -36,7 +36,8 @@ class RowCodes:
         self.bits, self.seed, self.start = int(bits), int(seed), int(start)
         self.head: list[int | None] = [None] * rows
         self.depth: list[int] = [0] * rows
-        # per row: chunks (key codes, value codes, key f, value f, n) of its positions from the head on
+        # per row: its positions from the head on, as chunks ((key codes, value codes, key f,
+        # value f), r, n) -- the first n positions of row r of those arrays (a forward's, shared)
         self.log: list[list[tuple]] = [[] for _ in range(rows)]
 
     # ------------------------------------------------------------------ membership
@@ -46,7 +47,12 @@ class RowCodes:
         if isinstance(own, TurboQuantKVCache):
             self.head[row] = own.fp_head
             m = own.offset - own.fp_head
-            self.log[row] = [(*own.coded(own.offset), m)] if m > 0 else []
+            if m > 0:
+                book = scheme(self.bits, own.keys.shape[-1], self.seed)
+                ck, cv, fk, fv = own.coded(own.offset)
+                self.log[row] = [((book.unpack(ck), book.unpack(cv), fk, fv), 0, m)]
+            else:
+                self.log[row] = []
         else:
             self.head[row] = None
             self.log[row] = []
@@ -78,11 +84,11 @@ class RowCodes:
         if not any(coded):
             return keys, values
         book = scheme(self.bits, keys.shape[-1], self.seed)
-        ck, fk, k = book.code(keys)
-        cv, fv, v = book.code(values)
+        (ck, fk, k), (cv, fv, v) = book.code_pair(keys, values)
+        step = (ck, cv, fk, fv)            # every row's codes (unpacked): sliced out and packed when it leaves
         for r, on in enumerate(coded):
             if on:
-                self._append(r, (ck[r:r + 1], cv[r:r + 1], fk[r:r + 1], fv[r:r + 1], n))
+                self._append(r, (step, r, n))
         k, v = k.astype(keys.dtype), v.astype(values.dtype)
         if all(coded):
             return k, v
@@ -97,10 +103,13 @@ class RowCodes:
 
     @staticmethod
     def _joined(chunks: list[tuple]) -> tuple:
-        if len(chunks) == 1:
+        """One chunk of the four arrays holding ``chunks``' positions in order (a chunk is (arrays,
+        row, n): the first n positions of row ``row`` of those arrays)."""
+        if len(chunks) == 1 and chunks[0][1] == 0 and chunks[0][0][0].shape[0] == 1 \
+                and chunks[0][0][0].shape[2] == chunks[0][2]:
             return chunks[0]
-        parts = [mx.concatenate([c[i] for c in chunks], axis=2) for i in range(4)]
-        return (*parts, sum(c[4] for c in chunks))
+        parts = [mx.concatenate([arrays[i][r:r + 1, :, :n] for arrays, r, n in chunks], axis=2) for i in range(4)]
+        return (tuple(parts), 0, sum(n for _, _, n in chunks))
 
     def rewind(self, row: int, n: int) -> None:
         """The row's last ``n`` positions are taken back (rejected drafts)."""
@@ -111,14 +120,12 @@ class RowCodes:
         keep = self.depth[row] - head
         if keep < 0:
             raise ValueError(f"cannot rewind row {row} below its TurboQuant head {head}")
-        log, total = self.log[row], 0
-        out = []
-        for chunk in log:
+        out, total = [], 0
+        for arrays, r, n in self.log[row]:
             if total >= keep:
                 break
-            take = min(chunk[4], keep - total)
-            out.append(chunk if take == chunk[4] else (*(a[..., :take, :] for a in chunk[:4]), take))
-            total += take
+            out.append((arrays, r, min(n, keep - total)))
+            total += out[-1][2]
         self.log[row] = out
 
     # ------------------------------------------------------------------ leaving
@@ -132,9 +139,11 @@ class RowCodes:
         layer.keys, layer.values, layer.offset = kv.keys, kv.values, kv.offset
         m = kv.offset - head
         if m > 0:
-            ck, cv, fk, fv, total = self._joined(self.log[row])
+            (ck, cv, fk, fv), _, total = self._joined(self.log[row])
             if total != m:
                 raise RuntimeError(f"bug: row {row} logged {total} coded positions, holds {m}")
+            book = scheme(self.bits, kv.keys.shape[-1], self.seed)
+            ck, cv = book.pack(ck), book.pack(cv)
             layer.codes.keys, layer.codes.values, layer.codes.offset = ck, cv, m
             layer.scales.keys, layer.scales.values, layer.scales.offset = fk, fv, m
         return layer
