@@ -142,9 +142,10 @@ class Scheme:
         self._pair = mx.compile(lambda k, v: self.code_unpacked(mx.stack([k, v])))
 
     def _blocks(self, x: mx.array) -> mx.array:
-        """x [..., dim] @ H per block ([..., dim])."""
+        """x [..., dim] @ H per block ([..., dim]): one product of all blocks as rows (a batch of
+        one-row products costs a call each)."""
         shape = x.shape
-        return (x.reshape(*shape[:-1], self.dim // self.block, self.block) @ self.h).reshape(shape)
+        return (x.reshape(-1, self.block) @ self.h).reshape(shape)
 
     def encode(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(packed codes [..., dim * bits / 8] uint8, f [..., 1] float32) of float vectors ``x``."""
@@ -178,7 +179,10 @@ class Scheme:
         return (codes[0], f[0], out[0]), (codes[1], f[1], out[1])
 
     def _nearest(self, t: mx.array) -> mx.array:
-        """The code of each coordinate: how many boundaries lie below it."""
+        """The code of each coordinate: how many boundaries lie below it -- counted outright up to
+        4 bits (15 comparisons a coordinate), through the table at 8."""
+        if self.bits <= 4:
+            return mx.sum(t[..., None] > self.bounds, axis=-1).astype(mx.uint32)
         b = mx.clip((t + self.edge) * (self.bins / (2 * self.edge)), 0, self.bins - 1).astype(mx.int32)
         code = mx.take(self.lut, b)
         code = code + (t > mx.take(self.upper, code)).astype(mx.uint32)       # the next cell
