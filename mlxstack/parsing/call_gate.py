@@ -22,25 +22,12 @@ text, parsing/tool_calls.py).
 """
 from __future__ import annotations
 
-from .reasoning import THINK_CLOSE, THINK_OPEN
+from .reasoning import THINK_CLOSE, THINK_OPEN, partial_tag_start
 from .tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, canonical_arguments, extract_tool_calls
 
 __all__ = ["CallGate"]
 
 _REASONING, _CONTENT, _CALL = "reasoning", "content", "call"
-
-
-def _partial_tag(buf: str, tags: tuple[str, ...]) -> int:
-    """Where the earliest suffix of ``buf`` that may still become one of ``tags`` starts (len(buf):
-    none)."""
-    longest = max(len(t) for t in tags)
-    start = buf.find("<", max(0, len(buf) - longest + 1))
-    while start >= 0:
-        tail = buf[start:]
-        if any(t.startswith(tail) for t in tags):
-            return start
-        start = buf.find("<", start + 1)
-    return len(buf)
 
 
 def _first(buf: str, tags: tuple[str, ...]) -> tuple[int, str]:
@@ -80,7 +67,7 @@ class CallGate:
             tags = self._tags()
             i, tag = _first(buf, tags)
             if i < 0:
-                keep = _partial_tag(buf, tags)
+                keep = partial_tag_start(buf, tags)
                 self._show(out, buf[:keep])
                 buf = buf[keep:]
                 break

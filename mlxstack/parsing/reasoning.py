@@ -182,14 +182,13 @@ class StreamTrimmer:
 
 _CONTENT_TAGS = (THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN)
 _REASONING_TAGS = (THINK_CLOSE, THINK_OPEN)
-_LONGEST_TAG = max(len(t) for t in _CONTENT_TAGS)
 
 
-def _partial_tag_start(buf: str, tags: tuple[str, ...]) -> int:
+def partial_tag_start(buf: str, tags: tuple[str, ...]) -> int:
     """Index of the earliest suffix of `buf` that is a proper prefix of one of `tags`
-    (that text may still become a tag), or len(buf) when there is none."""
+    (that text may still become a tag), or len(buf) when there is none (pure)."""
     # every tag starts with "<", so only a "<" in the last len(tag)-1 characters can begin one
-    start = buf.find("<", max(0, len(buf) - _LONGEST_TAG + 1))
+    start = buf.find("<", max(0, len(buf) - max(len(t) for t in tags) + 1))
     while start >= 0:
         tail = buf[start:]
         if any(t.startswith(tail) for t in tags):
@@ -262,7 +261,7 @@ class ReasoningStreamSplitter:
                 if i >= 0 and (hit < 0 or i < hit):
                     hit, tag = i, t
             if hit < 0:
-                keep = _partial_tag_start(buf, tags)
+                keep = partial_tag_start(buf, tags)
                 self._emit(out, buf[:keep])
                 buf = buf[keep:]
                 break
