@@ -160,6 +160,7 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES) -> list[di
         engines[(scheme, bits)] = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
     speeds: dict[tuple, list[float]] = {}
     batched: dict[tuple, bool] = {}
+    steps: dict[tuple, list[float]] = {}
     for r in range(rounds + 1):                  # round 0 warms every engine's graphs
         for rows_n in (1, 8):
             for key in picked:
@@ -172,13 +173,20 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES) -> list[di
                 if r:
                     tps = sum(o.completion_tokens - 1 for o in outs) / max(1e-9, time.perf_counter() - first)
                     speeds.setdefault((*key, rows_n), []).append(tps)
+                    # the clean plain steps of exactly this many rows (the scheduler's own timing:
+                    # runtime/step_costs.py), free of prefills interleaved with the decode
+                    step = engines[key].speculation.costs.plain.get(rows_n)
+                    steps.setdefault((*key, rows_n), []).append(step * 1000 if step else float("nan"))
     rows = []
     for rows_n in (1, 8):
         base = statistics.median(speeds[(*picked[0], rows_n)])
+        base_step = statistics.median(steps[(*picked[0], rows_n)])
         for key in picked:
             tps = statistics.median(speeds[(*key, rows_n)])
+            step = statistics.median(steps[(*key, rows_n)])
             rows.append({"scheme": key[0], "bits": key[1] or "-", "rows": rows_n, "decode_tok_s": tps,
                          "vs_first": tps / base, "rounds": " ".join(f"{x:.1f}" for x in speeds[(*key, rows_n)]),
+                         "plain_step_ms": step, "step_vs_first": base_step / step,
                          "batched": batched[(*key, rows_n)]})
     return rows
 
