@@ -213,3 +213,21 @@ def pytest_collection_modifyitems(config, items):
 # ===========================================================================
 # (end of test tiers)
 # ===========================================================================
+
+
+@pytest.fixture(scope="module")
+def oai(stack):
+    """The official openai SDK against the module's ``stack`` (tests/test_e2e_stack.Stack and its key)."""
+    openai = pytest.importorskip("openai")
+    from tests.test_e2e_stack import KEY
+
+    return openai.OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def claude(stack):
+    """The official anthropic SDK against the module's ``stack``."""
+    anthropic = pytest.importorskip("anthropic")
+    from tests.test_e2e_stack import KEY
+
+    return anthropic.Anthropic(base_url=stack.base, api_key=KEY, max_retries=0, timeout=300)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -72,40 +73,48 @@ def test_routes_serve_pages_and_refuse_traversal(dash_server):
         assert status == 404, bad
 
 
+@contextmanager
+def dashboard_page(base: str, tmp_path: Path):
+    """(a headless Chromium page with ``base``'s dashboard loaded, the page errors it raises)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=[a for a in CHROMIUM_ARGS if a != "--headless"], viewport={"width": 1440, "height": 1100},
+            # the test process may run with OpenBLAS in LD_PRELOAD (test_runner); Chromium crashes with it
+            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+        try:
+            page = ctx.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"{base}/dashboard", wait_until="load")
+            yield page, errors
+        finally:
+            ctx.close()
+
+
 @pytest.mark.e2e
 def test_dashboard_renders_charts_in_headless_chromium(dash_server, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to run it")
-    from playwright.sync_api import sync_playwright
 
     # One non-zero correctness counter, so the red highlight is checked too (reset afterwards).
     counters = dash_server.app.state.counters
     counters.bump("hybrid_trim_miss")
     shot = tmp_path / "dashboard.png"
     try:
-        with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(
-                str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-                args=[a for a in CHROMIUM_ARGS if a != "--headless"], viewport={"width": 1440, "height": 1100},
-                # the test process may run with OpenBLAS in LD_PRELOAD (test_runner); Chromium crashes with it
-                env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-            try:
-                page = ctx.new_page()
-                errors: list[str] = []
-                page.on("pageerror", lambda exc: errors.append(str(exc)))
-                page.goto(f"{dash_server.base}/dashboard", wait_until="load")
-                page.wait_for_function(
-                    "() => { const s = window.dashboardState; return s && s.refreshes >= 2 && "
-                    "s.points.ttft > 0 && s.points.speed > 0 && s.points.match > 0 && s.points.memory > 1; }",
-                    timeout=20_000)
-                state = page.evaluate("window.dashboardState")
-                page.screenshot(path=str(shot), full_page=True)
-                nonzero = page.eval_on_selector_all("#correctness .ctile.nonzero", "els => els.map(e => e.dataset.counter)")
-                zero = page.eval_on_selector_all("#correctness .ctile:not(.nonzero)", "els => els.map(e => e.dataset.counter)")
-                table_rows = page.eval_on_selector_all("#recent tbody tr", "els => els.length")
-                canvases = page.eval_on_selector_all("canvas", "els => els.length")
-            finally:
-                ctx.close()
+        with dashboard_page(dash_server.base, tmp_path) as (page, errors):
+            page.wait_for_function(
+                "() => { const s = window.dashboardState; return s && s.refreshes >= 2 && "
+                "s.points.ttft > 0 && s.points.speed > 0 && s.points.match > 0 && s.points.memory > 1; }",
+                timeout=20_000)
+            state = page.evaluate("window.dashboardState")
+            page.screenshot(path=str(shot), full_page=True)
+            nonzero = page.eval_on_selector_all("#correctness .ctile.nonzero", "els => els.map(e => e.dataset.counter)")
+            zero = page.eval_on_selector_all("#correctness .ctile:not(.nonzero)", "els => els.map(e => e.dataset.counter)")
+            table_rows = page.eval_on_selector_all("#recent tbody tr", "els => els.length")
+            canvases = page.eval_on_selector_all("canvas", "els => els.length")
     finally:
         counters.bump("hybrid_trim_miss", -1)
 
@@ -164,27 +173,15 @@ def explain_server(embedded_model_path, tmp_path_factory):
 def test_explain_panel_names_tier_reuse_and_the_first_divergence(explain_server, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to run it")
-    from playwright.sync_api import sync_playwright
 
     server, answered = explain_server
-    with sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
-            args=[a for a in CHROMIUM_ARGS if a != "--headless"], viewport={"width": 1440, "height": 1100},
-            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
-        try:
-            page = ctx.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(f"{server.base}/dashboard", wait_until="load")
-            page.wait_for_function("() => document.querySelectorAll('#explain tbody tr[data-request]').length === 4",
-                                   timeout=20_000)
-            cells = page.eval_on_selector_all(
-                "#explain tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
-            miss_rows = page.eval_on_selector_all("#explain tbody tr.missrow", "els => els.length")
-            page.screenshot(path=str(tmp_path / "explain.png"), full_page=True)
-        finally:
-            ctx.close()
+    with dashboard_page(server.base, tmp_path) as (page, errors):
+        page.wait_for_function("() => document.querySelectorAll('#explain tbody tr[data-request]').length === 4",
+                               timeout=20_000)
+        cells = page.eval_on_selector_all(
+            "#explain tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+        miss_rows = page.eval_on_selector_all("#explain tbody tr.missrow", "els => els.length")
+        page.screenshot(path=str(tmp_path / "explain.png"), full_page=True)
     assert errors == []
 
     rows = http_json(f"{server.base}/v1/cache/stats")[1]["recent"]

@@ -95,12 +95,9 @@ def test_warm_summary():
 
 
 # ============================================================================ opt-in: the real clients
-@pytest.mark.e2e
-@pytest.mark.real_clients
-def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request, tmp_path, embedded_model_path):
-    if "real_clients" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("opt-in: installs the real clients from npm and runs them for minutes; "
-                    "run with -m real_clients")
+def run_real_clients(tmp_path, embedded_model_path, args: list[str], **env) -> dict:
+    """scripts/test_real_clients.py with ``args`` through a stack on the long-window model (``env``:
+    more of its settings); the script's results (skips when npm's registry cannot be reached)."""
     from scripts.test_real_clients import npm_reachable
 
     reason = npm_reachable()
@@ -109,19 +106,27 @@ def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request,
     from scripts.real_clients.long_window_model import build_long_window_model
     from tests.test_e2e_stack import KEY, Stack
 
-    model = build_long_window_model()
-    stack = Stack(tmp_path, str(embedded_model_path.parent), MODEL_PATH=str(model), DEFAULT_THINKING="false",
-                  DEFAULT_MAX_TOKENS="2048", PROXY_STARTUP_TIMEOUT_SECONDS="300")
+    stack = Stack(tmp_path, str(embedded_model_path.parent), MODEL_PATH=str(build_long_window_model()),
+                  DEFAULT_THINKING="false", DEFAULT_MAX_TOKENS="2048", PROXY_STARTUP_TIMEOUT_SECONDS="300", **env)
     out = tmp_path / "results.json"
     try:
         proc = subprocess.run([sys.executable, str(REPO / "scripts" / "test_real_clients.py"), "--proxy-url", stack.base,
-                               "--mlx-url", stack.mlx, "--api-key", KEY, "--json", str(out)],
+                               "--mlx-url", stack.mlx, "--api-key", KEY, *args, "--json", str(out)],
                               capture_output=True, text=True, timeout=840, cwd=REPO)
     finally:
         stack.stop()
     print(proc.stdout[-6000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.e2e
+@pytest.mark.real_clients
+def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request, tmp_path, embedded_model_path):
+    if "real_clients" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("opt-in: installs the real clients from npm and runs them for minutes; "
+                    "run with -m real_clients")
+    results = run_real_clients(tmp_path, embedded_model_path, [])
     assert sorted(results) == ["claude", "codex", "openclaw", "pi"]
     for client, res in results.items():
         assert [t["rc"] for t in res["turns"]] == [0, 0, 0], client
@@ -162,29 +167,9 @@ def test_claude_code_and_codex_cache_figures_turn_by_turn(request, tmp_path, emb
     and stores the rest; Claude Code's own JSON result reports the same read and creation + input."""
     if "real_clients" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("opt-in: installs the real clients from npm and runs them; run with -m real_clients")
-    from scripts.test_real_clients import npm_reachable
-
-    reason = npm_reachable()
-    if reason:
-        pytest.skip(f"cannot install the real clients: {reason}")
-    from scripts.real_clients.long_window_model import build_long_window_model
-    from tests.test_e2e_stack import KEY, Stack
-
     # no disk tier: the first turn starts cold, whatever an earlier run of the clients stored
-    stack = Stack(tmp_path, str(embedded_model_path.parent), MODEL_PATH=str(build_long_window_model()),
-                  DEFAULT_THINKING="false", DEFAULT_MAX_TOKENS="2048", PROXY_STARTUP_TIMEOUT_SECONDS="300",
-                  DISK_CACHE_DIR="off")
-    out = tmp_path / "results.json"
-    try:
-        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "test_real_clients.py"), "--proxy-url", stack.base,
-                               "--mlx-url", stack.mlx, "--api-key", KEY, "--clients", "claude,codex",
-                               "--log-root", str(tmp_path / "logs"), "--json", str(out)],
-                              capture_output=True, text=True, timeout=840, cwd=REPO)
-    finally:
-        stack.stop()
-    print(proc.stdout[-6000:])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    results = run_real_clients(tmp_path, embedded_model_path,
+                               ["--clients", "claude,codex", "--log-root", str(tmp_path / "logs")], DISK_CACHE_DIR="off")
     assert sorted(results) == ["claude", "codex"]
     for client, api in (("claude", "messages"), ("codex", "responses")):
         turns = results[client]["turns"]

@@ -17,7 +17,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from tests.test_e2e_stack import KEY, MODEL, Stack
+from tests.test_e2e_stack import MODEL, Stack
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -50,16 +50,6 @@ def stack(tmp_path_factory, embedded_model_path):
     s = Stack(tmp_path_factory.mktemp("structured"), str(embedded_model_path.parent))
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(stack):
-    return openai.OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def claude(stack):
-    return anthropic.Anthropic(base_url=stack.base, api_key=KEY, max_retries=0, timeout=300)
 
 
 def weather_tool():

@@ -115,10 +115,12 @@ class CacheKind:
     always_trimmable = False   # every reachable state has floor 0 (no checkpoints needed)
     replayable = True          # a forward only rebinds or writes past what ``mark`` keeps (restore + replay)
     hands_out_prefix = False   # ``first`` answers: its first tokens can be held by reference elsewhere
+    class_modules: tuple[str, ...] = ("mlx_lm", "mlx_vlm")   # packages / modules its classes come from
 
     def matches(self, layer: Any) -> bool:
         cls = type(layer)
-        return cls.__name__ in self.class_names and cls.__module__.startswith(("mlx_lm.", "mlx_vlm."))
+        mod = cls.__module__
+        return cls.__name__ in self.class_names and any(mod == m or mod.startswith(m + ".") for m in self.class_modules)
 
     def depth(self, layer: Any) -> int | None:
         off = getattr(layer, "offset", None)

@@ -131,12 +131,9 @@ class PrefixedKind(CacheKind):
     checkout and disk file is the plain kind's."""
     name = "prefixed"
     class_names = ("PrefixedKVCache",)
+    class_modules = ("mlxstack.cache.prefixed_kv",)
     always_trimmable = True
     hands_out_prefix = True
-
-    def matches(self, layer: Any) -> bool:
-        cls = type(layer)
-        return cls.__name__ in self.class_names and cls.__module__ == "mlxstack.cache.prefixed_kv"
 
     def floor(self, layer: Any, depth: int) -> int:
         return 0

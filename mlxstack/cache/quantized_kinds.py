@@ -78,12 +78,9 @@ class TurboQuantKind(KVKind):
     values); params bits, fp_head, seed."""
     name = "turboquant"
     class_names = ("TurboQuantKVCache",)
+    class_modules = ("mlxstack.cache.turboquant",)
     always_trimmable = False
     hands_out_prefix = False
-
-    def matches(self, layer: Any) -> bool:
-        cls = type(layer)
-        return cls.__name__ in self.class_names and cls.__module__ == "mlxstack.cache.turboquant"
 
     def floor(self, layer: Any, depth: int) -> int:
         return layer.fp_head

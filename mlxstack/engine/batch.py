@@ -480,8 +480,8 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
     """Whether this model decodes correctly in one batched forward: plain KV layers (slab rows),
     sliding windows and recurrent / conv state (mlx-lm's BatchRotatingKVCache and batched
     ArraysCache); not chunked attention or CacheList (no batched form in mlx-lm), no uniform KV
-    quantisation (TurboQuant rows are float rows with codes beside them), not a VLM -- and a real check: two sequences of different lengths stepped
-    together give the logits each gives alone."""
+    quantisation (TurboQuant rows are float rows with codes beside them), not a VLM -- and a real
+    check: two sequences of different lengths stepped together give the logits each gives alone."""
     layout = engine.state.layout
     if engine.loaded.is_vlm:
         return False, "vision-language models prefill through mlx-vlm's own path"
