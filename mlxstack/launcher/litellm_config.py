@@ -162,7 +162,7 @@ def write_config(settings: Settings, served_model_id: str, path: Path, context_w
     return path
 
 
-# --- several backends (issue 14) -----------------------------------------------------------------
+# --- several backends (BACKENDS_FILE) ------------------------------------------------------------
 ROUTING_HOOK = "mlxstack.routing.litellm_hook.routing_hook"
 # One retry where it cannot repeat work on the same backend. Measured on 1.106.2: a refused
 # connection (backend down) arrives as InternalServerError ("Cannot connect to host"), the same

@@ -1,6 +1,6 @@
 """The front door of port 4000: SDK-exact 401 and 400 answers before LiteLLM sees a bad request.
 
-Measured on LiteLLM 1.106.2 without a database (issue 18):
+Measured on LiteLLM 1.106.2 without a database:
 
 | request | LiteLLM alone | here |
 |---|---|---|
