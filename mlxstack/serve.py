@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         from .system.blas import share_cores_between_ranks
 
         share_cores_between_ranks(settings)
-    from .api.app import App, make_server
+    from .server.app import App, make_server
 
     if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:
         return _launch_hosts(settings, argv)

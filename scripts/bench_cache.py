@@ -81,9 +81,9 @@ def part_a(args: Any) -> bool:
     from mlxstack.engine.chat import ChatJob
     from mlxstack.runtime.generate import SamplingParams
     from mlxstack.models.loader import hf_offline_env, load_model
-    from mlxstack.pipeline.canonicalize import canonicalize_messages
-    from mlxstack.pipeline.render import encode
-    from mlxstack.pipeline.scrub import scrub_cache_key
+    from mlxstack.prompt.canonicalize import canonicalize_messages
+    from mlxstack.prompt.render import encode
+    from mlxstack.prompt.scrub import scrub_cache_key
 
     hf_offline_env()
     # No disk tier: a healing journal left by earlier runs would make the heal step depend on the machine
@@ -97,12 +97,12 @@ def part_a(args: Any) -> bool:
     except ImportError:
         from mlxstack.engine.chat import ChatEngine
         from mlxstack.engine.state import EngineState
-        from mlxstack.pipeline.render import ChatRenderer
+        from mlxstack.prompt.render import ChatRenderer
 
         renderer = ChatRenderer(loaded.tokenizer, preserve_thinking=settings.preserve_thinking)
         engine = ChatEngine(loaded, renderer, EngineState(settings, loaded.model_id, renderer.template_source), settings)
     try:  # the healing store, when this build has one, is what the server would use
-        from mlxstack.api.app import App
+        from mlxstack.server.app import App
 
         app = App(settings)
         app.loaded, app.state, app.engine, app.model_id = loaded, engine.state, engine, loaded.model_id

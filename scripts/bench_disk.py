@@ -50,7 +50,7 @@ def job(messages, max_tokens=8, session="bench"):
 
 
 def long_conversation(tokenizer, target: int) -> list[dict]:
-    from mlxstack.pipeline.render import encode
+    from mlxstack.prompt.render import encode
 
     system = "You are a coding agent. Work carefully and explain each change."
     lines, n, i = [], 0, 0
@@ -85,7 +85,7 @@ def restart_table(loaded, sizes, workdir: Path, repeat: int = 1) -> list[dict]:
             copy = workdir / f"kv-{size}-{r}"
             shutil.copytree(disk, copy)
             restarted = engine(settings(disk_cache_dir=copy, disk_cache_min_tokens=256), loaded)
-            shared_prefix_ok(restarted)     # what the server decides at load (api/app.py), not in a TTFT
+            shared_prefix_ok(restarted)     # what the server decides at load (server/app.py), not in a TTFT
             warm = restarted.run(job(follow))
             restarted.state.close()
             loads.append(restarted.state.disk.load_seconds)

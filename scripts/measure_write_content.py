@@ -34,9 +34,9 @@ from mlxstack.engine.factory import make_engine  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
 from mlxstack.runtime.sampling import SamplingParams  # noqa: E402
 
-FILES = ["mlxstack/pipeline/healing.py", "mlxstack/pipeline/scrub.py", "mlxstack/pipeline/render.py",
-         "mlxstack/pipeline/sized_lru.py", "mlxstack/pipeline/session_context.py", "mlxstack/pipeline/tokenize.py",
-         "mlxstack/pipeline/key_text.py", "mlxstack/pipeline/thinking.py", "mlxstack/cache/sessions.py",
+FILES = ["mlxstack/prompt/healing.py", "mlxstack/prompt/scrub.py", "mlxstack/prompt/render.py",
+         "mlxstack/prompt/sized_lru.py", "mlxstack/prompt/session_context.py", "mlxstack/prompt/tokenize.py",
+         "mlxstack/prompt/key_text.py", "mlxstack/prompt/thinking.py", "mlxstack/cache/sessions.py",
          "mlxstack/cache/hashing.py"]
 SYSTEM = ("You are Claude Code, Anthropic's official CLI for Claude.\n\nYou are an interactive CLI tool that helps "
           "users with software engineering tasks. Use the instructions below and the tools available to you to "

@@ -133,7 +133,7 @@ class LiveServer:
     def __init__(self, settings):
         import threading
 
-        from mlxstack.api.app import App, make_server
+        from mlxstack.server.app import App, make_server
 
         self.app = App(settings)
         self.httpd = make_server(self.app, "127.0.0.1", 0)

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from mlxstack.api.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
-from mlxstack.api.errors import APIError
-from mlxstack.api.responses_to_chat import backend_response_id, prompt_cache_options
+from mlxstack.server.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
+from mlxstack.server.errors import APIError
+from mlxstack.server.responses_to_chat import backend_response_id, prompt_cache_options
 from mlxstack.cache.diagnosis import (BLOCK, Diagnosis, common_prefix, describe, diagnose, fingerprint,
                                       with_tokens)
-from mlxstack.pipeline.session_context import extract_session_context
+from mlxstack.prompt.session_context import extract_session_context
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Name a fruit."}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxstack.pipeline.canonicalize import (
+from mlxstack.prompt.canonicalize import (
     OPENCLAW_CACHE_BOUNDARY,
     STABLE_DATETIME,
     STABLE_MSG_ID,
@@ -407,7 +407,7 @@ def test_alias_and_odd_inputs():
 
 
 def test_memoised_and_unmemoised_paths_agree():
-    from mlxstack.pipeline.canonicalize import _MEMO_MAX_CHARS, _canonicalize_text, canonicalize_text
+    from mlxstack.prompt.canonicalize import _MEMO_MAX_CHARS, _canonicalize_text, canonicalize_text
 
     short = openclaw_messages()[-1]["content"]
     long = short + "\n" + "x" * (_MEMO_MAX_CHARS + 1)

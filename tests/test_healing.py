@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mlxstack.pipeline.healing import HealingStore, history_digest
+from mlxstack.prompt.healing import HealingStore, history_digest
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import SYSTEM, job
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from mlxstack.api.errors import APIError
-from mlxstack.api.http_guard import (
+from mlxstack.server.errors import APIError
+from mlxstack.server.http_guard import (
     Guard,
     bearer_token,
     bind_refusal,
@@ -26,8 +26,8 @@ from mlxstack.api.http_guard import (
     is_loopback_address,
     origin_allowed,
 )
-from mlxstack.api.http_server import DeadlineReader, busy_response, peer_closed
-from mlxstack.api.server import content_length
+from mlxstack.server.http_server import DeadlineReader, busy_response, peer_closed
+from mlxstack.server.server import content_length
 from mlxstack.config.settings import SettingsError
 from tests.conftest import engine_settings, http_json
 
@@ -202,7 +202,7 @@ class FrontServer:
     """App + server on a free port without a model: the front's behaviour only."""
 
     def __init__(self, host: str = "127.0.0.1", **env):
-        from mlxstack.api.app import App, make_server
+        from mlxstack.server.app import App, make_server
 
         self.app = App(engine_settings(None, **env))
         self.httpd = make_server(self.app, host, 0)
@@ -408,7 +408,7 @@ def test_ipv6_hosts_bind_and_serve(host):
 
 
 def test_non_loopback_bind_without_key_refused():
-    from mlxstack.api.app import App, make_server
+    from mlxstack.server.app import App, make_server
 
     app = App(engine_settings(None))
     with pytest.raises(SettingsError, match="MLX_API_KEY is empty"):
@@ -422,7 +422,7 @@ def test_listen_backlog_holds_a_burst_of_connects():
     """While the accept loop is busy (here: not running yet), a burst of 60 connects completes its
     handshakes in the backlog and every one is answered once accepting resumes (the default
     backlog of 5 left the rest to SYN retries, and the soak saw a reset)."""
-    from mlxstack.api.app import App, make_server
+    from mlxstack.server.app import App, make_server
 
     app = App(engine_settings(None, mlx_http_threads=64))
     httpd = make_server(app, "127.0.0.1", 0)

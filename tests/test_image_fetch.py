@@ -1,4 +1,4 @@
-"""api/image_fetch.py: remote images under SSRF rules, against real local HTTP servers (issue 10, item 7).
+"""server/image_fetch.py: remote images under SSRF rules, against real local HTTP servers (issue 10, item 7).
 
 The production policy refuses loopback, so tests that need a successful fetch pass an
 ``address_allowed`` that admits exactly 127.0.0.1 (the test server); the default policy is tested
@@ -17,13 +17,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from mlxstack.api.image_fetch import (
+from mlxstack.server.image_fetch import (
     FETCH_FAILED,
     RemoteImageFetcher,
     is_public_address,
     prepare_request_images,
 )
-from mlxstack.pipeline.images import ImageError, ImageLimits, decode_data_url
+from mlxstack.prompt.images import ImageError, ImageLimits, decode_data_url
 from tests.conftest import unused_port
 
 

@@ -1,4 +1,4 @@
-"""pipeline/images.py: extraction, safe decoding, identity markers (pure: PIL only, no MLX)."""
+"""prompt/images.py: extraction, safe decoding, identity markers (pure: PIL only, no MLX)."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxstack.pipeline.images import (
+from mlxstack.prompt.images import (
     ImageError,
     ImageLimits,
     check_images,
@@ -94,13 +94,13 @@ def test_file_url_message_says_why():
 
 
 def test_remote_urls_refused_unless_enabled_and_never_fetched_here():
-    # pipeline/images.py does no network I/O: the HTTP layer replaces remote URLs with data: URLs.
+    # prompt/images.py does no network I/O: the HTTP layer replaces remote URLs with data: URLs.
     part = openai_part("https://example.com/cat.png")
     with pytest.raises(ImageError, match="ALLOW_REMOTE_IMAGE_URLS"):
         extract_images([user(part)], ImageLimits())
     with pytest.raises(ImageError, match="not fetched before the request was queued"):
         extract_images([user(part)], ImageLimits(allow_remote=True))
-    import mlxstack.pipeline.images as images_module
+    import mlxstack.prompt.images as images_module
     source = open(images_module.__file__).read()
     assert "urllib" not in source and "socket" not in source and "http.client" not in source
 
@@ -171,7 +171,7 @@ def test_request_pixel_budget_counts_every_image_before_decoding(monkeypatch):
     raws = [encoded(Image.new("RGB", (100, 100), (i, i, i)), "PNG") for i in range(3)]
     msgs = [user(*[openai_part(data_url(r)) for r in raws[:2]]), {"role": "assistant", "content": "ok"},
             user(openai_part(data_url(raws[2])))]
-    import mlxstack.pipeline.images as images_module
+    import mlxstack.prompt.images as images_module
     decoded = []
     real = images_module.load_rgb
     monkeypatch.setattr(images_module, "load_rgb", lambda img, cap: decoded.append(img) or real(img, cap))

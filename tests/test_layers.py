@@ -12,16 +12,16 @@ PKG = Path(__file__).resolve().parents[1] / "mlxstack"
 
 ALLOWED = {
     "launcher": {"config", "system"},
-    "routing": {"pipeline", "cache", "parsing", "config"},
-    "api": {"observability", "engine", "runtime", "constraints", "models", "cache", "pipeline", "parsing", "config",
+    "routing": {"prompt", "cache", "parsing", "config"},
+    "server": {"observability", "engine", "runtime", "constraints", "models", "cache", "prompt", "parsing", "config",
             "system"},
     "observability": {"cache", "config", "system"},
-    "engine": {"runtime", "constraints", "models", "cache", "pipeline", "parsing", "config"},
+    "engine": {"runtime", "constraints", "models", "cache", "prompt", "parsing", "config"},
     "runtime": {"constraints", "cache", "config"},
     "constraints": {"parsing", "config"},
     "models": {"config", "system"},
     "cache": {"config"},
-    "pipeline": {"parsing", "config"},
+    "prompt": {"parsing", "config"},
     "parsing": set(),
     "config": set(),
     "system": {"config"},
@@ -75,7 +75,7 @@ def test_imports_point_down(path):
     assert not wrong, f"{path.relative_to(PKG)} ({layer}) imports {sorted(wrong)} (see docs/architecture.md#layers)"
 
 
-@pytest.mark.parametrize("name", ["pipeline", "parsing"])
+@pytest.mark.parametrize("name", ["prompt", "parsing"])
 def test_pure_layers_import_no_mlx_and_no_network(name):
     for path in (PKG / name).glob("*.py"):
         tree = ast.parse(path.read_text())

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from mlxstack.engine.chat import ContextLengthExceeded
-from mlxstack.pipeline.render import encode
+from mlxstack.prompt.render import encode
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 

@@ -18,10 +18,10 @@ import pytest
 
 from mlxstack.cache.lcp import lcp
 from mlxstack.cache.summary import opening_session_id
-from mlxstack.pipeline.key_text import canonical_text, message_texts
-from mlxstack.pipeline.render import encode
-from mlxstack.pipeline.scrub import scrub_cache_key
-from mlxstack.pipeline.session_context import session_opening
+from mlxstack.prompt.key_text import canonical_text, message_texts
+from mlxstack.prompt.render import encode
+from mlxstack.prompt.scrub import scrub_cache_key
+from mlxstack.prompt.session_context import session_opening
 from mlxstack.routing.session_key import routing_session
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.fixtures import agent_shapes as shapes

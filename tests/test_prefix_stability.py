@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxstack.api.responses import StreamAssembler, completion_body
+from mlxstack.server.responses import StreamAssembler, completion_body
 from mlxstack.runtime import generate
 from mlxstack.parsing.reasoning import split_output
 from mlxstack.parsing.tool_calls import make_tool_call_id
-from mlxstack.pipeline.render import encode
+from mlxstack.prompt.render import encode
 from tests.conftest import build_engine, engine_settings
 from tests.fixtures import agent_shapes as shapes
 from tests.fixtures.tiny_models import CHAT_TEMPLATE

@@ -98,7 +98,7 @@ def test_shared_settings_leave_out_what_is_host_local():
 _CONTROL_RANK = """
 import json, os, socket, sys, time
 import mlx.core as mx
-from mlxstack.api.app import open_control
+from mlxstack.server.app import open_control
 group = mx.distributed.init(strict=True, backend="ring")
 if group.rank() == 0:
     # strangers at the port the group is about to learn: they must not hold the hellos up

@@ -227,7 +227,7 @@ def test_tool_choice_none_bans_the_call_token_and_returns_no_calls(tiny_dense_pa
     j, _ = job([{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=3)
     j.tool_choice = "none"
     assert eng._logit_bias(j) == {call_id: -1e9}
-    from mlxstack.api.responses import completion_body
+    from mlxstack.server.responses import completion_body
 
     o = eng.run(j)
     o.text = 'x <tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>'   # as if it slipped through
@@ -252,7 +252,7 @@ def test_json_mode_starts_the_reply_with_a_brace_and_counts_invalid_replies(tiny
 # ---------------------------------------------------------------------------- (13) stores capped in bytes
 def test_stores_are_capped_in_bytes():
     from mlxstack.cache.sessions import SessionIndex, SessionTurnStore
-    from mlxstack.pipeline.healing import HealingStore
+    from mlxstack.prompt.healing import HealingStore
 
     turns = SessionTurnStore(max_bytes=2000)
     for i in range(20):

@@ -14,7 +14,7 @@ from mlxstack.cache.prompt_cache import PromptCache, PromptCacheConfig
 from mlxstack.cache.sessions import SessionTurnStore
 from mlxstack.cache.summary import build_summary, message_digests, message_fingerprint
 from mlxstack.routing.placement import BackendView, Placement, place, shared_chars
-from mlxstack.pipeline.session_context import SessionContext
+from mlxstack.prompt.session_context import SessionContext
 from mlxstack.routing.session_key import opening_session_id, request_digests, routing_session
 from tests.conftest import LiveServer, engine_settings, http_json
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from mlxstack.pipeline.scrub import (
+from mlxstack.prompt.scrub import (
     BILLING_PLACEHOLDER,
     CCH_PLACEHOLDER,
     REMINDER_PLACEHOLDER,
@@ -144,7 +144,7 @@ def test_speed_on_large_prompt():
 
 def _reference_reminder_scrub(text: str) -> str:
     """The documented semantics as one tempered, non-greedy regex (slow but obviously right)."""
-    from mlxstack.pipeline.scrub import TURN_DELIMITER
+    from mlxstack.prompt.scrub import TURN_DELIMITER
 
     open_, close = "<system-reminder>", "</system-reminder>"
     pattern = re.compile(

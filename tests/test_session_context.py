@@ -8,7 +8,7 @@ from email.message import Message
 import numpy as np
 import pytest
 
-from mlxstack.pipeline.session_context import (
+from mlxstack.prompt.session_context import (
     SessionContext,
     extract_session_context,
     prefix_hash_session_id,

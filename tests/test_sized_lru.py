@@ -1,8 +1,8 @@
-"""pipeline/sized_lru.py: the count- and byte-bounded LRU behind the healing store and the
+"""prompt/sized_lru.py: the count- and byte-bounded LRU behind the healing store and the
 Responses store -- exact eviction order and byte totals."""
 from __future__ import annotations
 
-from mlxstack.pipeline.sized_lru import SizedLRU
+from mlxstack.prompt.sized_lru import SizedLRU
 
 
 def test_least_recently_used_go_first_under_either_bound():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxstack.pipeline.thinking import ThinkingControlError, resolve_enable_thinking
+from mlxstack.prompt.thinking import ThinkingControlError, resolve_enable_thinking
 
 
 @pytest.mark.parametrize("default", [True, False])

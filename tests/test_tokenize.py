@@ -5,7 +5,7 @@ import random
 
 from mlx_lm import load
 
-from mlxstack.pipeline.tokenize import SegmentedEncoder
+from mlxstack.prompt.tokenize import SegmentedEncoder
 
 
 def _texts(seed: int = 0):

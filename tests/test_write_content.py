@@ -1,5 +1,5 @@
 """NORMALIZE_WRITE_TOOL_CONTENT_FOR_PROMPT: old file writes replaced by a stable placeholder in
-the model input (pipeline/write_content.py), and on a tiny model: the normalized history is a
+the model input (prompt/write_content.py), and on a tiny model: the normalized history is a
 prefix the next turn shares token for token (a cache hit), parity with a cold prefill of the same
 normalized tokens, healing and the session records still following what the client sent."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 import pytest
 
 from mlxstack.cache.lcp import lcp
-from mlxstack.pipeline.healing import HealingStore, history_digest
-from mlxstack.pipeline.render import encode
-from mlxstack.pipeline.write_content import omit_written_content, placeholder
+from mlxstack.prompt.healing import HealingStore, history_digest
+from mlxstack.prompt.render import encode
+from mlxstack.prompt.write_content import omit_written_content, placeholder
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import SYSTEM, job
 

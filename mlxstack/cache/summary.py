@@ -100,7 +100,7 @@ IMPLICIT_PREFIX = "msg:"
 
 
 def opening_session_id(opening: Sequence[Mapping[str, Any]]) -> str:
-    """``msg:`` + the digest of a conversation's opening (pipeline/session_context.py
+    """``msg:`` + the digest of a conversation's opening (prompt/session_context.py
     ``session_opening``): the implicit session id, spelled the same by the router and the engine."""
     chain = message_digests(opening)
     return IMPLICIT_PREFIX + (chain[-1][0][:24] if chain else "empty")
@@ -168,7 +168,7 @@ def build_summary(state: Any, *, model_id: str, ready: bool, queue_depth: int, b
 
 
 def summary_for(app: Any) -> dict:
-    """``GET /v1/cache/summary`` for an App (api/app.py)."""
+    """``GET /v1/cache/summary`` for an App (server/app.py)."""
     scheduler = getattr(app.worker, "scheduler", None)
     running = getattr(scheduler, "active", None)
     return build_summary(app.state, model_id=app.model_id, ready=app.ready, queue_depth=app.worker.queue_depth,

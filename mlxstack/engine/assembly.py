@@ -9,7 +9,7 @@
 
 Everything else a request needs from its prompt comes from that one render:
 - the cache key: the original rendering with each text the canonicaliser changed replaced where
-  the template wrote it (pipeline/key_text.py), then scrubbed; no text changed -> the key is the
+  the template wrote it (prompt/key_text.py), then scrubbed; no text changed -> the key is the
   model text itself;
 - the history boundary and the generation prompt: the template's generation suffix, probed once
   at start-up (ChatRenderer.generation_suffix), is the tail of the rendered prompt;
@@ -28,12 +28,12 @@ from typing import Any
 
 from ..cache.lcp import lcp
 from ..cache.summary import opening_session_id
-from ..pipeline.canonicalize import canonicalize_messages
-from ..pipeline.key_text import canonical_text
-from ..pipeline.render import TemplateError, encode
-from ..pipeline.scrub import scrub_cache_key
-from ..pipeline.session_context import SessionContext, extract_session_context, session_opening
-from ..pipeline.write_content import omit_written_content
+from ..prompt.canonicalize import canonicalize_messages
+from ..prompt.key_text import canonical_text
+from ..prompt.render import TemplateError, encode
+from ..prompt.scrub import scrub_cache_key
+from ..prompt.session_context import SessionContext, extract_session_context, session_opening
+from ..prompt.write_content import omit_written_content
 from .request import CacheBreakpoint, ChatJob, PreparedPrompt
 
 log = logging.getLogger("mlxstack.request")

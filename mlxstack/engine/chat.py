@@ -24,8 +24,8 @@ from ..config import faults
 from ..parsing.call_gate import CallGate
 from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
-from ..pipeline.render import encode
-from ..pipeline.tokenize import encoder_for
+from ..prompt.render import encode
+from ..prompt.tokenize import encoder_for
 from ..runtime.generate import Aborted, decode, feed, folds, last_logits, prefill
 from ..runtime.sampling import Sampler
 from ..runtime.stopping import StopMatcher, stop_token_ids
@@ -260,7 +260,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             if tool_open is not None:
                 bias[int(tool_open)] = -1e9
         outside = [t for t in bias if not 0 <= t < (self.token_count or t + 1)]
-        if outside:   # the HTTP layer answers 400 first (api/validation.py); this guards every caller
+        if outside:   # the HTTP layer answers 400 first (server/validation.py); this guards every caller
             raise ValueError(f"logit_bias token id {outside[0]} is outside the tokenizer's vocabulary "
                              f"(0..{self.token_count - 1})")
         return bias or None

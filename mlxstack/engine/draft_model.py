@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..cache.lcp import lcp
-from ..pipeline.sized_lru import SizedLRU
+from ..prompt.sized_lru import SizedLRU
 from ..runtime.mlx_stream import generation_stream
 from .kv_bytes import resident_bytes
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
 from ..cache.turboquant import SEED as TURBOQUANT_SEED
-from ..pipeline.render import ChatRenderer
+from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
 from .draft_model import DraftModel

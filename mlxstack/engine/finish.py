@@ -22,7 +22,7 @@ from ..cache.lcp import lcp
 from ..cache.prompt_cache import POOL_KV, POOL_SNAPSHOT
 from ..config import faults
 from ..parsing.harmony import healing_patch
-from ..pipeline.render import encode
+from ..prompt.render import encode
 from ..runtime.generate import feed
 from .diagnosis import keep_fingerprint
 from .request import ChatOutcome, Sequence
@@ -195,7 +195,7 @@ class TurnFinish:
         if healing is None:
             return
         from ..parsing.output import split_reply
-        from ..pipeline.healing import history_digest
+        from ..prompt.healing import history_digest
 
         job = seq.job
         parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=job.tools, family=self.loaded.family)

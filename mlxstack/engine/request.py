@@ -1,7 +1,7 @@
 """What one chat request is on its way through the engine: the job the HTTP layer hands over,
 the prepared prompt, the in-flight sequence (cache, prefill and decode state), the outcome.
 
-    job = ChatJob(...)                    # api/job_adapter.py builds it from a validated request
+    job = ChatJob(...)                    # server/job_adapter.py builds it from a validated request
     seq = engine.start(job)               # -> Sequence (engine/chat.py)
     outcome = engine.finish(seq)          # -> ChatOutcome
 """
@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 from ..cache.kv_ops import KVState, LiveCache
 from ..cache.lcp import as_tokens
 from ..cache.prompt_cache import MatchResult
-from ..pipeline.session_context import SessionContext
+from ..prompt.session_context import SessionContext
 from ..runtime.sampling import Sampler, SamplingParams
 
 

@@ -28,9 +28,9 @@ from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
 from ..config.settings import Settings
-from ..pipeline.canonicalize import canonicalize_messages
-from ..pipeline.healing import HealingStore
-from ..pipeline.sized_lru import SizedLRU
+from ..prompt.canonicalize import canonicalize_messages
+from ..prompt.healing import HealingStore
+from ..prompt.sized_lru import SizedLRU
 from ..models.memory import default_cache_budget
 
 log = logging.getLogger("mlxstack.request")

@@ -4,7 +4,7 @@
     outcome = engine.run(job)          # ChatEngine.run with the VLM backend seams below
 
 What differs from the text engine (engine/chat.py):
-- ``_tokenize`` (the seam of ``prepare``): images are decoded per message (pipeline/images.py); the model tokens come from
+- ``_tokenize`` (the seam of ``prepare``): images are decoded per message (prompt/images.py); the model tokens come from
   the processor with each image's placeholder expanded to its patch count. The cache key is the
   text-only tokenizer's render of the canonical messages with the same expansion, plus a
   2-token identity marker after each image's pad run (CACHE_VLM_IMAGE_IDENTITY).
@@ -35,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.kv_ops import LiveCache, kv_offset
 from ..cache.prompt_cache import MISS, MatchResult
-from ..pipeline.images import (
+from ..prompt.images import (
     ImageError,
     ImageLimits,
     expand_image_pads,
@@ -45,7 +45,7 @@ from ..pipeline.images import (
     inject_image_markers,
     is_image_part,
 )
-from ..pipeline.render import ChatRenderer, content_text, encode
+from ..prompt.render import ChatRenderer, content_text, encode
 from .chat import ChatEngine, PreparedPrompt
 from ..runtime.generate import Aborted, cache_arrays
 from ..runtime.mlx_stream import generation_stream

@@ -19,7 +19,7 @@ flight (``Scheduler.recover``) and serving goes on. Anything else (SystemExit, a
 tests) ends the thread, but not silently: every future it held, every queued item and every later
 submission is resolved with "inference thread died: ...", and ``health_problem()`` says so -- as it
 says when the thread stops making progress (no step, no prefill chunk, no token) for longer than
-INFERENCE_STALL_SECONDS while work waits. /health answers 503 with that reason (api/app.py) and
+INFERENCE_STALL_SECONDS while work waits. /health answers 503 with that reason (server/app.py) and
 the launcher restarts such a server (launcher/stack.py).
 """
 from __future__ import annotations

@@ -82,7 +82,7 @@ def launch_command(python: str, hostfile: str, backend: str, module_args: Sequen
 def control_for_hosts(hostfile: str) -> str:
     """``ip:0`` for the control channel of an mlx.launch group: rank 0's first IP in the hostfile
     and port 0 -- rank 0 binds a port there once it runs and tells the other ranks over the MLX
-    group (api/app.py), so no port is picked here and bound later by another process."""
+    group (server/app.py), so no port is picked here and bound later by another process."""
     with open(hostfile) as f:
         hosts = json.load(f)
     first = hosts[0]

@@ -3,14 +3,14 @@
     ctx = routing_session(body, headers, messages)      # SessionContext(session_id, source)
     chain = request_digests(messages)                   # message-boundary digests (placement)
 
-Explicit ids are the MLX server's own (mlxstack/pipeline/session_context.py, same order: body
+Explicit ids are the MLX server's own (mlxstack/prompt/session_context.py, same order: body
 ``session_id`` / ``conversation_id`` / ``thread_id`` / ``chat_id`` at the top level, in
 ``extra_body`` or ``metadata``; headers ``x-session-affinity`` > ``x-session-id`` >
 ``x-claude-code-session-id``; Claude Code's ``metadata.user_id``), so one id means one session
 on both sides.
 
 Without one, both sides hash the canonical *messages* of the opening (up to the end of the first
-user message, scrubbed: pipeline/session_context.py ``session_opening``) the same way
+user message, scrubbed: prompt/session_context.py ``session_opening``) the same way
 (``msg:<digest>``, source ``message-prefix``): stable over the turns of one conversation, and
 the same id on the router and on the server.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from mlxstack.cache.summary import IMPLICIT_PREFIX, message_digests, opening_session_id
-from mlxstack.pipeline.canonicalize import canonicalize_messages
-from mlxstack.pipeline.session_context import SessionContext, extract_session_context, session_opening
+from mlxstack.prompt.canonicalize import canonicalize_messages
+from mlxstack.prompt.session_context import SessionContext, extract_session_context, session_opening
 
 __all__ = ["IMPLICIT_PREFIX", "canonical_messages", "opening_session_id", "request_digests", "routing_session"]
 

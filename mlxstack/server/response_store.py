@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from ..parsing.output import split_reply
-from ..pipeline.sized_lru import SizedLRU
+from ..prompt.sized_lru import SizedLRU
 
 log = logging.getLogger("mlxstack.responses")
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from ..engine.chat import ChatJob, PromptReady
 from ..engine.worker import QueueFull
-from ..pipeline.images import ImageError
+from ..prompt.images import ImageError
 from ..runtime.generate import SamplingParams
 from .cache_diagnostics import cache_header
 from .error_shapes import internal_logged
@@ -64,7 +64,7 @@ def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS)
 
 def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> None:
     """``req.grammar`` from its response_format / tools / tool_choice, compiled here on the handler
-    thread (api/structured.py); APIError(400) for a schema that cannot be enforced."""
+    thread (server/structured.py); APIError(400) for a schema that cannot be enforced."""
     structured = getattr(app, "structured", None)
     if structured is not None:
         req.grammar = structured.grammar_for(req, fields)

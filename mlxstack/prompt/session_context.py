@@ -95,7 +95,7 @@ def prefix_hash_session_id(canonical_tokens: Sequence[int]) -> str:
 def session_opening(canonical: Sequence[Any]) -> list[dict]:
     """The opening an implicit session id hashes: the canonical messages up to and including the
     first user message (all of them when there is none), their text scrubbed as the cache key's
-    is (pipeline/scrub.py: a reminder, a billing line or a clock does not start a new session).
+    is (prompt/scrub.py: a reminder, a billing line or a clock does not start a new session).
     The router hashes the same opening (routing/session_key.py), so one id means one session on
     both sides, and the engine needs no render of its own for it."""
     usable = [m for m in canonical if isinstance(m, Mapping)]

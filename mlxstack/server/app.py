@@ -12,7 +12,7 @@ from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
-from ..pipeline.images import ImageLimits
+from ..prompt.images import ImageLimits
 from ..runtime.sampling_defaults import SamplingDefaults
 from .http_guard import Guard, bind_refusal
 
@@ -44,7 +44,7 @@ class App:
         self.image_limits = ImageLimits.from_settings(settings)
         self.vocab_size: int | None = None  # logits width, known once the model is loaded
         self.sampling = SamplingDefaults.resolve(settings)   # + the model's generation_config.json at load
-        self.structured: Any = None         # api/structured.py: grammars for this model's tokenizer
+        self.structured: Any = None         # server/structured.py: grammars for this model's tokenizer
         from .image_fetch import is_public_address
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers

@@ -21,16 +21,16 @@ Anthropic-defined tool types cannot be described to it and are left out); ``thin
 {enabled|adaptive} -> thinking on, {disabled} or absent -> off (Anthropic's default; ``output_config.
 effort`` without ``thinking`` shapes the answer, not reasoning, so it does not switch thinking on);
 ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``; the session id from
-``x-claude-code-session-id`` or ``metadata.user_id`` (pipeline/session_context.py).
+``x-claude-code-session-id`` or ``metadata.user_id`` (prompt/session_context.py).
 
 Reply: ``thinking`` / ``text`` / ``tool_use`` blocks in generation order; ``thinking.display:
 "omitted"`` streams thinking blocks without their text (the signature carries it back, so the next
-turn renders the same tokens). Usage (api/usage.py): ``cache_read_input_tokens`` = tokens reused
+turn renders the same tokens). Usage (server/usage.py): ``cache_read_input_tokens`` = tokens reused
 from the KV cache, ``cache_creation_input_tokens`` = tokens this request stored (with
 ``cache_creation`` by lifetime; with breakpoints: up to the last one), ``input_tokens`` = the rest, ``output_tokens``; in a stream the
 input side is on ``message_start`` already. ``diagnostics: {previous_message_id}`` (beta
 ``cache-diagnosis-2026-04-07``; null on a first turn to opt in) answers ``diagnostics.
-cache_miss_reason`` (api/cache_diagnostics.py), on ``message_start`` in a stream.
+cache_miss_reason`` (server/cache_diagnostics.py), on ``message_start`` in a stream.
 Errors are Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``; a prompt over the
 window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on).
 """

@@ -18,7 +18,7 @@ continuing, which the KV and the healing store hold as generated), tool results,
 argument (``file_path`` / ``path`` stay), edit tools (``Edit`` / ``edit``: ``old_string`` /
 ``new_string`` are short and the model copies them), patch tools (Codex ``apply_patch``).
 
-Healing: the messages arrive healed (pipeline/healing.py), which may have replaced an assistant
+Healing: the messages arrive healed (prompt/healing.py), which may have replaced an assistant
 message by the raw text it generated -- its tool calls inlined as markup, content included. Such
 a message is taken as the client sent it (``client``: its structured tool calls), with the
 content replaced; every other message stays as healed.

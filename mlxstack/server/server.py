@@ -22,7 +22,7 @@ from ..engine.chat import ClientGone, ContextLengthExceeded
 from ..engine.worker import WorkerDied
 from .errors import APIError, bad_request, internal, not_found, unavailable
 from .http_server import DeadlineReader
-from ..pipeline.images import ImageError
+from ..prompt.images import ImageError
 
 log = logging.getLogger("mlxstack.http")
 

@@ -2,7 +2,7 @@
 
     key_text = canonical_text(model_text, original, canonical)   # None: render canonical instead
 
-The canonicaliser (pipeline/canonicalize.py) changes only message *text*: volatile ids and
+The canonicaliser (prompt/canonicalize.py) changes only message *text*: volatile ids and
 timestamps inside a string content or a text part, a removed inbound-context section. A chat
 template writes message text verbatim (or trimmed) between markup that depends on roles, tools
 and flags -- never on the text itself. So the canonical rendering is the original rendering with

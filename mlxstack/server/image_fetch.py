@@ -2,7 +2,7 @@
 
     messages = prepare_request_images(messages, limits)   # http(s) parts -> data: URLs, headers checked
 
-Why here and not in pipeline/images.py: a fetch is network I/O with timeouts; done by the
+Why here and not in prompt/images.py: a fetch is network I/O with timeouts; done by the
 inference worker, a slow host stalled every other request. The handler thread fetches, replaces
 each remote URL with a ``data:`` URL of the fetched bytes, checks every image's header (format,
 pixel budget) and only then queues the job.
@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Sequence
 from urllib.parse import urljoin, urlsplit
 
-from ..pipeline.images import ImageError, ImageLimits, check_images, data_url_for, image_part_url, image_parts, is_remote_url
+from ..prompt.images import ImageError, ImageLimits, check_images, data_url_for, image_part_url, image_parts, is_remote_url
 
 log = logging.getLogger("mlxstack.images")
 
