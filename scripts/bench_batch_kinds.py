@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxstack.engine.batch_cache import stack_layers  # noqa: E402
+from mlxstack.cache.slab import stack_layers  # noqa: E402
 
 COMMON = {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
           "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,

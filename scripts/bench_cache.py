@@ -79,7 +79,7 @@ def part_a(args: Any) -> bool:
     from mlxstack.cache.lcp import lcp  # noqa: F401  (import check)
     from mlxstack.config.settings import load_settings
     from mlxstack.engine.chat import ChatJob
-    from mlxstack.runtime.generate import SamplingParams
+    from mlxstack.runner.generate import SamplingParams
     from mlxstack.models.loader import hf_offline_env, load_model
     from mlxstack.prompt.canonicalize import canonicalize_messages
     from mlxstack.prompt.render import encode

@@ -42,7 +42,7 @@ def engine(s, loaded):
 
 def job(messages, max_tokens=8, session="bench"):
     from mlxstack.engine.chat import ChatJob
-    from mlxstack.runtime.sampling import SamplingParams
+    from mlxstack.runner.sampling import SamplingParams
 
     return ChatJob(request_id="b", messages=messages, tools=None, enable_thinking=False,
                    params=SamplingParams(temperature=0.0, max_tokens=max_tokens), stop=[],
@@ -67,7 +67,7 @@ def restart_table(loaded, sizes, workdir: Path, repeat: int = 1) -> list[dict]:
     on a fresh copy of that folder (turn 2's TTFT from disk) and a cache-off engine (turn 2
     cold). Medians, and the median of the per-repetition ratios: this VM's speed drifts by
     +-20% between minutes, so one cold and one warm run can land in different weather."""
-    from mlxstack.engine.shared_prefix import shared_prefix_ok
+    from mlxstack.runner.shared_prefix import shared_prefix_ok
 
     rows = []
     for size in sizes:
@@ -114,7 +114,7 @@ def restart_table(loaded, sizes, workdir: Path, repeat: int = 1) -> list[dict]:
 def bytes_per_token(hd64_path) -> list[dict]:
     from mlxstack.cache.kv_ops import LiveCache, capture
     from mlxstack.cache.layer_kinds import KVQuant
-    from mlxstack.runtime.generate import feed
+    from mlxstack.runner.generate import feed
     from mlx_lm.models.cache import make_prompt_cache
 
     out = []

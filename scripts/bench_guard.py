@@ -394,7 +394,7 @@ def stage_warm(ctx: Ctx) -> dict[str, dict]:
     (from disk, median); turn 2 on a cache-off engine (cold, once). Turn 2 echoes turn 1's reply
     as generated (raw text), so every side renders the same tokens without healing state."""
     from bench_disk import engine as make, job, long_conversation
-    from mlxstack.engine.shared_prefix import shared_prefix_ok
+    from mlxstack.runner.shared_prefix import shared_prefix_ok
 
     t_stage = time.perf_counter()
     quick = ctx.args.quick

@@ -3,7 +3,7 @@
 
 In process, the embedded model through the real engine and continuous-batching scheduler, greedy:
 N sessions with the same ~2k-token system prompt and their own question arrive together; the
-``mlxstack_kv_bytes`` figure (engine/kv_bytes.py: requests in flight, each array once, plus the RAM
+``mlxstack_kv_bytes`` figure (runner/kv_bytes.py: requests in flight, each array once, plus the RAM
 cache tier) is read after every scheduler step. Prints the peak in flight, the cache tier after, and
 both as a multiple of one session's.
 
@@ -23,12 +23,12 @@ sys.path.insert(0, str(REPO))
 import mlx.core as mx  # noqa: E402
 
 from mlxstack.config.settings import load_settings  # noqa: E402
-from mlxstack.engine.batch import batching_support  # noqa: E402
+from mlxstack.runner.batch import batching_support  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
 from mlxstack.engine.factory import make_engine  # noqa: E402
 from mlxstack.engine.scheduler import Scheduler  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
-from mlxstack.runtime.sampling import SamplingParams  # noqa: E402
+from mlxstack.runner.sampling import SamplingParams  # noqa: E402
 
 SYSTEM = ("You are a coding sub-agent in a large repository. Read files before editing, run the tests after "
           "each change, keep diffs small, and report briefly what you changed and why. ")

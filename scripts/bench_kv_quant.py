@@ -63,7 +63,7 @@ def quality(model, tokens: list[list[int]], label: str) -> list[dict]:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxstack.cache.kv_ops import LiveCache, capture, checkout
-    from mlxstack.runtime.generate import feed
+    from mlxstack.runner.generate import feed
 
     def last_logprobs(q, prompt):
         live = LiveCache(make_prompt_cache(model), 0, q)
@@ -92,7 +92,7 @@ def memory(model, label: str, budget: int = 1 << 30, session: int = 4000) -> lis
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxstack.cache.kv_ops import LiveCache, capture
-    from mlxstack.runtime.generate import feed
+    from mlxstack.runner.generate import feed
 
     prompt = list(range(1000, 3000))
     rows, base = [], None
@@ -174,7 +174,7 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES) -> list[di
                     tps = sum(o.completion_tokens - 1 for o in outs) / max(1e-9, time.perf_counter() - first)
                     speeds.setdefault((*key, rows_n), []).append(tps)
                     # the clean plain steps of exactly this many rows (the scheduler's own timing:
-                    # runtime/step_costs.py), free of prefills interleaved with the decode
+                    # runner/spec/step_costs.py), free of prefills interleaved with the decode
                     step = engines[key].speculation.costs.plain.get(rows_n)
                     steps.setdefault((*key, rows_n), []).append(step * 1000 if step else float("nan"))
     rows = []

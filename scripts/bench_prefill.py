@@ -85,14 +85,14 @@ def _no_eos_processor(tokenizer: Any) -> Callable:
 
 # ----------------------------------------------------------------------------- (a) our engine path
 def engine_run(model: Any, tokenizer: Any, prompt: list[int], decode_tokens: int, prefill_step_size: int) -> tuple[float, int, float]:
-    """The server's own path (mlxstack.runtime.generate): prefill into a fresh cache, then decode
+    """The server's own path (mlxstack.runner.generate): prefill into a fresh cache, then decode
     greedily with no stop tokens, so every run decodes exactly ``decode_tokens``.
 
     Returns (time to first token, tokens decoded after the first, seconds for those).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxstack.runtime.generate import SamplingParams, decode, prefill
+    from mlxstack.runner.generate import SamplingParams, decode, prefill
 
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def print_compare(rows: list[dict[str, Any]], step: int, model_path: str) -> Non
 
     print(f"\nmodel: {model_path}")
     print(blas_status())
-    print(f"engine = mlxstack.runtime.generate (prefill + decode), prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
+    print(f"engine = mlxstack.runner.generate (prefill + decode), prefill_step_size={step}; mlx-lm = stream_generate defaults (prefill_step_size=2048)")
     head = f"{'prompt':>7} | {'engine prefill':>14} {'mlx-lm prefill':>14} {'ratio':>6} | {'engine decode':>13} {'mlx-lm decode':>13} {'ratio':>6}"
     print(head)
     print("-" * len(head))

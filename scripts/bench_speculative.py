@@ -21,7 +21,7 @@ decode tok/s from the first streamed token to the last).
     .venv/bin/python scripts/bench_speculative.py --compare-prior --draft-layers 0   # measured costs vs the prior
 
 ``--compare-prior`` adds the same loads with speculation deciding from the step costs measured on
-this machine (runtime/step_costs.py, the default) against deciding from the constant prior alone.
+this machine (runner/spec/step_costs.py, the default) against deciding from the constant prior alone.
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from mlxstack.config.settings import load_settings  # noqa: E402
-from mlxstack.engine.batch import batching_support  # noqa: E402
+from mlxstack.runner.batch import batching_support  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
 from mlxstack.engine.factory import make_engine  # noqa: E402
 from mlxstack.engine.scheduler import Scheduler  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
-from mlxstack.runtime.sampling import SamplingParams  # noqa: E402
+from mlxstack.runner.sampling import SamplingParams  # noqa: E402
 
 FILE = "\n".join(
     f"def handle_{name}(request, store):\n    item = store.get(request.{name}_id)\n"

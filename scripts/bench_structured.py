@@ -189,7 +189,7 @@ def main() -> None:
               f"{m[-1]:8.1f} {statistics.median(e):11.1f}")
 
     # the sampler step with and without a mask (greedy, eval'd): what applying the mask adds
-    from mlxstack.runtime.sampling import Sampler, SamplingParams
+    from mlxstack.runner.sampling import Sampler, SamplingParams
 
     grammar = b.compiler.compile(json_spec(PERSON, strict=True))
     logits = mx.random.normal((b.vocab,))
@@ -266,7 +266,7 @@ def run_jobs(engine, jobs, rows: int):
     (rows decoding, seconds)) -- steps where nothing prefilled, joined or left."""
     from concurrent.futures import Future
 
-    from mlxstack.engine.batch import batching_support
+    from mlxstack.runner.batch import batching_support
     from mlxstack.engine.scheduler import Scheduler
 
     sched = Scheduler(engine, rows, engine.settings.prefill_chunk_tokens, batching_support(engine)[0])

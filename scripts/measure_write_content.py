@@ -32,7 +32,7 @@ from mlxstack.config.settings import load_settings  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
 from mlxstack.engine.factory import make_engine  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
-from mlxstack.runtime.sampling import SamplingParams  # noqa: E402
+from mlxstack.runner.sampling import SamplingParams  # noqa: E402
 
 FILES = ["mlxstack/prompt/healing.py", "mlxstack/prompt/scrub.py", "mlxstack/prompt/render.py",
          "mlxstack/prompt/sized_lru.py", "mlxstack/prompt/session_context.py", "mlxstack/prompt/tokenize.py",

@@ -15,10 +15,10 @@ from concurrent.futures import Future
 
 import pytest
 
-from mlxstack.engine.batch import batching_support
-from mlxstack.engine.batch_prefill import choose_short
+from mlxstack.runner.batch import batching_support
+from mlxstack.runner.batch_prefill import choose_short
 from mlxstack.engine.scheduler import Scheduler, next_round_robin
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
 
@@ -199,7 +199,7 @@ def test_sequences_join_and_leave_a_running_batch_with_parity(dense, monkeypatch
     """Members arrive while others decode and finish at different times: rows are freed and
     reused, the slab grows (2 -> 4 -> 8 rows) and shrinks again, and (slack 1) drops the columns
     leavers used after every leave; every output equals its solo run."""
-    from mlxstack.engine import batch
+    from mlxstack.runner import batch
 
     monkeypatch.setattr(batch, "COMPACT_SLACK", slack)
     compactions = []
@@ -237,7 +237,7 @@ def test_slab_rows_place_take_and_rebuild_exactly():
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlxstack.engine.batch_cache import SlabKVCache
+    from mlxstack.cache.slab import SlabKVCache
 
     def own(n, seed):
         c = KVCache()

@@ -14,7 +14,7 @@ from mlxstack.cache.counters import CacheCounters
 from mlxstack.cache.hashing import namespace_seed
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout, state_fingerprint
 from mlxstack.cache.prompt_cache import PromptCache, PromptCacheConfig
-from mlxstack.runtime.generate import SamplingParams, decode, feed, prefill
+from mlxstack.runner.generate import SamplingParams, decode, feed, prefill
 
 N_GEN = 12
 ATOL = 1e-4
@@ -139,7 +139,7 @@ def test_a_short_rest_is_fed_with_its_last_token_in_one_forward(model):
     """A warm turn's few new tokens (<= FOLD_MAX) are one forward that also yields the first
     token's logits, not a chunk plus a second forward for the last token: the same greedy reply
     and logits as the two-forward path, on a hit exactly as cold."""
-    from mlxstack.runtime import generate
+    from mlxstack.runner import generate
 
     toks = tokens(60, 7)
     calls: list[int] = []

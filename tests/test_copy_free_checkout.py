@@ -66,7 +66,7 @@ def test_the_first_append_leaves_the_reused_arrays_as_they_are(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
     model = eng.loaded.model
     live = eng.new_cache()
-    from mlxstack.runtime.generate import feed
+    from mlxstack.runner.generate import feed
 
     feed(model, live, list(range(100, 140)), 16)
     state = kv_ops.capture(live)
@@ -140,7 +140,7 @@ def test_the_load_time_check_runs_a_by_reference_checkout_with_a_tail(tiny_dense
     """A model that attends the slab's shared prefix but not a copy-free checkout's (here: the
     prefixed layer's prefix hidden from the attention hook) is refused at load: the check feeds a
     by-reference checkout several-token chunks and compares them with a plain copy."""
-    from mlxstack.engine.shared_prefix import _check
+    from mlxstack.runner.shared_prefix import _check
 
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
     assert _check(eng)

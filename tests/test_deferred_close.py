@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from mlxstack.engine.batch import batching_support
+from mlxstack.runner.batch import batching_support
 from mlxstack.engine.scheduler import Scheduler
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job

@@ -35,7 +35,7 @@ from mlxstack.engine.lockstep import portable_job, scheduler_digest
 from mlxstack.engine.request import ChatJob
 from mlxstack.launcher.ranks import launch_command, rank_env, ring_hostfile
 from mlxstack.models.sharding import ShardFacts, facts_from_config, pipeline_counts, refusal, tensor_counts
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from mlxstack.system.control_channel import ControlChannel, parse_address
 from scripts.probelib.servers import ServerProcess
 from tests.conftest import http_json

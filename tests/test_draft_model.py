@@ -14,10 +14,10 @@ import pytest
 
 from mlxstack.config.settings import SettingsError
 from mlxstack.cache.lcp import lcp
-from mlxstack.engine.draft_model import DraftModel
+from mlxstack.runner.spec.draft_model import DraftModel
 from mlxstack.models.loaded import ModelLoadError
 from mlxstack.models.loader import tokenizer_mismatch
-from mlxstack.runtime.drafting import Chained
+from mlxstack.runner.spec.drafting import Chained
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
@@ -102,7 +102,7 @@ def test_auto_tries_prompt_lookup_first_then_the_draft_model(tiny_dense_path):
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_dense_path):
-    from mlxstack.runtime.sampling import SamplingParams
+    from mlxstack.runner.sampling import SamplingParams
 
     on, _ = draft_engines(tiny_dense_path, tiny_dense_path, prompt_cache_max_entries_global=0)
 

@@ -1,9 +1,9 @@
-"""Prompt-lookup drafts and the per-row draft control (runtime/drafting.py): pure, exact."""
+"""Prompt-lookup drafts and the per-row draft control (runner/spec/drafting.py): pure, exact."""
 from __future__ import annotations
 
 import pytest
 
-from mlxstack.runtime.drafting import DraftControl, NgramDrafter, accepted_prefix
+from mlxstack.runner.spec.drafting import DraftControl, NgramDrafter, accepted_prefix
 
 
 def test_accepted_prefix_counts_leading_agreement_only():
@@ -113,7 +113,7 @@ def test_draft_control_zero_max_never_drafts():
 
 
 def test_expected_accepted_is_the_geometric_sum():
-    from mlxstack.runtime.drafting import expected_accepted
+    from mlxstack.runner.spec.drafting import expected_accepted
 
     assert expected_accepted(0.5, 3) == 0.5 + 0.25 + 0.125
     assert expected_accepted(1.0, 4) == 4.0
@@ -121,7 +121,7 @@ def test_expected_accepted_is_the_geometric_sum():
 
 
 def test_best_width_drafts_only_where_the_expected_tokens_pay_for_the_wider_forward():
-    from mlxstack.runtime.drafting import best_width
+    from mlxstack.runner.spec.drafting import best_width
 
     assert best_width([], 0.03) == 1
     assert best_width([(0, 0.0)] * 4, 0.03) == 1                  # nobody can draft

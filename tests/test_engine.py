@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxstack.engine.chat import ChatJob
-from mlxstack.runtime.generate import SamplingParams
+from mlxstack.runner.generate import SamplingParams
 from tests.conftest import build_engine, engine_settings
 
 SYSTEM = "You are a careful coding agent. " * 12

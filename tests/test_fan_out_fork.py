@@ -16,9 +16,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout
 from mlxstack.cache.layer_kinds import KINDS
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
-from mlxstack.engine.batch_cache import SlabKVCache, place_own_layers
+from mlxstack.cache.slab import SlabKVCache, place_own_layers
 from mlxstack.engine.shared_prefill import _can_reach
-from mlxstack.runtime.generate import feed
+from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.fuzz.traffic import block, fan_out
 from tests.test_engine import job

@@ -21,7 +21,7 @@ import pytest
 from mlxstack.config import faults
 from mlxstack.engine.chat import ChatJob
 from mlxstack.engine.scheduler import Scheduler
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 
 SHORT = ["Hi there, number one.", "Tell me about caches.", "What is a slab?", "Say something nice."]

@@ -12,7 +12,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
-from mlxstack.engine.batch_cache import SlabKVCache
+from mlxstack.cache.slab import SlabKVCache
 from mlxstack.models import host_forward as hf
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlxstack.engine.batch import batching_support
-from mlxstack.engine.kv_bytes import resident_bytes
+from mlxstack.runner.batch import batching_support
+from mlxstack.runner.kv_bytes import resident_bytes
 from mlxstack.engine.scheduler import Scheduler
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
@@ -84,8 +84,8 @@ def test_the_gauge_counts_the_draft_models_stored_caches(tiny_dense_path):
 def test_token_bytes_of_a_fresh_cache(tiny_dense_path):
     """The admission estimate's unit: 2 layers x keys and values x 2 KV heads x 16 dims x 4 bytes
     per token; a plain KV cache holds nothing per sequence beyond its tokens."""
-    from mlxstack.engine.kv_bytes import token_bytes
-    from mlxstack.runtime.generate import feed
+    from mlxstack.runner.kv_bytes import token_bytes
+    from mlxstack.runner.generate import feed
 
     eng = build_engine(engine_settings(tiny_dense_path, speculative="off"))
     live = eng.new_cache()

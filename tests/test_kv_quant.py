@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout
 from mlxstack.cache.layer_kinds import KVQuant
-from mlxstack.runtime.generate import feed
+from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.test_disk_cache import run_turns
 from tests.test_model_families import TURNS

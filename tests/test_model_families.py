@@ -131,7 +131,7 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 
 
 def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch):
-    from mlxstack.runtime import generate
+    from mlxstack.runner import generate
 
     warm, cold = engines("gpt_oss")
     assert warm.loaded.family == "harmony" and warm.harmony
@@ -170,7 +170,7 @@ def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch)
 
 
 def test_harmony_final_answer_stops_and_splits(engines, monkeypatch):
-    from mlxstack.runtime import generate
+    from mlxstack.runner import generate
 
     warm, _ = engines("gpt_oss")
     tok = warm.loaded.tokenizer

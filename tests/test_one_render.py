@@ -26,7 +26,7 @@ from mlxstack.routing.session_key import routing_session
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.fixtures import agent_shapes as shapes
 from mlxstack.engine.request import ChatJob
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from tests.test_prefix_stability import (NO_REASONING_TEMPLATE, REFUSING_TEMPLATE, _qwen_template,
                                          variant)
 

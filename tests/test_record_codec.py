@@ -12,7 +12,7 @@ import pytest
 from mlxstack.constraints import spec_for_request
 from mlxstack.engine import record_codec as rc
 from mlxstack.engine.lockstep import Lockstep, LockstepBroken, Record, portable_job
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from tests.test_engine import job
 
 

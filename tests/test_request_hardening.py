@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 
 from mlxstack.cache.kv_ops import LiveCache
-from mlxstack.runtime.generate import feed, last_logits
-from mlxstack.runtime.sampling import Sampler, SamplingParams
+from mlxstack.runner.generate import feed, last_logits
+from mlxstack.runner.sampling import Sampler, SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.test_engine import SYSTEM, TOOLS, job
 from tests.test_prefix_stability import ScriptedDecode, _swap, say, variant

@@ -1,4 +1,4 @@
-"""The per-request sampler with a grammar (runtime/sampling.py + constraints/): every sampled token
+"""The per-request sampler with a grammar (runner/sampling.py + constraints/): every sampled token
 is one the grammar allows on the greedy and the sampled path, logit_bias and penalties keep working,
 and real decodes -- alone and in one batched step with an unconstrained request, through the real
 engine and scheduler -- produce JSON that validates, while the unconstrained row is unchanged.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlxstack.constraints import GrammarCompiler, spec_for_request
-from mlxstack.runtime.sampling import Sampler, SamplingParams
+from mlxstack.runner.sampling import Sampler, SamplingParams
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job

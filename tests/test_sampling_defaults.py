@@ -13,8 +13,8 @@ import pytest
 
 from mlxstack.server.validation import parse_chat_request
 from mlxstack.config.settings import load_settings
-from mlxstack.runtime.sampling import Sampler, SamplingParams
-from mlxstack.runtime.sampling_defaults import SamplingDefaults, from_generation_config
+from mlxstack.runner.sampling import Sampler, SamplingParams
+from mlxstack.runner.sampling_defaults import SamplingDefaults, from_generation_config
 from tests.conftest import LiveServer, engine_settings, http_json
 
 Q = [{"role": "user", "content": "hi"}]

@@ -12,13 +12,13 @@ from mlxstack.cache.layer_kinds import KINDS, rooted
 from mlx_lm.models.cache import KVCache
 
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
-from mlxstack.engine.batch import batching_support
-from mlxstack.engine.batch_cache import SlabKVCache
-from mlxstack.engine.kv_bytes import resident_bytes
+from mlxstack.runner.batch import batching_support
+from mlxstack.cache.slab import SlabKVCache
+from mlxstack.runner.kv_bytes import resident_bytes
 from mlxstack.engine.scheduler import Scheduler
-from mlxstack.engine.shared_prefix import shared_prefix_ok
+from mlxstack.runner.shared_prefix import shared_prefix_ok
 from mlxstack.models.shared_attention import Part, attend_parts
-from mlxstack.runtime.generate import feed
+from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 
@@ -287,7 +287,7 @@ def test_shared_prefix_min_tokens_zero_keeps_every_copy_and_the_same_replies(tin
 
 
 def test_a_batch_row_on_another_prefix_than_the_slabs_is_placed_whole(dense_engine):
-    from mlxstack.engine.batch_cache import place_batch_rows, stack_layers
+    from mlxstack.cache.slab import place_batch_rows, stack_layers
 
     eng = dense_engine
     model = eng.loaded.model
@@ -350,7 +350,7 @@ def test_a_slab_filled_at_once_equals_one_placed_row_by_row(dense_engine):
     concatenation: the same rows, padding, RoPE offsets, shared prefix and next-step logits as
     placing the rows one by one -- with the longest row in the middle, a row on its root, and a
     row without one (held whole)."""
-    from mlxstack.engine.batch_cache import _own_planned, place_own_layers
+    from mlxstack.cache.slab import _own_planned, place_own_layers
 
     eng = dense_engine
     model = eng.loaded.model

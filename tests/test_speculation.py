@@ -16,8 +16,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxstack.engine.batch_cache import stack_layers
-from mlxstack.runtime.sampling import Sampler, SamplingParams
+from mlxstack.cache.slab import stack_layers
+from mlxstack.runner.sampling import Sampler, SamplingParams
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
@@ -171,7 +171,7 @@ def test_every_slab_row_holds_exactly_its_depth_after_every_step(embedded_model_
     """Eight rows, copy-heavy and free text: rows accept different numbers of drafts, finish at
     different steps and leave. After every step each member's slab row holds exactly its counted
     depth and its RoPE offset says the same; the replies equal SPECULATIVE=off."""
-    from mlxstack.engine import batch as batch_mod
+    from mlxstack.runner import batch as batch_mod
 
     step = batch_mod.DecodeGroup.step
     checked = []
@@ -241,7 +241,7 @@ def oracle_drafts(monkeypatch, reference: list[int], every: int = 3):
     """Drafts from the reply SPECULATIVE=off produced, with one token wrong in every ``every``-th
     proposal: full acceptances, partial ones and rejections, on random weights that rarely repeat
     themselves (prompt lookup would seldom draft there)."""
-    from mlxstack.runtime.drafting import NgramDrafter
+    from mlxstack.runner.spec.drafting import NgramDrafter
 
     calls = [0]
 
@@ -385,7 +385,7 @@ def test_a_grammar_cuts_drafts_it_refuses_and_drafts_the_text_it_forces(embedded
 def test_constrained_replies_with_drafts(embedded_model_path, temperature):
     """A JSON-schema row beside a copying row: drafts are accepted on the constrained row (the keys
     the grammar forces), the reply is valid, and greedy and seeded sampled replies are the ones
-    SPECULATIVE=off gives (draws are keyed by position: runtime/sampling.py)."""
+    SPECULATIVE=off gives (draws are keyed by position: runner/sampling.py)."""
     import json
 
     import jsonschema
@@ -412,7 +412,7 @@ def test_constrained_replies_with_drafts(embedded_model_path, temperature):
 # ------------------------------------------------------------------ the measured cost model
 def test_steps_are_timed_by_rows_and_width(embedded_model_path):
     """A copy-heavy batch: the decode group takes a plain step first (the yardstick), then records
-    its clean plain and speculative steps (runtime/step_costs.py) under the forward's row count;
+    its clean plain and speculative steps (runner/spec/step_costs.py) under the forward's row count;
     /v1/cache/stats shows them."""
     on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
     spec = on.speculation
@@ -461,7 +461,7 @@ def test_step_costs_are_timed_at_load_on_the_models_own_forward(tiny_dense_path,
     """SPEC_CALIBRATE=auto: forwards of 1 and 2..13 positions for 1 and 8 rows, timed once at load,
     are the width chooser's prior (non-decreasing in width, never below a plain step); a model whose
     cache cannot be cut back keeps the constant; off, or speculation off: nothing is timed."""
-    from mlxstack.engine.spec_calibration import WIDTHS
+    from mlxstack.runner.spec.calibration import WIDTHS
 
     eng = build_engine(engine_settings(tiny_dense_path, spec_calibrate="auto"))
     table = eng.speculation.costs.table
@@ -487,7 +487,7 @@ def test_calibration_pairs_each_wide_forward_with_a_plain_one_so_a_busy_machine_
     many plain steps. A scripted clock: the machine turns 3x slower after the first plain forward."""
     from mlx_lm import load
 
-    from mlxstack.engine.spec_calibration import calibrate
+    from mlxstack.runner.spec.calibration import calibrate
 
     model, _ = load(str(tiny_dense_path))
 

@@ -1,12 +1,12 @@
-"""Speculation's cost model, measured (runtime/step_costs.py): decode-step wall times by rows and
+"""Speculation's cost model, measured (runner/spec/step_costs.py): decode-step wall times by rows and
 width, and what a wider step costs in plain steps -- measured, scaled from a measured width, or
 the prior. Pure: exact numbers."""
 from __future__ import annotations
 
 import pytest
 
-from mlxstack.runtime.drafting import best_width
-from mlxstack.runtime.step_costs import StepCosts
+from mlxstack.runner.spec.drafting import best_width
+from mlxstack.runner.spec.step_costs import StepCosts
 
 
 def test_nothing_measured_answers_the_prior():
@@ -131,10 +131,10 @@ TABLE = {(1, 2): 1.1, (1, 4): 1.3, (1, 8): 1.5, (8, 2): 1.3, (8, 4): 1.9, (8, 8)
 
 
 def test_a_table_timed_at_load_is_the_prior():
-    """engine/spec_calibration.py's table: along the widths linear (from 1 at width 1, past the
+    """runner/spec/calibration.py's table: along the widths linear (from 1 at width 1, past the
     widest its last slope), between row counts the extra cost linear in rows, past the largest in
     proportion, below the smallest its figures; measured steps still win over it."""
-    from mlxstack.runtime.step_costs import table_cost
+    from mlxstack.runner.spec.step_costs import table_cost
 
     assert table_cost(TABLE, 1, 1) == 1.0
     assert table_cost(TABLE, 1, 2) == pytest.approx(1.1)

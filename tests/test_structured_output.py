@@ -20,7 +20,7 @@ from mlxstack.server.structured import Structured
 from mlxstack.server.validation import parse_chat_request
 from mlxstack.engine.chat import GRAMMAR_DEAD_END
 from mlxstack.parsing.output import split_reply
-from mlxstack.runtime.sampling import Sampler
+from mlxstack.runner.sampling import Sampler
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.fixtures.tiny_models import CHAT_TEMPLATE
 from tests.test_batching import run_batched

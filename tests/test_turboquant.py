@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxstack.cache import turboquant as tq
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout
 from mlxstack.cache.layer_kinds import KINDS, KVQuant
-from mlxstack.runtime.generate import feed
+from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.test_disk_cache import run_turns
 from tests.test_model_families import TURNS
@@ -212,7 +212,7 @@ def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
     QUANTIZED_KV_START mid-batch, one never reaching it) hold, when they leave, exactly the floats
     and the codes each holds stepped alone -- through a multi-position forward (drafts), a rewind of
     rejected drafts, a rebuild into a smaller slab and a join from a lone coded layer."""
-    from mlxstack.engine.batch_cache import SlabKVCache, place_own_layers
+    from mlxstack.cache.slab import SlabKVCache, place_own_layers
 
     quant = KVQuant(4, 64, 20, "turboquant", SEED)
     rng = np.random.default_rng(3)
@@ -278,7 +278,7 @@ def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
 def test_turboquant_rows_decode_batched_and_equal_each_request_alone(tiny_dense_hd64_path, start):
     """KV_QUANT_SCHEME=turboquant batches (uniform KV_BITS does not): four requests decoded together
     reply as each does alone, store coded entries, and a warm turn on one of them equals a cold run."""
-    from mlxstack.engine.batch import batching_support
+    from mlxstack.runner.batch import batching_support
     from tests.test_batching import run_batched
     from tests.test_engine import job
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from mlxstack.cache.kv_ops import checkout
 from mlxstack.engine.chat import ChatJob
-from mlxstack.runtime.generate import SamplingParams
+from mlxstack.runner.generate import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Look at every picture closely before you answer, "

@@ -204,7 +204,7 @@ def checkout(state: KVState, depth: int | None = None, quant: KVQuant | None = N
     """Fresh cache objects (same classes, same parameters) holding ``state`` cut to ``depth``.
     ``by_reference`` > 0 (no KV quantisation): from that depth on, plain KV layers are checked out
     as ``PrefixedKVCache`` -- the reused tokens by reference, appends into a short tail of their own
-    (``KVKind.checkout_by_reference``; the model must attend such a prefix: engine/shared_prefix.py)."""
+    (``KVKind.checkout_by_reference``; the model must attend such a prefix: runner/shared_prefix.py)."""
     depth = state.depth if depth is None else depth
     if not state.can_serve(depth):
         raise ValueError(f"state at {state.depth} (floor {state.floor}) cannot serve depth {depth}")

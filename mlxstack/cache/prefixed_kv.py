@@ -4,7 +4,7 @@
     layer.update_and_fetch(k, v)     # appends to the tail; returns the tail
     layer.shared_prefix()            # (prefix keys, values, None, True) for the attention hook
 
-A row that leaves a decode batch whose rows share a prefix (engine/batch_cache.py) is handed back
+A row that leaves a decode batch whose rows share a prefix (cache/slab.py) is handed back
 as one of these instead of a copy of prefix + tail: eight sub-agents finishing together would
 otherwise copy the shared system prompt eight times just to close their turns and store them. The
 model attends prefix + tail through models/shared_attention.py (the mask the model builds covers

@@ -1,6 +1,6 @@
 """TurboQuant codes for the rows of a batched KV layer (KV_QUANT_SCHEME=turboquant, batched decode).
 
-A decoding batch holds every row's K / V as floats in one slab (engine/batch_cache.py): attention
+A decoding batch holds every row's K / V as floats in one slab (cache/slab.py): attention
 reads floats, exactly as a lone ``TurboQuantKVCache`` does. What a row adds is the rule and the
 record of its coding: from its head on (``fp_head``: the depth at which the row was quantised,
 QUANTIZED_KV_START for a cold run) every K / V vector written is encoded, the slab holds the

@@ -11,7 +11,7 @@ naming the schema path), ``row`` (one request's RowConstraint: tokens in, bitmas
                             tool_format=tool_format_for(family, template), reasoning_close=...,
                             specials=compiler.specials)                                   # handler thread
     grammar = compiler.compile(spec) if spec else None          # raises SchemaError -> 400
-    params = replace(params, grammar=grammar)                   # runtime/sampling.py does the rest
+    params = replace(params, grammar=grammar)                   # runner/sampling.py does the rest
 """
 from .compiler import (CompiledGrammar, CompilerBusy, GrammarCompiler, GrammarTooComplex, SchemaError, compiler_options,
                        locate_schema_error)

@@ -36,6 +36,7 @@ import llguidance as llg
 import numpy as np
 
 from .grammars import GrammarSpec, Stage
+from .row import RowConstraint
 
 __all__ = ["CompiledGrammar", "CompilerBusy", "GrammarCompiler", "GrammarTooComplex", "SchemaError", "compiler_options",
            "locate_schema_error"]
@@ -110,8 +111,6 @@ class CompiledGrammar:
     def new_row(self, stop_ids: Iterable[int], width: int, reasoning_close: str | None = None):
         """A fresh per-request constraint (constraints/row.py). ``reasoning_close``: the prompt left a
         reasoning block open (the engine knows after rendering); the grammar starts once it closes."""
-        from .row import RowConstraint
-
         return RowConstraint(self, stop_ids, width, self.spec.stages_for(reasoning_close))
 
 

@@ -26,14 +26,14 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..prompt.render import encode
 from ..prompt.tokenize import encoder_for
-from ..runtime.generate import Aborted, decode, feed, folds, last_logits, prefill
-from ..runtime.sampling import Sampler
-from ..runtime.stopping import StopMatcher, stop_token_ids
+from ..runner.generate import Aborted, decode, feed, folds, last_logits, prefill
+from ..runner.sampling import Sampler
+from ..runner.stopping import StopMatcher, stop_token_ids
 
 from .assembly import PromptAssembly
 from .diagnosis import start_report
 from .finish import TurnFinish
-from .speculation import Speculation
+from ..runner.spec.speculation import Speculation
 from .request import (  # noqa: F401 - re-exported: the request types live in engine/request.py
     ChatJob,
     ChatOutcome,
@@ -123,11 +123,11 @@ class ChatEngine(PromptAssembly, TurnFinish):
     def by_reference_depth(self) -> int:
         """From how many reused tokens a hit is checked out by reference (copy-free: the first
         append writes a short tail, not a copy of the whole reuse): SHARED_PREFIX_MIN_TOKENS where
-        this model attends a prefix held elsewhere (engine/shared_prefix.py); 0 = a plain copy."""
+        this model attends a prefix held elsewhere (runner/shared_prefix.py); 0 = a plain copy."""
         want = getattr(self.settings, "shared_prefix_min_tokens", 0)
         if want <= 0 or self.state.kv_quant is not None:
             return 0
-        from .shared_prefix import shared_prefix_ok
+        from ..runner.shared_prefix import shared_prefix_ok
 
         return want if shared_prefix_ok(self) else 0
 
@@ -403,7 +403,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
     def prefill_step(self, seq: Sequence, budget: int, defer_last: bool = False) -> bool:
         """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
         True once the prompt is done (``seq.logits`` set) or the request was abandoned between
-        chunks (``seq.prefill_aborted``). A short rest (runtime/generate ``folds``) is fed with the last one,
+        chunks (``seq.prefill_aborted``). A short rest (runner/generate ``folds``) is fed with the last one,
         in one forward; otherwise, with ``defer_last``, the last prompt token is left for the first
         batched decode step (``seq.logits`` stays None, ``seq.pos`` is ``n - 1``)."""
         tokens = seq.prep.model_tokens
@@ -417,7 +417,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         stop_at = min([k for k in (*seq.checkpoints, *seq.stops) if seq.pos < k <= end], default=end)
         faults.hit("prefill_chunk", seq.job.request_id)
         if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
-            # the rest is short: its forward yields the first token's logits too (runtime/generate
+            # the rest is short: its forward yields the first token's logits too (runner/generate
             # FOLD_MAX) -- no second forward for the last token, alone or in the batch's next step
             seq.logits = feed(self.loaded.model, seq.live, tokens[seq.pos:], self.settings.prefill_step_size,
                               logits=True)

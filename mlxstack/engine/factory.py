@@ -13,8 +13,8 @@ from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
-from .draft_model import DraftModel
-from .speculation import DRAFT_MODEL_MODES
+from ..runner.spec.draft_model import DraftModel
+from ..runner.spec.speculation import DRAFT_MODEL_MODES
 from .state import EngineState
 
 log = logging.getLogger("mlxstack.engine")

@@ -23,7 +23,7 @@ from ..cache.prompt_cache import POOL_KV, POOL_SNAPSHOT
 from ..config import faults
 from ..parsing.harmony import healing_patch
 from ..prompt.render import encode
-from ..runtime.generate import feed
+from ..runner.generate import feed
 from .diagnosis import keep_fingerprint
 from .request import ChatOutcome, Sequence
 

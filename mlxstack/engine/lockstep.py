@@ -43,7 +43,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..constraints.grammars import GrammarSpec
-from ..runtime.sampling import SamplingParams
+from ..runner.sampling import SamplingParams
 from . import record_codec
 from .request import ChatJob
 
@@ -147,7 +147,7 @@ class Lockstep:
         """The context every turn runs in: MLX's generation stream, so the share's collectives and
         the forwards' all_sums (some issued with ``async_eval`` and still in flight) run in one
         order on every rank -- collectives on two streams interleave by timing, which differs."""
-        from ..runtime.mlx_stream import generation_stream
+        from ..runner.mlx_stream import generation_stream
 
         return mx.stream(generation_stream())
 

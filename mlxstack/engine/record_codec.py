@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from ..constraints.grammars import GrammarSpec, Stage
-from ..runtime.sampling import SamplingParams
+from ..runner.sampling import SamplingParams
 
 __all__ = ["encode", "decode", "to_plain", "from_plain", "RecordError", "DATACLASSES"]
 

@@ -14,7 +14,7 @@ from ..cache.kv_ops import KVState, LiveCache
 from ..cache.lcp import as_tokens
 from ..cache.prompt_cache import MatchResult
 from ..prompt.session_context import SessionContext
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runner.sampling import Sampler, SamplingParams
 
 
 class CacheBreakpoint(NamedTuple):

@@ -9,7 +9,7 @@ full cache pipeline (lookup -> checkout at its own depth -> prefill -> decode ->
 One step:
 1. prefill, within ``prefill_budget`` tokens: when decode batching is on and two or more waiting
    sequences have short remainders (a warm agent turn's new tokens), all of them in one batched
-   forward (engine/batch_prefill.py) -- they join the decode batch together; otherwise one chunk
+   forward (runner/batch_prefill.py) -- they join the decode batch together; otherwise one chunk
    for ONE sequence still prefilling: a remainder one chunk finishes goes before a longer prompt's
    next chunk (never twice in a row while the longer one waits), else round-robin. A long cold
    prompt never freezes the others, and a short request that arrives during it waits at most one
@@ -32,7 +32,7 @@ ever leaves the inference thread.
 
 A failure fails the requests it touched, and every future is resolved: a request whose prefill,
 start, sampler or detokenizer failed gets its exception (the others go on, token for token); a
-decode batch that had to be dropped (engine/batch.py GroupReset) fails its members. Only an
+decode batch that had to be dropped (runner/batch.py GroupReset) fails its members. Only an
 Exception is handled here: anything else (SystemExit, an injected fatal) is a dying thread, and
 the worker resolves what is left (engine/worker.py). Should an exception still escape ``step()``,
 the worker calls ``recover()``: every request in flight fails, the state is emptied, serving goes on.
@@ -44,10 +44,10 @@ import logging
 import time
 from concurrent.futures import Future
 
-from .batch import DecodeGroup, GroupReset
-from .batch_prefill import choose_short, feed_together, holds_prefixed, prefill_together, remaining
+from ..runner.batch import DecodeGroup, GroupReset
+from ..runner.batch_prefill import choose_short, feed_together, holds_prefixed, prefill_together, remaining
 from .chat import ChatEngine, ChatJob, Sequence
-from .kv_bytes import live_bytes, measured_token_bytes, resident_arrays
+from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from .shared_prefill import fork, plan_follow, ready
 from .worker import resolve
 

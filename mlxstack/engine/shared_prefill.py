@@ -10,7 +10,7 @@ gave it waits, the leader's prefill stops exactly at the shared depth, and the f
 leader's KV of those tokens by reference (MLX arrays are values: the leader's next append copies
 its buffer once, the follower's first append copies nothing of the prefix -- it is its root).
 Both record the shared arrays as their root (``LiveCache.roots``): in the decode batch the rows
-hold the prefix once (engine/batch_cache.py), and the entries they store share it
+hold the prefix once (cache/slab.py), and the entries they store share it
 (``KVKind.capture_rooted``). Plain-KV models only (a recurrent state at a depth is not a slice).
 The follower's KV is exactly what its own prefill would compute from those tokens (the same
 model, the same tokens, causal attention), the way any prompt-cache hit is.

@@ -22,7 +22,7 @@ from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
-from .kv_bytes import resident_bytes
+from ..runner.kv_bytes import resident_bytes
 from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
@@ -42,7 +42,7 @@ class EngineState:
                  kv_quant: KVQuant | None = None) -> None:
         self.settings = settings
         self.counters = CacheCounters()
-        self.live_kv_bytes = 0       # KV / state of the requests in flight (engine/kv_bytes.py; the scheduler sets it)
+        self.live_kv_bytes = 0       # KV / state of the requests in flight (runner/kv_bytes.py; the scheduler sets it)
         # an entry's bytes as the cache budget counts them: one process, its own; several ranks
         # (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions
         self.group_bytes: Callable[[int], int] = lambda n: n

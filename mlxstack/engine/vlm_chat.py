@@ -47,8 +47,8 @@ from ..prompt.images import (
 )
 from ..prompt.render import ChatRenderer, content_text, encode
 from .chat import ChatEngine, PreparedPrompt
-from ..runtime.generate import Aborted, cache_arrays
-from ..runtime.mlx_stream import generation_stream
+from ..runner.generate import Aborted, cache_arrays
+from ..runner.mlx_stream import generation_stream
 
 log = logging.getLogger("mlxstack.request")
 

@@ -230,7 +230,7 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 def _float_cache(c: Any) -> bool:
     """A cache layer of plain float32 K / V with mlx-lm's ``offset`` / ``update_and_fetch`` /
     ``make_mask`` semantics: mlx-lm's ``KVCache`` and ``BatchKVCache`` (its subclasses too), or a
-    class that says so (``plain_kv = True``: cache/prefixed_kv.py; engine/batch_cache.py's slab is a ``BatchKVCache``). Not a
+    class that says so (``plain_kv = True``: cache/prefixed_kv.py; cache/slab.py's slab is a ``BatchKVCache``). Not a
     quantised, rotating or chunked cache (``ChunkedKVCache`` subclasses ``KVCache``: exact types)."""
     from mlx_lm.models.cache import BatchKVCache, KVCache
 

@@ -49,7 +49,7 @@ def detect_family(config: dict, path: str, override: str = "auto") -> str:
 
 def read_generation_config(path: Path | str | None) -> dict:
     """The model folder's ``generation_config.json`` (Hugging Face's sampling defaults), or {} when
-    it has none or it cannot be read as a JSON object (runtime/sampling_defaults.py decides what
+    it has none or it cannot be read as a JSON object (runner/sampling_defaults.py decides what
     of it is used)."""
     if path is None:
         return {}

@@ -15,7 +15,7 @@ one copy of the prefix -- instead of each row reading its own padded copy.
 ``install()`` routes mlx-lm's ``scaled_dot_product_attention`` (the name every model module
 imported from ``mlx_lm.models.base``) through ``sdpa``: a cache without a shared prefix goes to
 the original unchanged; a cache with one comes here. A model that does not call that function is
-caught by the engine's check at load (``engine/shared_prefix.py``), which then never shares.
+caught by the engine's check at load (``runner/shared_prefix.py``), which then never shares.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from ..config.settings import Settings, SettingsError
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
 from ..prompt.images import ImageLimits
-from ..runtime.sampling_defaults import SamplingDefaults
+from ..runner.sampling_defaults import SamplingDefaults
 from .http_guard import Guard, bind_refusal
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class App:
     def _attach_scheduler(self, engine: Any) -> None:
         """Chat jobs run by the continuous-batching scheduler (MAX_CONCURRENT_SEQUENCES > 1), or one
         at a time. Whether decode steps batch is decided once here (and logged)."""
-        from ..engine.batch import batching_support
+        from ..runner.batch import batching_support
         from ..engine.scheduler import Scheduler
 
         self.worker.run_chat = engine.run

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Protocol
 from ..engine.chat import ChatJob, PromptReady
 from ..engine.worker import QueueFull
 from ..prompt.images import ImageError
-from ..runtime.generate import SamplingParams
+from ..runner.generate import SamplingParams
 from .cache_diagnostics import cache_header
 from .error_shapes import internal_logged
 from .errors import APIError, not_found, unavailable

@@ -15,7 +15,7 @@ shared prefixes, no speculation, one sequence at a time; it serves every request
 up, alone, after its wave (a wave's requests never read each other's replies: traffic.py). Parity
 is checked on tokens: the prompt tokens the model saw and every generated token -- seeded sampled
 rows included, with or without speculation (each draw is keyed by the reply's position:
-runtime/sampling.py). Every request must answer; any exception is a finding.
+runner/sampling.py). Every request must answer; any exception is a finding.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mlxstack.engine.batch import batching_support
-from mlxstack.engine.kv_bytes import measured_token_bytes
+from mlxstack.runner.batch import batching_support
+from mlxstack.runner.kv_bytes import measured_token_bytes
 from mlxstack.engine.request import ChatJob, ContextLengthExceeded
 from mlxstack.engine.scheduler import Scheduler
-from mlxstack.runtime.sampling import SamplingParams
+from mlxstack.runner.sampling import SamplingParams
 from mlxstack.engine.factory import make_engine
 from mlxstack.models.loader import load_model
 from tests.conftest import engine_settings

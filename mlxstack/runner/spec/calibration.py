@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..runtime.mlx_stream import generation_stream
+from ..mlx_stream import generation_stream
 
 __all__ = ["calibrate", "WIDTHS"]
 

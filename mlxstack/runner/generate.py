@@ -7,7 +7,7 @@
 Unlike ``mlx_lm.generate_step``, the repetition penalty sees the *whole* history (cached prefix
 included), so a cache hit never changes sampling; the caller can checkpoint the cache at chosen
 positions of the prompt (snapshots for caches that cannot be cut back later); and sampling
-state is per request (runtime/sampling.py), never MLX's global random state.
+state is per request (runner/sampling.py), never MLX's global random state.
 """
 from __future__ import annotations
 

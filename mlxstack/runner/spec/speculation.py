@@ -6,20 +6,20 @@
     if wants_step(group, budgets):
         done = speculative_step(group, budgets)  # instead of DecodeGroup's one-token step
 
-A speculative step (engine/batch.py calls it when a row has a draft worth trying):
+A speculative step (runner/batch.py calls it when a row has a draft worth trying):
 1. every row's pending token is read back and consumed (streamed, stop rules) -- as the plain step
    does, only before the forward instead of after it;
-2. each row proposes up to its budget of drafts (runtime/drafting.py: prompt lookup over the
-   prompt and the reply so far; engine/draft_model.py: a draft model's greedy tokens; a grammar
+2. each row proposes up to its budget of drafts (runner/spec/drafting.py: prompt lookup over the
+   prompt and the reply so far; runner/spec/draft_model.py: a draft model's greedy tokens; a grammar
    cuts what it refuses and drafts the text it forces), capped by its token limit and by what its
    cache can take back (``LiveCache.room``: plain and quantised KV any amount, a sliding window
    until it rotates; recurrent state, a rotated window and chunked attention none -- those rows
    are put back and replayed instead, alone);
 3. ONE forward feeds ``[pending, d1..dk]`` for every row: the batch's slab rows padded to the
-   longest row (engine/batch_cache.py), or each row on its own cache;
+   longest row (cache/slab.py), or each row on its own cache;
 4. each row verifies its own drafts against its own sampler: at each position the token plain
    decoding would produce there (greedy: the argmax; sampled: the draw keyed by the reply's
-   position, runtime/sampling.py), so the accepted tokens are exactly what plain decoding
+   position, runner/sampling.py), so the accepted tokens are exactly what plain decoding
    produces, sampled rows included (a draft is kept with probability p(draft), as the rejection
    rule would keep it, and a seeded reply is the same with or without speculation) -- and keeps
    the longest accepted prefix plus the model's own next token;
@@ -38,14 +38,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import faults
-from ..runtime.drafting import Chained, DraftControl, NgramDrafter, accepted_prefix, best_width
-from ..runtime.generate import cache_arrays
-from ..runtime.mlx_stream import generation_stream
-from ..runtime.sampling import Sampler
-from ..runtime.step_costs import StepCosts
+from ...config import faults
+from .drafting import Chained, DraftControl, NgramDrafter, accepted_prefix, best_width
+from ..generate import cache_arrays
+from ..mlx_stream import generation_stream
+from ..sampling import Sampler
+from .step_costs import StepCosts
 from .draft_model import DraftModel
-from .request import Sequence
+from ..rows import GroupReset, Row, row_ids, run_row
 
 MODES = ("auto", "ngram", "draft")        # SPECULATIVE values that draft (off: never)
 DRAFT_MODEL_MODES = ("auto", "draft")     # ... with the draft model, when DRAFT_MODEL is set
@@ -75,10 +75,10 @@ class Speculation:
         self.calibrate = settings.spec_calibrate == "auto" and settings.distributed == "off"
 
     def calibrated(self, model: Any, max_rows: int) -> None:
-        """Time the decode model's wider forwards once (engine/spec_calibration.py): the width
+        """Time the decode model's wider forwards once (runner/spec/calibration.py): the width
         chooser's prior. Not for ranks in lockstep (each rank would time its own)."""
         if self.enabled and self.calibrate:
-            from .spec_calibration import calibrate
+            from .calibration import calibrate
 
             self.costs.table = calibrate(model, rows=sorted({1, max(1, min(8, max_rows))}))
 
@@ -93,7 +93,7 @@ class Speculation:
             parts.append(f"draft model {self.draft.name} (~{self.draft.cost:.2f} of a step per draft)")
         return f"{self.mode}: {' then '.join(parts)}, up to {self.max_draft} drafts a row"
 
-    def row(self, seq: Sequence) -> RowSpec | None:
+    def row(self, seq: Row) -> RowSpec | None:
         """The request's drafting state, or None when it never drafts (speculation off, or a
         cache that can neither be cut nor put back and replayed)."""
         if not self.enabled or (seq.live.room() < 2 and not seq.live.replayable):
@@ -109,11 +109,11 @@ class Speculation:
 # One more token position through the model, per row, costs this fraction of a plain decode step
 # (measured on the embedded model, 2-core CPU, ~500 tokens of context: 8 rows x 7 positions cost
 # 2.27 plain steps, 1 row x 7 positions 1.27). A GPU has more room (cheaper positions). Only the
-# prior: once steps have been timed here, ``Speculation.costs`` (runtime/step_costs.py) answers.
+# prior: once steps have been timed here, ``Speculation.costs`` (runner/spec/step_costs.py) answers.
 COST_PER_POSITION = 0.03
 
 
-def spec_budgets(seqs: list[Sequence]) -> dict[int, int]:
+def spec_budgets(seqs: list[Row]) -> dict[int, int]:
     """Drafts each row may try this step (a paused row counts its pause down here, once a step)."""
     return {id(s): s.spec.control.budget() for s in seqs if s.spec is not None}
 
@@ -134,7 +134,7 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
         # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
         # the same steps (each rank's clock differs: they would part and wait on each other's
         # collectives forever). A seeded row needs nothing of the kind: its draws are keyed by
-        # position (runtime/sampling.py), whichever steps verify them
+        # position (runner/sampling.py), whichever steps verify them
         price = costs.prior_cost
     elif (group.slab is not None or len(group.seqs) == 1) and costs.wants_plain(group.forward_rows):
         return False                       # the yardstick a wider step is measured against (timed)
@@ -159,7 +159,7 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     return any_row
 
 
-def _row_limit(group: Any, s: Sequence, budget: int) -> int:
+def _row_limit(group: Any, s: Row, budget: int) -> int:
     """Drafts row ``s`` may feed now: its budget, its token limit, what its cache can take back
     (a cache that can be put back as it was -- recurrent state, a rotated window -- takes any
     number: what it did not keep is replayed), never across the KV quantisation start."""
@@ -173,7 +173,7 @@ def _row_limit(group: Any, s: Sequence, budget: int) -> int:
     return max(0, min(budget, left, room))
 
 
-def _fast(s: Sequence) -> bool:
+def _fast(s: Row) -> bool:
     """Nothing that depends on the tokens before each position: every position's token in one
     evaluation (``Sampler.targets``; a sampler class that processes logits its own way is verified
     position by position)."""
@@ -182,25 +182,24 @@ def _fast(s: Sequence) -> bool:
             and not smp.p.logprobs and type(smp)._process is Sampler._process)
 
 
-def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
+def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
     """One step of ``group`` (engine/batch.DecodeGroup) with drafts; returns the members that
     finished (removed). Failures are handled as the plain step handles them."""
-    from .batch import GroupReset, _ids, run_row
 
     eng = group.engine
     model = eng.decode_model
     seqs = list(group.seqs)
     failed: dict[int, BaseException] = {}
-    done: list[Sequence] = []
+    done: list[Row] = []
 
-    def row_work(s: Sequence, work: Any) -> Any:
+    def row_work(s: Row, work: Any) -> Any:
         return run_row(failed, s, work)
 
     # 1. read every pending token back (one evaluation) and consume it
     mx.eval([s.pending for s in seqs])
     firsts: dict[int, int] = {}
     for s in seqs:
-        def read(s: Sequence = s) -> bool:
+        def read(s: Row = s) -> bool:
             tok = int(s.pending.item())
             firsts[id(s)] = tok
             if s.tail:
@@ -231,7 +230,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
     with mx.stream(stream):
         if group.slab is not None and going:
             try:
-                faults.hit("decode_forward", _ids(going))
+                faults.hit("decode_forward", row_ids(going))
                 rows = [[0] * width for _ in range(group.rows)]
                 for s in going:
                     first = firsts[id(s)]
@@ -249,7 +248,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
                     _rewind_row(group, group.row[id(s)], width)
         else:
             for s in going:
-                def forward(s: Sequence = s) -> None:
+                def forward(s: Row = s) -> None:
                     faults.hit("decode_forward", s.job.request_id)
                     s.live.maybe_quantize()
                     toks = [firsts[id(s)]] + drafts[id(s)]
@@ -266,7 +265,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
         targets = {}
         for s in going:
             if _fast(s):
-                def target(s: Sequence = s) -> mx.array:
+                def target(s: Row = s) -> mx.array:
                     faults.hit("sampler", s.job.request_id)
                     return s.sampler.targets(logits[id(s)][:len(drafts[id(s)]) + 1])
                 targets[id(s)] = row_work(s, target)
@@ -301,7 +300,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
             accepted += a
         s.batch_sizes.append(size)
 
-        def keep(s: Sequence = s, d: list[int] = d, a: int = a, nxt: mx.array = nxt) -> bool:
+        def keep(s: Row = s, d: list[int] = d, a: int = a, nxt: mx.array = nxt) -> bool:
             used, finished = 0, False
             for tok in d[:a]:
                 used += 1
@@ -333,7 +332,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Sequence]:
     return group.settle_rows(seqs, failed, done)
 
 
-def plan(s: Sequence, k: int) -> tuple[int, float]:
+def plan(s: Row, k: int) -> tuple[int, float]:
     """(drafts ``propose(s, k)`` is expected to give, cost of one in plain steps), without drafting:
     the drafter's, else the text a constrained row's grammar forces (free). The grammar has not
     seen the pending token yet: an estimate, as the drafter's is."""
@@ -344,7 +343,7 @@ def plan(s: Sequence, k: int) -> tuple[int, float]:
     return n, cost
 
 
-def propose(s: Sequence, k: int) -> list[int]:
+def propose(s: Row, k: int) -> list[int]:
     """Row ``s``'s drafts: its drafter's, cut where its grammar would refuse them; a constrained row
     whose drafter has none drafts the text its grammar forces next."""
     drafts = s.spec.drafter.propose(k)
@@ -355,7 +354,7 @@ def propose(s: Sequence, k: int) -> list[int]:
     return drafts or c.forced(k)
 
 
-def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[int, mx.array]:
+def _verify_in_order(s: Row, logits: mx.array, drafts: list[int]) -> tuple[int, mx.array]:
     """Verify position by position with the row's own sampler (penalties, grammar, logprobs and
     sampling see each accepted token before the next position, as plain decoding does)."""
     faults.hit("sampler", s.job.request_id)
@@ -373,7 +372,7 @@ def _verify_in_order(s: Sequence, logits: mx.array, drafts: list[int]) -> tuple[
     raise AssertionError("unreachable: the last position always returns")
 
 
-def _replay(model: Any, s: Sequence, mark: tuple, kept: list[int]) -> None:
+def _replay(model: Any, s: Row, mark: tuple, kept: list[int]) -> None:
     """Put the row's cache back as it was before the step and feed only the tokens it kept (for
     caches that cannot be cut: recurrent / conv state, a rotated sliding window)."""
     s.live.restore(mark)
@@ -383,7 +382,7 @@ def _replay(model: Any, s: Sequence, mark: tuple, kept: list[int]) -> None:
         mx.eval(cache_arrays(s.live))
 
 
-def _take_back(group: Any, s: Sequence, n: int) -> None:
+def _take_back(group: Any, s: Row, n: int) -> None:
     """Remove the last ``n`` fed tokens of row ``s`` from its KV (drafts it did not keep)."""
     if n <= 0:
         return

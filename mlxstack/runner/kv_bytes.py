@@ -17,8 +17,8 @@ from typing import Any, Collection, Iterable
 import mlx.core as mx
 
 from ..cache.kv_ops import LiveCache
-from ..runtime.generate import feed
-from ..runtime.mlx_stream import generation_stream
+from .generate import feed
+from .mlx_stream import generation_stream
 
 _CACHE_MODULES = ("mlx_lm.", "mlx_vlm.", "mlxstack.")
 

@@ -31,11 +31,11 @@ import mlx.core as mx
 from ..cache.prefixed_kv import PrefixedKVCache
 from ..config import faults
 from ..models import host_forward
-from ..runtime.mlx_stream import generation_stream
-from .request import Sequence
+from .mlx_stream import generation_stream
+from .rows import Row
 
 
-def remaining(seq: Sequence) -> int:
+def remaining(seq: Row) -> int:
     """Prompt tokens ``seq`` still has to feed (pure)."""
     return len(seq.prep.model_tokens) - (seq.start if seq.pos < 0 else seq.pos)
 
@@ -83,11 +83,11 @@ def holds_prefixed(lives: list[Any]) -> bool:
 def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
     """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
     ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
-    once (engine/batch_cache.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
+    once (cache/slab.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
     prefixed = holds_prefixed(lives)
     if prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
             and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
-        from .batch_cache import stack_layers
+        from ..cache.slab import stack_layers
 
         return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives], min_shared)
     from mlx_lm.models.cache import BatchKVCache
@@ -114,7 +114,7 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
         lv.advance(len(r))
 
 
-def prefill_together(model: Any, seqs: list[Sequence], min_shared: int | None = None) -> list[Any]:
+def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None) -> list[Any]:
     """Feed every sequence's remaining prompt but its last token; return the batched layers
     (rows in ``seqs`` order; with ``min_shared`` a prefix they share is held once)."""
     for s in seqs:

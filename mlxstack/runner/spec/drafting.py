@@ -1,7 +1,7 @@
 """Draft tokens for speculative decoding: prompt lookup, and how many drafts a row should try.
 
 Pure (no MLX, no I/O). A drafter proposes up to ``k`` tokens that plain decoding is likely to
-produce next; the target model scores them all in one forward (engine/speculation.py) and keeps
+produce next; the target model scores them all in one forward (runner/spec/speculation.py) and keeps
 the longest prefix it agrees with, so a wrong draft costs compute, never a different reply.
 
     d = NgramDrafter(prompt_tokens)        # indexes every n-gram of the prompt
@@ -57,7 +57,7 @@ def best_width(rows: Sequence[tuple], cost: float | Callable[[int], float]) -> i
     """The forward width (1 + drafts per row) that maximises expected tokens per unit of step
     time for a batch whose rows could draft ``k`` tokens with acceptance ``rate`` each
     (``rows``: one (k, rate) or (k, rate, draft_cost) per row; rows that cannot draft count with
-    k = 0). A step of width w costs ``cost(w)`` plain steps (measured: runtime/step_costs.py), or,
+    k = 0). A step of width w costs ``cost(w)`` plain steps (measured: runner/spec/step_costs.py), or,
     with a number, ``1 + cost * B * (w - 1)`` (each extra position one more token per row through
     the model), plus, for a row whose drafts come from a draft model, ``draft_cost`` plain steps
     per draft token. 1 means a plain step is best."""

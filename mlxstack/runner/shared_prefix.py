@@ -2,7 +2,7 @@
 
     if shared_prefix_ok(engine): ...     # rows of a decode batch that share a root keep only tails
 
-A slab whose rows share a prefix (engine/batch_cache.py ``SlabKVCache.prefix``) relies on the
+A slab whose rows share a prefix (cache/slab.py ``SlabKVCache.prefix``) relies on the
 model calling mlx-lm's ``scaled_dot_product_attention`` with the cache it updated
 (models/shared_attention.py routes that call through the cascade). A model that attends some other
 way would silently ignore the prefix, so this is checked once per engine with the real model: two
@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..cache.kv_ops import capture, checkout
 from ..models.shared_attention import install
-from ..runtime.generate import feed
+from .generate import feed
 
 log = logging.getLogger("mlxstack.shared_prefix")
 
@@ -56,7 +56,7 @@ def _by_reference_agrees(model: Any, root: Any) -> bool:
 
 
 def _check(engine: Any) -> bool:
-    from .batch_cache import stack_layers
+    from ..cache.slab import stack_layers
 
     if engine.loaded.is_vlm or engine.state.kv_quant is not None:
         return False

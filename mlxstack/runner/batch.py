@@ -41,11 +41,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..config import faults
-from ..runtime.mlx_stream import generation_stream
-from .batch_cache import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
-from .chat import ChatEngine, Sequence
+from .mlx_stream import generation_stream
+from ..cache.slab import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
+from .rows import GroupReset, Owner, Row, row_ids, run_row
 from .shared_prefix import shared_prefix_ok
-from .speculation import spec_budgets, speculative_step, wants_step
+from .spec.speculation import spec_budgets, speculative_step, wants_step
 
 log = logging.getLogger("mlxstack.batch")
 
@@ -54,31 +54,8 @@ COMPACT_SLACK = 256   # drop unused leading columns once every active row has th
 BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kinds.py) with a batched form
 
 
-class GroupReset(RuntimeError):
-    """A shared step of the decode batch failed beyond repair: the batch was dropped (the group is
-    empty and consistent again) and every member in ``lost`` failed with ``cause``."""
-
-    def __init__(self, lost: list[Sequence], cause: BaseException) -> None:
-        super().__init__(f"decode batch dropped after {type(cause).__name__}: {cause}")
-        self.lost = lost
-        self.cause = cause
-
-
-def run_row(failed: dict[int, BaseException], s: Sequence, work: Callable[[], Any]) -> Any:
-    """Per-row work in a step: a failure fails this row only (recorded in ``failed``; None)."""
-    try:
-        return work()
-    except Exception as exc:  # noqa: BLE001 - the row leaves; its request gets the error
-        failed[id(s)] = exc
-        return None
-
-
-def _ids(seqs: list[Sequence]) -> str:
-    return ",".join(s.job.request_id for s in seqs)
-
-
 class DecodeGroup:
-    def __init__(self, engine: ChatEngine, batching: bool) -> None:
+    def __init__(self, engine: Owner, batching: bool) -> None:
         self.engine = engine
         self.batching = batching
         # plain-KV models: several short prefills in one forward, turns closed together
@@ -88,14 +65,14 @@ class DecodeGroup:
         # a batched prefill could cross QUANTIZED_KV_START inside one forward, a lone one never does)
         self.quant = quant if batching and quant is not None and quant.scheme == "turboquant" else None
         self.prefills_together = self.dense and quant is None
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Row] = []
         self.slab: list[Any] | None = None    # per layer, while len(seqs) > 1: a SlabKVCache (KV
         #                                       layers) or mlx-lm's batched form (other kinds)
         self.rows = 0                          # rows of the batch (members + free rows)
         self.row: dict[int, int] = {}          # id(seq) -> its row
         self.kv_idx: list[int] = []            # layers held as slab rows
         self.other_idx: list[int] = []         # layers merged / extracted by mlx-lm
-        self._failed: list[tuple[Sequence, BaseException]] = []   # rows that failed in step()
+        self._failed: list[tuple[Row, BaseException]] = []   # rows that failed in step()
         self.resets = 0                        # batches dropped after a failure (GroupReset)
         self.rollbacks = 0                     # joins / leaves undone after a failure
         self.last_width = 1                    # positions per row the last speculative step fed
@@ -113,12 +90,12 @@ class DecodeGroup:
         return self.rows if self.slab is not None else 1
 
     # ------------------------------------------------------------------ failure handling
-    def take_failed(self) -> list[tuple[Sequence, BaseException]]:
+    def take_failed(self) -> list[tuple[Row, BaseException]]:
         """Rows that failed in the last step() (they already left the batch), with their errors."""
         out, self._failed = self._failed, []
         return out
 
-    def reset(self) -> list[Sequence]:
+    def reset(self) -> list[Row]:
         """Drop the batch: every member is out (their caches are not handed back) and the group is
         empty. Pure bookkeeping -- no MLX call -- so it cannot fail after an MLX error."""
         lost = self.seqs
@@ -126,7 +103,7 @@ class DecodeGroup:
         self.resets += 1
         return lost
 
-    def _snapshot(self, touched: list[Sequence] = ()) -> tuple:
+    def _snapshot(self, touched: list[Row] = ()) -> tuple:
         """The group's bookkeeping and every slab layer's arrays (references): what a join or a
         leave changes. Slab writes outside the members' rows (a joiner's free row) need no undo;
         growing or compacting a slab assigns new arrays, so the old references are the old state."""
@@ -164,7 +141,7 @@ class DecodeGroup:
                 or any(not 0 <= r < self.rows for r in rows):
             raise RuntimeError(f"decode group: rows {rows} do not fit a batch of {self.rows}")
 
-    def _atomic(self, touched: list[Sequence], change: Callable[[], None]) -> None:
+    def _atomic(self, touched: list[Row], change: Callable[[], None]) -> None:
         """Run a join or a leave; on failure put the group back as it was and re-raise (only
         ``touched`` fail). A rollback that fails drops the batch: GroupReset."""
         snap = self._snapshot(touched)
@@ -181,7 +158,7 @@ class DecodeGroup:
             raise
 
     # ------------------------------------------------------------------ membership
-    def add(self, seq: Sequence, logits: mx.array | None) -> None:
+    def add(self, seq: Row, logits: mx.array | None) -> None:
         """Add a sequence after its prefill: with ``logits`` its first token is sampled now; without,
         its last prompt token is still to be fed and rides in the next decode step."""
         if logits is None:
@@ -197,7 +174,7 @@ class DecodeGroup:
         faults.hit("slab_join", seq.job.request_id)
         self.seqs.append(seq)
 
-    def _join_one(self, seq: Sequence) -> None:
+    def _join_one(self, seq: Row) -> None:
         self._split(seq.live.layers)
         states = self._other_states()
         self._make_room(1, seq.live.layers)
@@ -210,8 +187,8 @@ class DecodeGroup:
         self._merge_other(states)
         self._release(seq)
 
-    def adopt(self, seqs: list[Sequence], layers: list[Any], members: list[int]) -> None:
-        """Add sequences prefilled together (engine/batch_prefill.py, plain-KV models): row
+    def adopt(self, seqs: list[Row], layers: list[Any], members: list[int]) -> None:
+        """Add sequences prefilled together (runner/batch_prefill.py, plain-KV models): row
         ``members[i]`` of ``layers`` (mlx-lm BatchKVCache, one per layer) is ``seqs[i]``'s KV up to
         its last prompt token, which rides in the next decode step."""
         for seq in seqs:
@@ -221,7 +198,7 @@ class DecodeGroup:
         def join() -> None:
             self._split(seqs[0].live.layers)
             self._make_room(len(seqs), seqs[0].live.layers)
-            faults.hit("slab_join", _ids(seqs))
+            faults.hit("slab_join", row_ids(seqs))
             rows = self._free_rows()[:len(seqs)]
             place_batch_rows(self.slab, rows, layers, members, [s.live.roots for s in seqs], self.min_shared)
             for seq, row in zip(seqs, rows):
@@ -236,12 +213,12 @@ class DecodeGroup:
         taken = set(self.row.values())
         return [r for r in range(self.rows) if r not in taken] if self.slab else []
 
-    def _place_own(self, row: int, seq: Sequence) -> None:
+    def _place_own(self, row: int, seq: Row) -> None:
         layers, roots = seq.live.layers, seq.live.roots
         place_own_layers([self.slab[i] for i in self.kv_idx], row, [layers[i] for i in self.kv_idx],
                          [roots[i] if i < len(roots) else None for i in self.kv_idx], self.min_shared)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Row) -> None:
         """A member's own KV layers are in its slab row now: drop them (the row is its KV until it
         leaves and ``take`` hands a copy back), so a batch does not hold every sequence twice."""
         if self.slab is not None and self.kv_idx:
@@ -266,7 +243,7 @@ class DecodeGroup:
         elif need > self.rows:
             self._rebuild(_pow2(need), self.seqs)
 
-    def _rebuild(self, rows: int, members: list[Sequence]) -> None:
+    def _rebuild(self, rows: int, members: list[Row]) -> None:
         """Move ``members``' KV rows to a slab of ``rows`` rows (rows 0..n-1, in that order);
         non-KV layers are re-merged by the caller."""
         keep = [self.row[id(s)] for s in members]
@@ -303,7 +280,7 @@ class DecodeGroup:
                 self.slab[i] = merge_layer([by_row.get(r, filler)[j] for r in range(self.rows)])
             mx.eval([a for i in self.other_idx for a in _arrays(self.slab[i])])
 
-    def _leave(self, gone: list[Sequence], keep_cache: bool = True) -> None:
+    def _leave(self, gone: list[Row], keep_cache: bool = True) -> None:
         """Members leave: with ``keep_cache`` each gets its own cache back (a copy of its row),
         else (a failed row) its KV is dropped. Their rows are free; ``seqs`` is the rest."""
         gone_ids = {id(s) for s in gone}
@@ -325,7 +302,7 @@ class DecodeGroup:
                 layers[i] = states[id(seq)][j]
             seq.live.layers = layers
             seq.live.recount()                          # a row coded in the slab comes back coded
-        faults.hit("slab_leave", _ids(gone))
+        faults.hit("slab_leave", row_ids(gone))
         self.seqs = rest
         if len(rest) <= 1:                                 # back to a group of one: its own cache
             self.slab, self.row, self.rows = None, {}, 0
@@ -339,7 +316,7 @@ class DecodeGroup:
         self._merge_other({id(s): states[id(s)] for s in rest})
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[Row]:
         """Advance every member by one token; return the members that finished (removed). Rows
         that failed left too: ``take_failed()``. GroupReset when the batch had to be dropped."""
         if not self.seqs:
@@ -354,11 +331,11 @@ class DecodeGroup:
             done, width = self._plain_step(), 1
         clean = settled and not done and not self._failed and len(self.seqs) == members \
             and self.forward_rows == rows and (self.slab is not None or members == 1)
-        if clean:   # what a step costs here, by rows and width: speculation's cost model (runtime/step_costs.py)
+        if clean:   # what a step costs here, by rows and width: speculation's cost model (runner/spec/step_costs.py)
             self.engine.speculation.costs.record(rows, width, time.perf_counter() - t0)
         return done
 
-    def _plain_step(self) -> list[Sequence]:
+    def _plain_step(self) -> list[Row]:
         """One token for every member (the forward, then the previous tokens read back); when every
         pending token is its row's last (max_tokens), only the read-back."""
         stream = generation_stream()
@@ -367,7 +344,7 @@ class DecodeGroup:
         current = [s.pending for s in seqs]
         failed: dict[int, BaseException] = {}
 
-        def row_work(s: Sequence, work: Callable[[], Any]) -> Any:
+        def row_work(s: Row, work: Callable[[], Any]) -> Any:
             return run_row(failed, s, work)
 
         if all(not s.tail and s.produced + 1 >= s.params.max_tokens for s in seqs):
@@ -381,7 +358,7 @@ class DecodeGroup:
                     row_work(s, lambda s=s: s.sampler.accept(s.pending))
             if self.slab is not None:
                 try:
-                    faults.hit("decode_forward", _ids(seqs))
+                    faults.hit("decode_forward", row_ids(seqs))
                     by_row = {self.row[id(s)]: t.reshape(()) for s, t in zip(seqs, current)}
                     dummy = mx.array(0, dtype=mx.int32)
                     tokens = mx.stack([by_row.get(r, dummy) for r in range(self.rows)])[:, None]
@@ -402,7 +379,7 @@ class DecodeGroup:
         except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost
             raise GroupReset(self.reset(), exc) from exc
         size = len(seqs) if self.slab is not None else 1
-        done: list[Sequence] = []
+        done: list[Row] = []
         for s, t, n in zip(seqs, current, nxt):
             if id(s) in failed:
                 continue
@@ -413,7 +390,7 @@ class DecodeGroup:
                 s.pending = n
         return self.settle_rows(seqs, failed, done)
 
-    def settle_rows(self, seqs: list[Sequence], failed: dict[int, BaseException], done: list[Sequence]) -> list[Sequence]:
+    def settle_rows(self, seqs: list[Row], failed: dict[int, BaseException], done: list[Row]) -> list[Row]:
         """After a step: failed rows leave without their KV (take_failed() hands them over),
         finished ones leave with theirs; returns the finished ones that left."""
         gone = [s for s in seqs if id(s) in failed]
@@ -432,25 +409,25 @@ class DecodeGroup:
                 return []
         return done
 
-    def _sample(self, s: Sequence, logits: mx.array) -> mx.array:
+    def _sample(self, s: Row, logits: mx.array) -> mx.array:
         faults.hit("sampler", s.job.request_id)
         return s.sampler.sample(logits)
 
-    def _forward_one(self, model: Any, s: Sequence, t: mx.array) -> mx.array:
+    def _forward_one(self, model: Any, s: Row, t: mx.array) -> mx.array:
         faults.hit("decode_forward", s.job.request_id)
         s.live.maybe_quantize()
         logits = model(t.reshape(1, 1), cache=s.live.layers)[:, -1, :]
         s.live.advance(1)
         return self._sample(s, logits)
 
-    def _read_back(self, s: Sequence, t: mx.array) -> bool:
+    def _read_back(self, s: Row, t: mx.array) -> bool:
         """Read the row's previous token (stream it, apply the stop rules); True when it is done."""
         if s.tail:                                   # fed the last prompt token: nothing to read yet
             s.tail = False
             return self.engine._should_stop(s)()
         return self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)()
 
-    def _discard(self, gone: list[Sequence]) -> None:
+    def _discard(self, gone: list[Row]) -> None:
         """Failed members leave without their KV (never stored); GroupReset if even that fails."""
         try:
             self._atomic(gone, lambda: self._leave(gone, keep_cache=False))
@@ -459,7 +436,7 @@ class DecodeGroup:
         except Exception as exc:  # noqa: BLE001 - rolled back but they cannot leave: drop the batch
             raise GroupReset(self.reset(), exc) from exc
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, seq: Row) -> None:
         """Remove a member after a failure (its KV is dropped, never stored)."""
         if any(s is seq for s in self.seqs):
             self._discard([seq])
@@ -476,7 +453,7 @@ def _pow2(n: int) -> int:
     return 1 << max(1, (max(1, n) - 1).bit_length())
 
 
-def batching_support(engine: ChatEngine) -> tuple[bool, str]:
+def batching_support(engine: Owner) -> tuple[bool, str]:
     """Whether this model decodes correctly in one batched forward: plain KV layers (slab rows),
     sliding windows and recurrent / conv state (mlx-lm's BatchRotatingKVCache and batched
     ArraysCache); not chunked attention or CacheList (no batched form in mlx-lm), no uniform KV
@@ -490,7 +467,7 @@ def batching_support(engine: ChatEngine) -> tuple[bool, str]:
     quant = engine.state.kv_quant
     if quant is not None and quant.scheme != "turboquant":
         return False, "KV_BITS (uniform): mlx-lm's quantised KV layers have no batched form"
-    from ..runtime.generate import feed
+    from .generate import feed
 
     model = engine.loaded.model
     try:

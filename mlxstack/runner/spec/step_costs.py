@@ -15,7 +15,7 @@ steps and asks this table:
     costs.cost(16, 2)     # -> 1.48: nothing seen at 16 rows, the prior (1 + 0.03 * 16 * 1)
 
 Before a row count and width were timed, the prior answers: the table of forwards timed at load
-(``table``: engine/spec_calibration.py, on the path the step takes here), else the constant.
+(``table``: runner/spec/calibration.py, on the path the step takes here), else the constant.
 
 Each figure is an exponential moving average (``alpha``), so it follows the context growing and
 the machine's speed drifting; a speculative step is compared with the plain steps of the same row
@@ -38,7 +38,7 @@ def prior_step_cost(prior: float, rows: int, width: int) -> float:
 
 def table_cost(table: dict[tuple[int, int], float], rows: int, width: int) -> float:
     """A step of ``width`` positions over ``rows`` rows from a table measured at some row counts and
-    widths (engine/spec_calibration.py): along the widths measured at a row count, linear (from 1 at
+    widths (runner/spec/calibration.py): along the widths measured at a row count, linear (from 1 at
     width 1; past the widest, its last slope); between two measured row counts, the extra cost
     linear in rows; past the largest, in proportion to the rows; below the smallest, its figures."""
     if width <= 1:

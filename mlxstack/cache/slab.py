@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ..cache.prefixed_kv import PrefixedKVCache
-from ..cache.turboquant import TurboQuantKVCache
-from ..cache.turboquant_rows import RowCodes
+from .prefixed_kv import PrefixedKVCache
+from .turboquant import TurboQuantKVCache
+from .turboquant_rows import RowCodes
 
 
 SHARED_STEP = 64   # columns a slab whose rows share a prefix grows by (its rows hold only tails)

@@ -33,10 +33,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from ..cache.lcp import lcp
-from ..prompt.sized_lru import SizedLRU
-from ..runtime.mlx_stream import generation_stream
-from .kv_bytes import resident_bytes
+from ...cache.lcp import lcp
+from ...prompt.sized_lru import SizedLRU
+from ..mlx_stream import generation_stream
+from ..kv_bytes import resident_bytes
 
 __all__ = ["DraftModel", "ModelDrafter"]
 
