@@ -82,11 +82,12 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
         from mlx_lm.models.cache import make_prompt_cache
 
         from ..cache.kv_ops import LiveCache
+        from ..runner.forward import forward
 
         try:
             live = LiveCache(make_prompt_cache(loaded.model), 0, dataclasses.replace(quant, start=0))
             live.maybe_quantize()
-            mx.eval(loaded.model(mx.array([[1, 2]], dtype=mx.int32), cache=live.layers))
+            mx.eval(forward(loaded.model, mx.array([[1, 2]], dtype=mx.int32), live.layers))
         except Exception as exc:  # noqa: BLE001 - any failure means: not for this model
             why = f"{type(exc).__name__}: {exc}"
     if why:

@@ -46,6 +46,7 @@ from ..cache.slab import SlabKVCache, is_row_layer, merge_layer, place_batch_row
 from .rows import GroupReset, Owner, Row, row_ids, run_row
 from .shared_prefix import shared_prefix_ok
 from .spec.speculation import spec_budgets, speculative_step, wants_step
+from .forward import forward
 
 log = logging.getLogger("mlxstack.batch")
 
@@ -362,7 +363,7 @@ class DecodeGroup:
                     by_row = {self.row[id(s)]: t.reshape(()) for s, t in zip(seqs, current)}
                     dummy = mx.array(0, dtype=mx.int32)
                     tokens = mx.stack([by_row.get(r, dummy) for r in range(self.rows)])[:, None]
-                    logits = model(tokens, cache=self.slab)[:, -1, :]
+                    logits = forward(model, tokens, self.slab)[:, -1, :]
                 except Exception as exc:  # noqa: BLE001 - the shared forward: every member is lost
                     raise GroupReset(self.reset(), exc) from exc
                 for s in seqs:
@@ -416,7 +417,7 @@ class DecodeGroup:
     def _forward_one(self, model: Any, s: Row, t: mx.array) -> mx.array:
         faults.hit("decode_forward", s.job.request_id)
         s.live.maybe_quantize()
-        logits = model(t.reshape(1, 1), cache=s.live.layers)[:, -1, :]
+        logits = forward(model, t.reshape(1, 1), s.live.layers)[:, -1, :]
         s.live.advance(1)
         return self._sample(s, logits)
 
@@ -477,14 +478,14 @@ def batching_support(engine: Owner) -> tuple[bool, str]:
             feed(model, live, list(range(100, 100 + n)), 16)
             lives.append(live)
         nxt = mx.array([[7], [11]], dtype=mx.int32)
-        alone = [model(nxt[i:i + 1], cache=lv.layers)[:, -1, :] for i, lv in enumerate(lives)]
+        alone = [forward(model, nxt[i:i + 1], lv.layers)[:, -1, :] for i, lv in enumerate(lives)]
         lives2 = []
         for n in (5, 9):
             live = engine.new_cache()
             feed(model, live, list(range(100, 100 + n)), 16)
             lives2.append(live)
         batch = stack_layers([live.layers for live in lives2], quant=quant)
-        together = model(nxt, cache=batch)[:, -1, :]
+        together = forward(model, nxt, batch)[:, -1, :]
         for out in (*alone, together):   # one forward per eval: its sends / receives in one order on every rank
             mx.eval(out)
         ok = all([mx.allclose(together[i], alone[i][0], atol=1e-3, rtol=1e-3).item() for i in range(2)])

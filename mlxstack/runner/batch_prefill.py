@@ -30,9 +30,9 @@ import mlx.core as mx
 
 from ..cache.prefixed_kv import PrefixedKVCache
 from ..config import faults
-from ..models import host_forward
 from .mlx_stream import generation_stream
 from .rows import Row
+from .forward import feed_rows, forward
 
 
 def remaining(seq: Row) -> int:
@@ -67,7 +67,7 @@ def _forward_padded(model: Any, layers: list[Any], rows: list[list[int]]) -> Non
     pad = [width - len(r) for r in rows]
     for layer in layers:
         layer.prepare(right_padding=pad)
-    model(right_padded(rows, width), cache=layers)
+    forward(model, right_padded(rows, width), layers)
     for layer in layers:
         layer.finalize()
     mx.eval([x for layer in layers for x in (layer.keys, layer.values, layer.offset)])
@@ -97,11 +97,11 @@ def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
 
 def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> None:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
-    layers (a copy of its row) and its depth advances by what it was fed. On the host path
-    (models/host_forward.py) each row is fed on its own layers in place, the products shared:
+    layers (a copy of its row) and its depth advances by what it was fed. When the model's backend can
+    (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
     nothing is merged into a batch and split again."""
     with mx.stream(generation_stream()):
-        if host_forward.feed_rows(model, [lv.layers for lv in lives], rows):
+        if feed_rows(model, [lv.layers for lv in lives], rows):
             for lv, r in zip(lives, rows):
                 lv.advance(len(r))
             return

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from ..cache.kv_ops import LiveCache
 from .mlx_stream import generation_stream
 from .sampling import Sampler, SamplingParams
+from .forward import forward
 
 __all__ = ["Aborted", "SamplingParams", "Sampler", "feed", "last_logits", "prefill", "decode", "cache_arrays"]
 
@@ -72,7 +73,7 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
                 if stop_at is not None and live.depth < stop_at < live.depth + n:
                     n = stop_at - live.depth
             chunk = mx.array(list(tokens[pos:pos + n]), dtype=mx.int32)[None]
-            y = model(chunk, cache=live.layers)
+            y = forward(model, chunk, live.layers)
             live.advance(n)
             last = logits and pos + n == len(tokens)
             if last:
@@ -88,7 +89,7 @@ def last_logits(model: nn.Module, live: LiveCache, token: int) -> mx.array:
     """Feed one token and return its next-token logits (float32, shape [vocab])."""
     with mx.stream(generation_stream()):
         live.maybe_quantize()
-        logits = model(mx.array([[token]], dtype=mx.int32), cache=live.layers)[:, -1, :]
+        logits = forward(model, mx.array([[token]], dtype=mx.int32), live.layers)[:, -1, :]
         live.advance(1)
         logits = logits.astype(mx.float32).squeeze(0)
         mx.eval(logits)
@@ -154,7 +155,7 @@ def decode(
             if on_step is not None:
                 on_step(live)
             live.maybe_quantize()
-            logits = model(tok.reshape(1, 1), cache=live.layers)[:, -1, :]
+            logits = forward(model, tok.reshape(1, 1), live.layers)[:, -1, :]
             live.advance(1)
             return sampler.sample(logits)
 

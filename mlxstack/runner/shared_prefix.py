@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..cache.kv_ops import capture, checkout
 from ..models.shared_attention import install
 from .generate import feed
+from .forward import forward
 
 log = logging.getLogger("mlxstack.shared_prefix")
 
@@ -76,12 +77,12 @@ def _check(engine: Any) -> bool:
             return out
 
         nxt = mx.array([[21], [22]], dtype=mx.int32)
-        alone = [model(nxt[i:i + 1], cache=lv.layers)[:, -1, :] for i, lv in enumerate(lives())]
+        alone = [forward(model, nxt[i:i + 1], lv.layers)[:, -1, :] for i, lv in enumerate(lives())]
         rows = lives()
         batch = stack_layers([lv.layers for lv in rows], [lv.roots for lv in rows], 1)
         if not any(getattr(layer, "shared_prefix", lambda: None)() is not None for layer in batch):
             return False
-        together = model(nxt, cache=batch)[:, -1, :]
+        together = forward(model, nxt, batch)[:, -1, :]
         if not all(_close(together[i], alone[i][0]) for i in range(2)):
             return False
         return _by_reference_agrees(model, root)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..mlx_stream import generation_stream
+from ..forward import forward
 
 __all__ = ["calibrate", "WIDTHS"]
 
@@ -41,11 +42,11 @@ def calibrate(model: Any, rows: Sequence[int] = (1, 8), widths: Sequence[int] = 
         if not all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
             return {}
         with mx.stream(generation_stream()):
-            mx.eval(model(mx.ones((r, CONTEXT), dtype=mx.int32), cache=cache))
+            mx.eval(forward(model, mx.ones((r, CONTEXT), dtype=mx.int32), cache))
 
             def once(width: int) -> float:
                 start = clock()
-                mx.eval(model(mx.ones((r, width), dtype=mx.int32), cache=cache))
+                mx.eval(forward(model, mx.ones((r, width), dtype=mx.int32), cache))
                 took = clock() - start
                 for c in cache:
                     c.trim(width)

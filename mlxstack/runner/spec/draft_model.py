@@ -37,6 +37,7 @@ from ...cache.lcp import lcp
 from ...prompt.sized_lru import SizedLRU
 from ..mlx_stream import generation_stream
 from ..kv_bytes import resident_bytes
+from ..forward import forward
 
 __all__ = ["DraftModel", "ModelDrafter"]
 
@@ -138,13 +139,13 @@ class ModelDrafter:
         with mx.stream(generation_stream()):
             pos = start
             while len(self.tokens) - pos > owner.step:          # a long catch-up: chunks, evaluated
-                model(mx.array([self.tokens[pos:pos + owner.step]], dtype=mx.int32), cache=self.cache)
+                forward(model, mx.array([self.tokens[pos:pos + owner.step]], dtype=mx.int32), self.cache)
                 mx.eval([v for layer in self.cache for _, v in tree_flatten(layer.state)])
                 pos += owner.step
             x = mx.array([self.tokens[pos:]], dtype=mx.int32)
             drafts = []
             for j in range(k):
-                logits = model(x, cache=self.cache)[:, -1, : owner.vocab]
+                logits = forward(model, x, self.cache)[:, -1, : owner.vocab]
                 tok = mx.argmax(logits, axis=-1).astype(mx.int32)
                 drafts.append(tok)
                 if j + 1 < k:

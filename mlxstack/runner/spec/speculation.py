@@ -46,6 +46,7 @@ from ..sampling import Sampler
 from .step_costs import StepCosts
 from .draft_model import DraftModel
 from ..rows import GroupReset, Row, row_ids, run_row
+from ..forward import forward
 
 MODES = ("auto", "ngram", "draft")        # SPECULATIVE values that draft (off: never)
 DRAFT_MODEL_MODES = ("auto", "draft")     # ... with the draft model, when DRAFT_MODEL is set
@@ -236,7 +237,7 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
                     first = firsts[id(s)]
                     d = drafts[id(s)]
                     rows[group.row[id(s)]] = [first] + d + [first] * (width - 1 - len(d))
-                out = model(mx.array(rows, dtype=mx.int32), cache=group.slab)
+                out = forward(model, mx.array(rows, dtype=mx.int32), group.slab)
             except Exception as exc:  # noqa: BLE001 - the shared forward: every member is lost
                 raise GroupReset(group.reset(), exc) from exc
             for s in going:
@@ -248,17 +249,17 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
                     _rewind_row(group, group.row[id(s)], width)
         else:
             for s in going:
-                def forward(s: Row = s) -> None:
+                def alone(s: Row = s) -> None:
                     faults.hit("decode_forward", s.job.request_id)
                     s.live.maybe_quantize()
                     toks = [firsts[id(s)]] + drafts[id(s)]
                     if len(toks) > s.live.room():          # cannot cut back: keep the state before
                         marks[id(s)] = s.live.mark()
-                    out = model(mx.array([toks], dtype=mx.int32), cache=s.live.layers)
+                    out = forward(model, mx.array([toks], dtype=mx.int32), s.live.layers)
                     s.live.advance(len(toks))
                     fed[id(s)] = len(toks)
                     logits[id(s)] = out[0]
-                row_work(s, forward)
+                row_work(s, alone)
         going = [s for s in going if id(s) not in failed]
 
         # 4. verify: rows without per-position state in one evaluation, the rest in order
@@ -377,7 +378,7 @@ def _replay(model: Any, s: Row, mark: tuple, kept: list[int]) -> None:
     caches that cannot be cut: recurrent / conv state, a rotated sliding window)."""
     s.live.restore(mark)
     with mx.stream(generation_stream()):
-        model(mx.array([kept], dtype=mx.int32), cache=s.live.layers)
+        forward(model, mx.array([kept], dtype=mx.int32), s.live.layers)
         s.live.advance(len(kept))
         mx.eval(cache_arrays(s.live))
 

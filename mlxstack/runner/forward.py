@@ -1,0 +1,51 @@
+"""The one door to a model's forward: every forward the server runs goes through ``forward``.
+
+    attach(model, backend)            # at load (engine/factory.py): the backend serving this model
+    logits = forward(model, tokens, cache)
+    fed = feed_rows(model, caches, rows)   # several rows' prompts on their own caches, or False
+
+A backend (backends/base.py) may compute a forward itself -- the CPU backend's host path for
+decode-sized calls of float32 Llama-family models -- and returns None when it does not apply;
+the model's own ``__call__`` runs then. Nothing is patched onto mlx-lm's classes for this: the
+backend is found by the model object it was attached to, so another model in the same process
+(a draft model, a test's second model) runs plainly unless it was given one too.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_attached: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def attach(model: Any, backend: Any) -> None:
+    """``backend`` serves ``model``'s forwards from now on (None: the model's own ``__call__``)."""
+    key = id(model)
+    if backend is None:
+        _attached.pop(key, None)
+        return
+    _attached[key] = (weakref.ref(model, lambda _r, k=key: _attached.pop(k, None)), backend)
+
+
+def backend_of(model: Any) -> Any:
+    got = _attached.get(id(model))
+    if got is None or got[0]() is not model:
+        return None
+    return got[1]
+
+
+def forward(model: Any, inputs: Any, cache: Any, **kwargs: Any) -> Any:
+    """``model(inputs, cache=cache, **kwargs)``, or the attached backend's own forward of it."""
+    backend = backend_of(model)
+    if backend is not None and not kwargs:
+        out = backend.forward_rows(model, inputs, cache)
+        if out is not None:
+            return out
+    return model(inputs, cache=cache, **kwargs)
+
+
+def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> bool:
+    """Feed each row's tokens into its own caches in one pass when the attached backend can
+    (False: the caller feeds them through ``forward``)."""
+    backend = backend_of(model)
+    return bool(backend is not None and backend.feed_rows(model, caches, rows))
