@@ -26,7 +26,7 @@ from mlxstack.config.settings import load_settings  # noqa: E402
 from mlxstack.runner.batch import batching_support  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
 from mlxstack.engine.factory import make_engine  # noqa: E402
-from mlxstack.engine.scheduler import Scheduler  # noqa: E402
+from mlxstack.engine.core import EngineCore  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
 from mlxstack.runner.sampling import SamplingParams  # noqa: E402
 
@@ -39,7 +39,7 @@ def run(n: int, system: str, max_tokens: int) -> dict:
            "DISK_CACHE_DIR": "off", "MLX_PORT": "0", "SPECULATIVE": "off"}
     settings = load_settings(env=env)
     engine = make_engine(load_model(settings), settings)
-    sched = Scheduler(engine, max(8, n), 512, batching=batching_support(engine)[0])
+    sched = EngineCore(engine, max(8, n), 512, batching=batching_support(engine)[0])
     # the MLX allocator's own view (every buffer, activations included, transients within a step
     # too): what the process really held on top of the loaded model
     mx.synchronize()

@@ -40,7 +40,7 @@ from mlxstack.config.settings import load_settings  # noqa: E402
 from mlxstack.runner.batch import batching_support  # noqa: E402
 from mlxstack.engine.chat import ChatJob  # noqa: E402
 from mlxstack.engine.factory import make_engine  # noqa: E402
-from mlxstack.engine.scheduler import Scheduler  # noqa: E402
+from mlxstack.engine.core import EngineCore  # noqa: E402
 from mlxstack.models.loader import load_model  # noqa: E402
 from mlxstack.runner.sampling import SamplingParams  # noqa: E402
 
@@ -71,7 +71,7 @@ def make(mode: str, max_draft: int, draft: str = ""):
 
 
 def run(engine, convos: list[list[dict]], max_tokens: int) -> tuple[list, float]:
-    sched = Scheduler(engine, 16, 512, batching=batching_support(engine)[0])
+    sched = EngineCore(engine, 16, 512, batching=batching_support(engine)[0])
     futures = []
     for i, messages in enumerate(convos):
         job = ChatJob(request_id=f"b{i}", messages=messages, tools=None, enable_thinking=False,

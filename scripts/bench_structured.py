@@ -267,9 +267,9 @@ def run_jobs(engine, jobs, rows: int):
     from concurrent.futures import Future
 
     from mlxstack.runner.batch import batching_support
-    from mlxstack.engine.scheduler import Scheduler
+    from mlxstack.engine.core import EngineCore
 
-    sched = Scheduler(engine, rows, engine.settings.prefill_chunk_tokens, batching_support(engine)[0])
+    sched = EngineCore(engine, rows, engine.settings.prefill_chunk_tokens, batching_support(engine)[0])
     futures, waiting, steady = [], list(jobs), []
     while waiting or not sched.idle():
         while waiting and sched.has_room():

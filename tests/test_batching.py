@@ -3,7 +3,7 @@ its whole cache pipeline. The proof is parity with running alone: every sequence
 in a batched run equals its output when run by itself -- sequences starting from different cached
 depths, one of them hanging up mid-batch, seeded sampling keeping its own stream -- and cache
 reuse per request is the same as sequentially. Driven step by step through the real Scheduler
-(engine/scheduler.py), and concurrently over real HTTP.
+(engine/core.py), and concurrently over real HTTP.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.batch_prefill import choose_short
-from mlxstack.engine.scheduler import Scheduler, next_round_robin
+from mlxstack.engine.core import EngineCore
+from mlxstack.scheduler.policy import next_round_robin
 from mlxstack.runner.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
@@ -36,7 +37,7 @@ def convo(user: str, history: list[dict] | None = None) -> list[dict]:
 
 def run_batched(engine, jobs, budget=64, max_sequences=8, cancel_after=None):
     """Admit every job at once and step the real scheduler until all finish (on this thread)."""
-    sched = Scheduler(engine, max_sequences, budget, batching=batching_support(engine)[0])
+    sched = EngineCore(engine, max_sequences, budget, batching=batching_support(engine)[0])
     futures = []
     for j in jobs:
         f = Future()
@@ -115,7 +116,7 @@ def test_seeded_sampling_keeps_its_own_stream_in_a_batch(dense):
 def test_a_short_request_waits_at_most_one_chunk_of_a_long_prefill(dense):
     eng = build_engine(engine_settings(dense))
     long_user = " ".join(f"item {i}: check the parser output for token {i * 3}." for i in range(120))
-    sched = Scheduler(eng, 8, 64, batching=True)
+    sched = EngineCore(eng, 8, 64, batching=True)
     long_f, short_f = Future(), Future()
     for f in (long_f, short_f):
         f.set_running_or_notify_cancel()
@@ -173,7 +174,7 @@ def test_choose_short_fits_the_padded_batch_in_the_budget():
 def test_short_batches_and_a_long_prefill_alternate(dense):
     eng = build_engine(engine_settings(dense))
     long_user = " ".join(f"item {i}: check the parser output for token {i * 3}." for i in range(60))
-    sched = Scheduler(eng, 8, 128, batching=True)
+    sched = EngineCore(eng, 8, 128, batching=True)
     futures = [Future() for _ in range(4)]
     for f in futures:
         f.set_running_or_notify_cancel()
@@ -211,7 +212,7 @@ def test_sequences_join_and_leave_a_running_batch_with_parity(dense, monkeypatch
     lengths = [4, 18, 9, 14, 6, 20, 11]
     solo = [solo_engine.run(job(convo(p), max_tokens=n, session=f"j{i}")[0])
             for i, (p, n) in enumerate(zip(prompts, lengths))]
-    sched = Scheduler(batch_engine, 8, 64, batching=True)
+    sched = EngineCore(batch_engine, 8, 64, batching=True)
     futures, rows_seen = [], set()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         f = Future()
@@ -270,7 +271,7 @@ def test_slab_rows_place_take_and_rebuild_exactly():
 
 
 def test_shortest_fitting_remainder_goes_first_only_when_a_longer_one_waits():
-    from mlxstack.engine.scheduler import shortest_fitting
+    from mlxstack.scheduler.policy import shortest_fitting
 
     assert shortest_fitting([900, 40, 12], 256) == 2                  # the smallest that one chunk finishes
     assert shortest_fitting([900, 300], 256) is None                 # nothing fits: round-robin
@@ -300,7 +301,7 @@ def test_windowed_and_recurrent_kinds_decode_batched_with_parity(tiny_kind_paths
     lengths = [20, 40, 6, 30]
     solo = [solo_engine.run(job(convo(p), max_tokens=n, session=f"k{i}")[0])
             for i, (p, n) in enumerate(zip(prompts, lengths))]
-    sched = Scheduler(batch_engine, 8, 64, batching=True)
+    sched = EngineCore(batch_engine, 8, 64, batching=True)
     assert sched.group.batching and not sched.group.dense
     futures, sizes = [], []
     for i, (p, n) in enumerate(zip(prompts, lengths)):
@@ -342,7 +343,7 @@ def test_chunked_attention_interleaves_unbatched_with_parity(tiny_kind_paths):
 def test_concurrent_http_streams_through_the_scheduler(dense):
     server = LiveServer(engine_settings(dense, max_concurrent_sequences=4))
     try:
-        assert server.app.worker.scheduler is not None
+        assert server.app.worker.core is not None
         bodies = [{"messages": convo(p), "max_tokens": 10, "temperature": 0, "stream": True} for p in PROMPTS[:4]]
         results: dict[int, str] = {}
 
@@ -404,7 +405,7 @@ def test_the_worker_admits_everything_queued_at_once(dense):
 
     eng = build_engine(engine_settings(dense))
     worker = InferenceWorker(max_queued=16)
-    worker.scheduler = Scheduler(eng, 8, 256, batching=True)
+    worker.core = EngineCore(eng, 8, 256, batching=True)
     worker.start()
     gate = threading.Event()
     try:
@@ -416,7 +417,7 @@ def test_the_worker_admits_everything_queued_at_once(dense):
         outs = [f.result(120) for f in futures]
     finally:
         worker.stop()
-    assert worker.scheduler.short_batches == 1          # all four prefilled in one forward
+    assert worker.core.short_batches == 1          # all four prefilled in one forward
     assert all(o.completion_tokens == 4 for o in outs)
 
 
@@ -439,17 +440,17 @@ def test_requests_that_come_back_together_are_gathered_into_one_prefill(dense):
     eng = build_engine(engine_settings(dense))
     for window, gathered, batches in ((0.25, 3, 1), (0.0, 0, None)):
         worker = InferenceWorker(max_queued=16, arrival_window_s=window)
-        worker.scheduler = Scheduler(eng, 8, 256, batching=True)
+        worker.core = EngineCore(eng, 8, 256, batching=True)
         worker.start()
         try:
-            worker.scheduler.batch_peak = 4                  # the last busy spell: 4 rows at once
-            before = worker.scheduler.short_batches
+            worker.core.batch_peak = 4                  # the last busy spell: 4 rows at once
+            before = worker.core.short_batches
             outs = _staggered(worker, 4, 0.005, f"w{window}")
             assert worker.gathered == gathered and all(o.completion_tokens == 3 for o in outs)
             if batches is not None:
-                assert worker.scheduler.short_batches - before == batches
-            assert worker.scheduler.batch_peak == 4 or window == 0.0
-            worker.scheduler.batch_peak = 1                  # then one client alone: no wait
+                assert worker.core.short_batches - before == batches
+            assert worker.core.batch_peak == 4 or window == 0.0
+            worker.core.batch_peak = 1                  # then one client alone: no wait
             worker.submit_chat(job(convo(PROMPTS[0]), max_tokens=1, session=f"solo{window}")[0]).result(120)
             assert worker.gathered == gathered
         finally:

@@ -1,4 +1,4 @@
-"""Replies before their turn's closing forward (engine/scheduler.py ``_end``): while other rows
+"""Replies before their turn's closing forward (engine/core.py ``_end``): while other rows
 still decode, a finished reply goes out at once and its turn (last token + the template's closer)
 is closed and stored later -- with every other that ends before the batch empties, in one
 forward -- or as soon as a new request is admitted (its lookup must see every reply sent). What
@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 
 from mlxstack.runner.batch import batching_support
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
 
@@ -40,7 +40,7 @@ def test_a_reply_goes_out_before_its_turn_closes_and_the_next_turn_hits_as_deep(
     assert second.cached_tokens > first.prompt_tokens        # the closed turn is reused
 
     eng = build_engine(engine_settings(embedded_model_path))
-    sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 8, 512, batching=batching_support(eng)[0])
     assert sched.group.dense
     short, long_ = _admit(sched, SHORT, 3, "a"), _admit(sched, LONG, 24, "b")
     while not short.done():
@@ -72,7 +72,7 @@ def test_turns_that_end_in_different_steps_close_in_one_forward(embedded_model_p
                for i, (m, f) in enumerate(zip(convos, firsts))]
 
     eng = build_engine(engine_settings(embedded_model_path))
-    sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 8, 512, batching=batching_support(eng)[0])
     futs = [_admit(sched, m, b, f"s{i}") for i, (m, b) in enumerate(zip(convos, budgets))]
     closed_before = None
     while not sched.idle():
@@ -90,7 +90,7 @@ def test_turns_that_end_in_different_steps_close_in_one_forward(embedded_model_p
 
 def test_prompt_cache_off_or_a_lone_row_replies_after_its_store_as_before(embedded_model_path):
     eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
-    sched = Scheduler(eng, 8, 512, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 8, 512, batching=batching_support(eng)[0])
     futs = [_admit(sched, SHORT, 2, "a"), _admit(sched, LONG, 8, "b")]
     while not sched.idle():
         sched.step()

@@ -244,7 +244,7 @@ def test_one_request_at_a_time_still_drafts(tiny_dense_path):
                                         draft_model=str(tiny_dense_path)))
     try:
         server.app.engine.speculation.draft.cost = 0.0
-        assert server.app.worker.scheduler is not None and server.app.worker.scheduler.max_sequences == 1
+        assert server.app.worker.core is not None and server.app.worker.core.max_sequences == 1
         req = urllib.request.Request(server.base + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:

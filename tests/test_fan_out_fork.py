@@ -17,7 +17,7 @@ from mlxstack.cache.kv_ops import LiveCache, capture, checkout
 from mlxstack.cache.layer_kinds import KINDS
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
 from mlxstack.cache.slab import SlabKVCache, place_own_layers
-from mlxstack.engine.shared_prefill import _can_reach
+from mlxstack.scheduler.shared_prefill import _can_reach
 from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.fuzz.traffic import block, fan_out

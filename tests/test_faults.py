@@ -20,7 +20,7 @@ import pytest
 
 from mlxstack.config import faults
 from mlxstack.engine.chat import ChatJob
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from mlxstack.runner.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 
@@ -42,7 +42,7 @@ def fjob(rid: str, text: str, max_tokens: int = 10) -> ChatJob:
     return j
 
 
-def drive(sched: Scheduler, jobs: list[ChatJob], later: dict[int, list[ChatJob]] | None = None) -> dict:
+def drive(sched: EngineCore, jobs: list[ChatJob], later: dict[int, list[ChatJob]] | None = None) -> dict:
     """Admit ``jobs`` (and ``later[n]`` after step n), step until idle; request id -> outcome or error."""
     futures: dict[str, Future] = {}
 
@@ -91,7 +91,7 @@ def entry_tokens(engine) -> set[tuple[int, ...]]:
     return {tuple(int(t) for t in e.model_tokens) for e in engine.state.prompt_cache.entries()}
 
 
-def check(engine, jobs: list[ChatJob], out: dict, failed: set[str], reference, sched: Scheduler | None = None) -> None:
+def check(engine, jobs: list[ChatJob], out: dict, failed: set[str], reference, sched: EngineCore | None = None) -> None:
     """Touched requests failed, the others are exact, nothing of a failed one is stored, the
     scheduler is empty, and the next request on it is served exactly."""
     assert {rid for rid, o in out.items() if isinstance(o, BaseException)} == failed, out
@@ -119,7 +119,7 @@ def check(engine, jobs: list[ChatJob], out: dict, failed: set[str], reference, s
 
 def new_sched(dense, budget: int = 64, batching: bool = True):
     eng = build_engine(engine_settings(dense))
-    return eng, Scheduler(eng, 8, budget, batching=batching)
+    return eng, EngineCore(eng, 8, budget, batching=batching)
 
 
 # ------------------------------------------------------------------------------ per point
@@ -382,7 +382,7 @@ def test_http_fault_fails_only_the_touched_requests(servers, reference, chunk, s
     assert all(g == e for g, e in zip(got, expected) if g is not None)
     status, answer = _call(server.base, SHORT[0], False, 6)            # the next request answers
     assert status == 200 and _content(status, answer, False) == split_reply(reference(SHORT[0], 6)[0].text).content
-    sched = server.app.worker.scheduler
+    sched = server.app.worker.core
     assert sched.idle() and not sched.futures and server.app.worker.alive
     assert urllib.request.urlopen(server.base + "/health", timeout=10).status == 200
 
@@ -426,7 +426,7 @@ def test_ids_past_the_tokenizer_are_never_sampled(dense, reference):
     assert eng.logit_width() == eng.token_count + 8 and eng.sampled_width() == eng.token_count
     alone = eng.run(fjob("p", SHORT[0]))
     assert alone.raw_text == reference(SHORT[0])[0].raw_text
-    sched = Scheduler(eng, 8, 64, batching=True)
+    sched = EngineCore(eng, 8, 64, batching=True)
     out = drive(sched, [fjob(f"r{i}", t) for i, t in enumerate(SHORT)])
     assert [o.raw_text for o in out.values()] == [reference(t)[0].raw_text for t in SHORT]
     # a logit_bias naming such an id is refused (HTTP: 400 first, server/validation.py)

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.kv_bytes import resident_bytes
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job
 from tests.test_speculation import COPY, LOOP
@@ -35,7 +35,7 @@ def test_a_batch_counts_its_slab_once_and_nothing_after_it_ends(tiny_dense_path)
     float32, keys and values) plus each layer's per-row offsets and paddings: nothing per row on
     top. When they finish, nothing is in flight and the gauge is the cache tier's bytes."""
     eng = build_engine(engine_settings(tiny_dense_path, speculative="off"))
-    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     futures = []
     for messages, session in ((LOOP, "a"), (COPY, "b")):
         j, _ = job(messages, max_tokens=30, session=session)
@@ -109,11 +109,11 @@ def test_admission_by_memory_parks_the_request_that_would_pass_the_budget(tiny_d
     plus a little): the first two start, the third is parked -- no row, nothing admitted behind it
     -- and starts only once what is held in flight lets it; the replies are those of an engine
     without a memory limit, token for token."""
-    from mlxstack.engine.scheduler import GROWTH
+    from mlxstack.scheduler.policy import GROWTH
 
     convos = [LOOP, COPY, [{"role": "user", "content": "Count from one to twenty."}]]
     free = build_engine(engine_settings(tiny_dense_path, speculative="off"))
-    ref_sched = Scheduler(free, 4, 256, batching=batching_support(free)[0])
+    ref_sched = EngineCore(free, 4, 256, batching=batching_support(free)[0])
     ref = _run(ref_sched, convos, 20)
     while not ref_sched.idle():
         ref_sched.step()
@@ -123,7 +123,7 @@ def test_admission_by_memory_parks_the_request_that_would_pass_the_budget(tiny_d
     budget = need[0] + need[1] + 512 * 4
     assert budget < need[0] + need[1] + need[2]
     eng = build_engine(engine_settings(tiny_dense_path, speculative="off", prompt_cache_max_bytes=budget))
-    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     futures = _run(sched, convos, 20)
     third = sched.parked
     assert third is not None and third.job is not None and len(sched.prefilling) == 2
@@ -144,7 +144,7 @@ def test_admission_by_memory_parks_the_request_that_would_pass_the_budget(tiny_d
 
 def test_a_request_alone_always_runs_whatever_the_budget(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path, speculative="off", prompt_cache_max_bytes=1024))
-    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     futures = _run(sched, [LOOP, COPY], 8)
     assert sched.parked is not None and len(sched.prefilling) == 1
     while not sched.idle():
@@ -206,7 +206,7 @@ def test_a_prefix_checked_out_by_reference_is_counted_once_in_the_tier(tiny_dens
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
     follow = _turn_then_follow_up(eng)
     [(entry, payload)] = eng.state.prompt_cache.held()
-    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     f = Future()
     f.set_running_or_notify_cancel()
     sched.admit(follow, f)
@@ -228,7 +228,7 @@ def test_admission_never_spills_the_entry_a_request_in_flight_holds(tiny_dense_p
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8, speculative="off"))
     follow = _turn_then_follow_up(eng)
     [(entry, payload)] = eng.state.prompt_cache.held()
-    sched = Scheduler(eng, 4, 256, batching=batching_support(eng)[0])
+    sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     futures = _run(sched, [[{"role": "user", "content": "Count from one to ten."}]], 8)   # an unrelated request
     f = Future()
     f.set_running_or_notify_cancel()

@@ -175,7 +175,7 @@ def test_byte_budget_evicts_until_under_budget():
 
 
 def test_fit_makes_room_for_requests_in_flight_a_hot_session_last():
-    """Admission by memory (engine/scheduler.py): the RAM tier shrinks to what the requests in
+    """Admission by memory (engine/core.py): the RAM tier shrinks to what the requests in
     flight leave of the budget, victims in the eviction order -- a session hit turn after turn
     (its hits carried to each new turn's entry) outlives a one-off side request of its age."""
     clock = Clock()

@@ -15,7 +15,7 @@ from mlxstack.cache.prefixed_kv import PrefixedKVCache
 from mlxstack.runner.batch import batching_support
 from mlxstack.cache.slab import SlabKVCache
 from mlxstack.runner.kv_bytes import resident_bytes
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from mlxstack.runner.shared_prefix import shared_prefix_ok
 from mlxstack.models.shared_attention import Part, attend_parts
 from mlxstack.runner.generate import feed
@@ -225,7 +225,7 @@ def _messages(i):
 
 
 def _run(engine, jobs):
-    sched = Scheduler(engine, 8, 128, batching=batching_support(engine)[0])
+    sched = EngineCore(engine, 8, 128, batching=batching_support(engine)[0])
     futures, shares = [], []
     for j in jobs:
         f = Future()
@@ -264,7 +264,7 @@ def test_a_follower_whose_leader_fails_prefills_on_its_own(tiny_dense_path):
     j0.request_id = "leader"
     j1, _ = job(_messages(1), max_tokens=6, session="d1")
     with faults.injected("prefill_chunk@leader"):
-        sched = Scheduler(eng, 8, 128, batching=True)
+        sched = EngineCore(eng, 8, 128, batching=True)
         f0, f1 = Future(), Future()
         for f, j in ((f0, j0), (f1, j1)):
             f.set_running_or_notify_cancel()
@@ -332,7 +332,7 @@ def test_followers_and_fresh_requests_arriving_together_all_get_their_replies(em
     alone = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
     solo = [alone.run(job(m, max_tokens=4, session=f"a{i}")[0]) for i, m in enumerate(convos)]
     eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
-    sched = Scheduler(eng, 16, 512, batching=batching_support(eng)[0])   # the bench's chunk: one step fits all
+    sched = EngineCore(eng, 16, 512, batching=batching_support(eng)[0])   # the bench's chunk: one step fits all
     futures = []
     for i, m in enumerate(convos):
         futures.append(Future())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlxstack.config import faults
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from mlxstack.engine.worker import InferenceWorker, WorkerDied
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json, unused_port
 from tests.test_faults import SHORT, fjob, msgs
@@ -38,7 +38,7 @@ def health(base: str) -> tuple[int, dict]:
 def test_an_exception_escaping_a_step_fails_the_requests_in_flight_and_the_thread_lives(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path))
     worker = InferenceWorker(max_queued=16)
-    worker.scheduler = sched = Scheduler(eng, 8, 64, batching=True)
+    worker.core = sched = EngineCore(eng, 8, 64, batching=True)
     worker.start()
     real_step = sched.group.step
     calls = {"n": 0}

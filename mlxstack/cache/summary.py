@@ -169,7 +169,7 @@ def build_summary(state: Any, *, model_id: str, ready: bool, queue_depth: int, b
 
 def summary_for(app: Any) -> dict:
     """``GET /v1/cache/summary`` for an App (server/app.py)."""
-    scheduler = getattr(app.worker, "scheduler", None)
+    scheduler = getattr(app.worker, "core", None)
     running = getattr(scheduler, "active", None)
     return build_summary(app.state, model_id=app.model_id, ready=app.ready, queue_depth=app.worker.queue_depth,
                          busy=app.worker.busy, running=running if isinstance(running, int) else None)

@@ -47,7 +47,7 @@ class TurnFinish:
         of a cache kind: a failed store is logged and counted, the reply still goes out.
         ``store=False`` (a completed reply only): the reply without closing and storing the
         turn, which ``store_turn`` does later (the scheduler sends a reply before its rows'
-        closing forward; engine/scheduler.py)."""
+        closing forward; engine/core.py)."""
         st = self.state
         prep, job = seq.prep, seq.job
         aborted = False

@@ -188,7 +188,7 @@ class Sequence:
     sampler: Sampler | None = None
     forced: str = ""                  # reply text the engine wrote for the model (tool_choice, JSON mode)
     from_disk: bool = False           # the reused KV was loaded from the disk tier
-    # incremental prefill / decode state (engine/scheduler.py drives these step by step)
+    # incremental prefill / decode state (engine/core.py drives these step by step)
     pos: int = -1                     # next prompt token to feed (-1: not started)
     logits: Any = None                # after the last prompt token
     prefill_aborted: bool = False

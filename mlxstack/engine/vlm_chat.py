@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.kv_ops import LiveCache, kv_offset
+from ..cache.kv_ops import LiveCache
 from ..cache.prompt_cache import MISS, MatchResult
 from ..prompt.images import (
     ImageError,
@@ -47,7 +47,7 @@ from ..prompt.images import (
 )
 from ..prompt.render import ChatRenderer, content_text, encode
 from .chat import ChatEngine, PreparedPrompt
-from ..runner.generate import Aborted, cache_arrays
+from ..runner.vlm import DecodeLM, embeddings, prefill_embedded, rope_positions
 from ..runner.mlx_stream import generation_stream
 
 log = logging.getLogger("mlxstack.request")
@@ -75,24 +75,6 @@ def _count_image_parts(messages: Sequence[Any]) -> int:
                for p in m["content"] if is_image_part(p))
 
 
-class _DecodeLM:
-    """``model(tokens[None], cache=cache) -> logits`` over the VLM's language model, with
-    positions ``offset + rope_delta`` (mrope) so decode continues the prompt's position stream."""
-
-    def __init__(self, lm: Any, mrope: bool, rope_delta: int) -> None:
-        self.lm = lm
-        self.mrope = mrope
-        self.rope_delta = rope_delta
-
-    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
-        if not self.mrope:
-            return self.lm(tokens, cache=cache).logits
-        off = kv_offset(cache) + self.rope_delta
-        n = tokens.shape[1]
-        pos = mx.broadcast_to(mx.arange(off, off + n, dtype=mx.int32)[None, None], (3, 1, n))
-        return self.lm(tokens, cache=cache, position_ids=pos).logits
-
-
 class VLMChatEngine(ChatEngine):
     def __init__(self, loaded: Any, renderer: Any, state: Any, settings: Any) -> None:
         super().__init__(loaded, renderer, state, settings)
@@ -110,7 +92,7 @@ class VLMChatEngine(ChatEngine):
         self.per_image_vision = (self.mrope and hasattr(model, "vision_tower")
                                  and hasattr(model, "merge_input_ids_with_image_features"))
         self.limits = ImageLimits.from_settings(settings)
-        self._decoder = _DecodeLM(self.lm, self.mrope, 0)
+        self._decoder = DecodeLM(self.lm, self.mrope, 0)
 
     # ---------------------------------------------------------------- pipeline
     def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
@@ -223,69 +205,10 @@ class VLMChatEngine(ChatEngine):
             raise ValueError("prefill needs at least one token")
         ids = mx.array(tokens, dtype=mx.int32)[None]
         with mx.stream(generation_stream()):
-            embeds = self._embeddings(ids, prep, start)        # (1, n - start, hidden)
-            positions, delta = self._positions(ids, prep)      # (3, 1, n) or None
-        self._decoder = _DecodeLM(self.lm, self.mrope, delta)
+            embeds = embeddings(self.loaded.model, self.lm, self.per_image_vision, ids, prep.extras, start)
+            positions, delta = rope_positions(self.lm, self.mrope, ids, prep.extras)
+        self._decoder = DecodeLM(self.lm, self.mrope, delta)
         step = max(1, int(self.settings.prefill_step_size))
         bounds = sorted({start + k for k in at if 0 < k < n - start})
-        logits = None
-        done = start
-        for stop in bounds + [n]:
-            for a in range(done, stop, step):
-                b = min(a + step, stop)
-                if should_stop is not None and a > start and should_stop():
-                    raise Aborted("prefill abandoned")
-                with mx.stream(generation_stream()):
-                    kwargs = {} if positions is None else {"position_ids": positions[..., a:b]}
-                    out = self.lm(ids[:, a:b], inputs_embeds=embeds[:, a - start:b - start], cache=work.layers,
-                                  **kwargs)
-                    work.advance(b - a)
-                    if b == n:
-                        logits = out.logits[:, -1, :].astype(mx.float32).squeeze(0)
-                        mx.eval(logits)
-                    else:
-                        mx.eval(cache_arrays(work))
-            done = stop
-            if stop < n:
-                checkpoint(work)
-        mx.clear_cache()
-        return logits
+        return prefill_embedded(self.lm, ids, embeds, positions, work, start, step, bounds, checkpoint, should_stop)
 
-    # ---------------------------------------------------------------- helpers
-    def _positions(self, ids: mx.array, prep: PreparedPrompt) -> tuple[mx.array | None, int]:
-        if not self.mrope:
-            return None, 0
-        n = ids.shape[1]
-        if not prep.extras["spans"]:
-            return mx.broadcast_to(mx.arange(n, dtype=mx.int32)[None, None], (3, 1, n)), 0
-        grid = mx.array(prep.extras["grids"], dtype=mx.int32)
-        positions, deltas = self.lm.get_rope_index(ids, grid, None, None)
-        return positions.astype(mx.int32), int(deltas.reshape(-1)[0].item())
-
-    def _embeddings(self, ids: mx.array, prep: PreparedPrompt, start: int) -> mx.array:
-        model = self.loaded.model
-        spans = prep.extras["spans"]
-        if not spans:
-            return self.lm.model.embed_tokens(ids[:, start:])
-        if not self.per_image_vision:
-            # Generic VLM: mlx-vlm's own merge over the whole prompt, then the tail.
-            pv = mx.concatenate(prep.extras["pixel_values"], axis=0)
-            feats = model.get_input_embeddings(ids, pv, image_grid_thw=mx.array(prep.extras["grids"]))
-            return feats.inputs_embeds[:, start:]
-        embeds = self.lm.model.embed_tokens(ids[:, start:])
-        dtype = model.vision_tower.patch_embed.proj.weight.dtype
-        pieces, cursor = [], start
-        for k, (s, e) in enumerate(spans):
-            if s < start:
-                if e > start:
-                    raise RuntimeError(f"bug: prefill from {start} cuts image {k} [{s}, {e})")
-                continue
-            grid = mx.array([prep.extras["grids"][k]], dtype=mx.int32)
-            feats = model.vision_tower(prep.extras["pixel_values"][k].astype(dtype), grid,
-                                       output_hidden_states=False)
-            if feats.shape[0] != e - s:
-                raise RuntimeError(f"bug: image {k} gave {feats.shape[0]} features for {e - s} pad tokens")
-            pieces += [embeds[:, cursor - start:s - start], feats.astype(embeds.dtype)[None]]
-            cursor = e
-        pieces.append(embeds[:, cursor - start:])
-        return mx.concatenate(pieces, axis=1)

@@ -11,11 +11,11 @@ generation runs, and makes the model lock implicit (work holds the model by runn
                                          # (continuous batching) once one is attached
 
 Both raise QueueFull when MAX_QUEUED_REQUESTS items already wait. With a scheduler attached
-(engine/scheduler.py), chat jobs are admitted while it has room and the worker alternates between
+(engine/core.py), chat jobs are admitted while it has room and the worker alternates between
 taking queued work and scheduler steps; callables run between steps.
 
 The thread never dies of an Exception: one that escapes a scheduler step fails every request in
-flight (``Scheduler.recover``) and serving goes on. Anything else (SystemExit, a fatal injected by
+flight (``EngineCore.recover``) and serving goes on. Anything else (SystemExit, a fatal injected by
 tests) ends the thread, but not silently: every future it held, every queued item and every later
 submission is resolved with "inference thread died: ...", and ``health_problem()`` says so -- as it
 says when the thread stops making progress (no step, no prefill chunk, no token) for longer than
@@ -74,7 +74,7 @@ class InferenceWorker:
         self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mlx-inference", daemon=True)
         self._busy = threading.Event()
-        self.scheduler: Any = None                # set once the model is loaded (App)
+        self.core: Any = None                # set once the model is loaded (App)
         self.run_chat: Callable[[Any], Any] | None = None   # engine.run, when no scheduler
         self._backlog: list[tuple[_Chat, Future]] = []
         self.death: str | None = None             # why the thread died ("ExcType: message")
@@ -112,7 +112,7 @@ class InferenceWorker:
 
     @property
     def active_sequences(self) -> int:
-        return self.scheduler.active if self.scheduler is not None else int(self.busy)
+        return self.core.active if self.core is not None else int(self.busy)
 
     @property
     def alive(self) -> bool:
@@ -127,7 +127,7 @@ class InferenceWorker:
             return "inference thread exited"
         if stall_seconds <= 0 or self._idle:
             return None
-        sched = self.scheduler
+        sched = self.core
         pending = self._waiting + (sched.active if sched is not None else 0) + int(self.busy)   # backlog: in _waiting
         quiet = time.monotonic() - self._beat
         if pending and quiet > stall_seconds:
@@ -169,7 +169,7 @@ class InferenceWorker:
 
     def _next_items(self) -> list[Any]:
         """What this turn takes: whatever waits (blocking when there is nothing else to do)."""
-        sched = self.scheduler
+        sched = self.core
         busy = sched is not None and not sched.idle()
         if busy or self._backlog or self._deferred:
             try:
@@ -191,7 +191,7 @@ class InferenceWorker:
         requests as its largest batch held are here. Agents that fan out come back together, a
         few ms apart; taken one turn apart, the first one's prompt prefills alone and the rest in
         a second forward. A lone client's next request never waits (its spell held one row)."""
-        sched = self.scheduler
+        sched = self.core
         expect = getattr(sched, "batch_peak", 1) if sched is not None else 1
         if sched is not None:
             sched.batch_peak = 0          # a new busy spell: its own peak decides the next wait
@@ -231,7 +231,7 @@ class InferenceWorker:
             with lock.stream():         # one stream: the collectives of every rank in one order
                 self._idle = follower   # a follower waits for rank 0's next turn: not a stall
                 try:
-                    items = lock.exchange(items, self.scheduler)
+                    items = lock.exchange(items, self.core)
                 finally:
                     self._idle = False
                 self.beat()
@@ -250,7 +250,7 @@ class InferenceWorker:
             if lock is None and self.lockstep is not None:   # the load began lockstep: the rest
                 self._deferred, items = items, []            # is exchanged with the other ranks
         self._admit()
-        sched = self.scheduler
+        sched = self.core
         if sched is not None and not sched.idle():
             self._busy.set()
             try:
@@ -278,9 +278,9 @@ class InferenceWorker:
         err = WorkerDied(f"inference thread died: {self.death}")
         pending = [fut for _, fut in self._backlog] + [item[1] for item in self._taking + queued if item is not None]
         self._backlog = []
-        if self.scheduler is not None:
+        if self.core is not None:
             try:
-                self.scheduler.abandon(err)
+                self.core.abandon(err)
             except Exception:  # noqa: BLE001
                 log.exception("resolving the scheduler's requests failed")
         for fut in pending:
@@ -297,7 +297,7 @@ class InferenceWorker:
                 return out
 
     def _take(self, work: Any, fut: Future) -> None:
-        if isinstance(work, _Chat) and self.scheduler is not None:
+        if isinstance(work, _Chat) and self.core is not None:
             self._backlog.append((work, fut))       # admitted when the scheduler has room
             return
         self._release()
@@ -317,7 +317,7 @@ class InferenceWorker:
             self.beat()
 
     def _admit(self) -> None:
-        sched = self.scheduler
+        sched = self.core
         while self._backlog and sched is not None and sched.has_room():
             work, fut = self._backlog.pop(0)
             self._release()

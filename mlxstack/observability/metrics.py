@@ -55,7 +55,7 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("mlxstack_worker_busy", "1 while the inference worker runs a job.",
                                 value=1 if app.worker.busy else 0)
         yield GaugeMetricFamily("mlxstack_model_ready", "1 once the model is loaded.", value=1 if app.ready else 0)
-        sched = getattr(app.worker, "scheduler", None)
+        sched = getattr(app.worker, "core", None)
         yield GaugeMetricFamily("mlxstack_active_sequences", "Requests in flight (prefilling or decoding).",
                                 value=app.worker.active_sequences)
         yield GaugeMetricFamily("mlxstack_batch_size", "Sequences in the last decode forward pass.",

@@ -56,7 +56,7 @@ class App:
         """Chat jobs run by the continuous-batching scheduler (MAX_CONCURRENT_SEQUENCES > 1), or one
         at a time. Whether decode steps batch is decided once here (and logged)."""
         from ..runner.batch import batching_support
-        from ..engine.scheduler import Scheduler
+        from ..engine.core import EngineCore
 
         self.worker.run_chat = engine.run
         engine.progress = self.worker.beat   # between prefill chunks and tokens: the stall watchdog
@@ -66,11 +66,11 @@ class App:
             return
         engine.by_reference_depth()   # decided at load (a model check), not in a first hit's TTFT
         if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
-            self.worker.scheduler = Scheduler(engine, 1, self.settings.prefill_chunk_tokens, False)
+            self.worker.core = EngineCore(engine, 1, self.settings.prefill_chunk_tokens, False)
             log.info("scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
             return
         batching, why = batching_support(engine)
-        self.worker.scheduler = Scheduler(engine, n, self.settings.prefill_chunk_tokens, batching)
+        self.worker.core = EngineCore(engine, n, self.settings.prefill_chunk_tokens, batching)
         log.info("scheduling: up to %d sequences in flight, prefill chunks of %d tokens, decode %s", n,
                  self.settings.prefill_chunk_tokens, "batched" if batching else f"interleaved, unbatched ({why})")
 
@@ -285,7 +285,7 @@ class App:
         stats = self.state.stats()
         stats["model"] = self.model_id
         stats["queue_depth"] = self.worker.queue_depth
-        sched = self.worker.scheduler
+        sched = self.worker.core
         stats["scheduler"] = ({"max_sequences": sched.max_sequences, "active": sched.active,
                                "prefilling": len(sched.prefilling), "decoding": len(sched.group),
                                "batched": sched.group.batching, "last_batch_size": sched.last_batch,

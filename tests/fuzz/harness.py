@@ -29,7 +29,7 @@ from typing import Any
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.kv_bytes import measured_token_bytes
 from mlxstack.engine.request import ChatJob, ContextLengthExceeded
-from mlxstack.engine.scheduler import Scheduler
+from mlxstack.engine.core import EngineCore
 from mlxstack.runner.sampling import SamplingParams
 from mlxstack.engine.factory import make_engine
 from mlxstack.models.loader import load_model
@@ -214,7 +214,7 @@ class Harness:
 
     def _serve_together(self, wave: list[Req]) -> list[Served]:
         eng = self.warm
-        sched = Scheduler(eng, eng.settings.max_concurrent_sequences or 8, eng.settings.prefill_chunk_tokens,
+        sched = EngineCore(eng, eng.settings.max_concurrent_sequences or 8, eng.settings.prefill_chunk_tokens,
                           batching=eng._fuzz_batching)
         steps = [0]
         out = [Served(r) for r in wave]
@@ -311,7 +311,7 @@ def _spy(eng: Any) -> _Spy:
     return seen
 
 
-def _hang_up(req: Req, steps: list[int], sched: Scheduler) -> Any:
+def _hang_up(req: Req, steps: list[int], sched: EngineCore) -> Any:
     """``is_cancelled`` for a request that hangs up: after ``n`` steps once it is prefilling
     ("prefill") or once it decodes ("decode")."""
     if req.hang_up is None:

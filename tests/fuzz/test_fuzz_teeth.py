@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # a fuzzer run that must find the old fork bug (d
 
 
 def _fork_before_the_fix(follower: Any, quant: Any) -> None:
-    """engine/shared_prefill.py ``fork`` at 600fc6e (the defect, kept here as the fuzzer's target)."""
+    """engine/shared_prefill.py ``fork`` at 600fc6e (now engine/core.py) (the defect, kept here as the fuzzer's target)."""
     leader, depth = follower.follows
     roots, layers = [], []
     for i, layer in enumerate(leader.live.layers):
@@ -50,8 +50,8 @@ def test_a_fixed_seed_finds_the_fork_of_a_copy_free_leader(tiny_kind_paths, embe
     config = Config("dense")
     path = model_path("dense", tiny_kind_paths, embedded_model_path)
     case = tmp_path / "test_found.py"
-    monkeypatch.setattr("mlxstack.engine.scheduler.fork", _fork_before_the_fix)
-    monkeypatch.setattr("mlxstack.engine.shared_prefill._can_reach", _reach_before_the_fix)
+    monkeypatch.setattr("mlxstack.engine.core.fork", _fork_before_the_fix)
+    monkeypatch.setattr("mlxstack.scheduler.shared_prefill._can_reach", _reach_before_the_fix)
     with pytest.raises(AssertionError, match="differential fuzzer: mismatch"):
         run_machine(config, path, tmp_path / "run", seed=1, examples=6, steps=15, reproducer=case, shrink=False)
     ns: dict[str, Any] = {}

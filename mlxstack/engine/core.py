@@ -1,22 +1,19 @@
-"""Continuous batching on the one inference thread: many requests in flight, every one with its
-full cache pipeline (lookup -> checkout at its own depth -> prefill -> decode -> close the turn
--> store), advanced a step at a time.
+"""The engine core: continuous batching on the one inference thread. Many requests in flight,
+every one with its full cache pipeline (lookup -> checkout at its own depth -> prefill -> decode
+-> close the turn -> store), advanced a step at a time.
 
-    sched = Scheduler(engine, max_sequences=8, prefill_budget=512, batching=True)
-    sched.admit(job, future)       # starts the request (render, lookup, checkout)
-    sched.step()                   # one scheduler step (below); resolves finished futures
+    core = EngineCore(engine, max_sequences=8, prefill_budget=512, batching=True)
+    core.admit(job, future)        # starts the request (render, lookup, checkout)
+    core.step()                    # schedule -> execute -> update (below); resolves finished futures
 
 One step:
-1. prefill, within ``prefill_budget`` tokens: when decode batching is on and two or more waiting
-   sequences have short remainders (a warm agent turn's new tokens), all of them in one batched
-   forward (runner/batch_prefill.py) -- they join the decode batch together; otherwise one chunk
-   for ONE sequence still prefilling: a remainder one chunk finishes goes before a longer prompt's
-   next chunk (never twice in a row while the longer one waits), else round-robin. A long cold
-   prompt never freezes the others, and a short request that arrives during it waits at most one
-   of its chunks (short work and long chunks alternate while both wait);
-2. one decode token for EVERY decoding sequence, in one batched forward pass (DecodeGroup);
-   a reply that ends while other rows still decode goes out at once, its turn closed and stored
-   with the others' once the batch empties or a request is admitted (``_end``).
+1. **schedule** (scheduler/plan.py, no MLX): the step's prefill -- several waiting requests'
+   short remainders in one forward, or one request's next chunk (the rules are there);
+2. **execute** on the runner (runner/: the only place a model runs): that prefill, then one decode
+   token for EVERY decoding sequence in one batched forward (runner/batch.py DecodeGroup);
+3. **update**: prefilled requests join the batch, followers take their leader's KV, finished
+   replies resolve; a reply that ends while other rows still decode goes out at once, its turn
+   closed and stored with the others' once the batch empties or a request is admitted (``_end``).
 
 Admission is FIFO up to ``max_sequences`` in flight and within the KV byte budget
 (PROMPT_CACHE_MAX_BYTES). A request is started (rendered, looked up, checked out); when the KV
@@ -43,12 +40,18 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from typing import Any
 
+from ..cache.kv_ops import LiveCache
+from ..cache.prefixed_kv import PrefixedKVCache
 from ..runner.batch import DecodeGroup, GroupReset
-from ..runner.batch_prefill import choose_short, feed_together, holds_prefixed, prefill_together, remaining
+from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
 from .chat import ChatEngine, ChatJob, Sequence
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
-from .shared_prefill import fork, plan_follow, ready
+from ..scheduler.admission import committed_bytes, need_bytes, room
+from ..scheduler.plan import Scheduler, StepPlan, left
+from ..scheduler.policy import growth
+from ..scheduler.shared_prefill import plan_follow, ready
 from .worker import resolve
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -58,41 +61,31 @@ class SchedulerReset(RuntimeError):
     """A request that was in flight when the scheduler's state had to be thrown away."""
 
 
-def next_round_robin(count: int, last: int) -> int:
-    """Index of the next member after ``last`` in a round of ``count`` (pure; 0 when none yet)."""
-    return 0 if count <= 0 else (last + 1) % count
-
-
-def shortest_fitting(remainders: list[int], budget: int) -> int | None:
-    """Index of the smallest remainder that one chunk finishes, when a longer one also waits
-    (pure; None when every remainder fits -- round-robin serves them -- or none does)."""
-    fits = [i for i, n in enumerate(remainders) if 0 < n <= budget]
-    if not fits or len(fits) == len(remainders):
-        return None
-    return min(fits, key=lambda i: remainders[i])
-
-
-GROWTH = 256   # generated tokens a request in flight is counted for beyond what it holds (admission)
-
-
 def _growth(seq: Sequence) -> int:
-    return max(0, min(GROWTH, seq.params.max_tokens - seq.produced))
+    return growth(seq.params.max_tokens, seq.produced)
 
 
-class Scheduler:
+def fork(follower: Sequence, quant: Any) -> None:
+    """Give ``follower`` its leader's first ``depth`` tokens (references), as both's root
+    (scheduler/shared_prefill.py decided whom it follows and when)."""
+    leader, depth = follower.follows
+    roots = leader.live.share(depth)
+    follower.live = LiveCache([PrefixedKVCache(r) for r in roots], depth, quant, list(roots))
+    follower.shared_prefill = depth - follower.start
+    follower.start = depth
+    follower.pos = depth
+    follower.follows = None
+
+
+class EngineCore:
     def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
         self.engine = engine
         self.max_sequences = max(1, int(max_sequences))
-        self.prefill_budget = max(1, int(prefill_budget))
         self.group = DecodeGroup(engine, batching)
-        self.prefilling: list[Sequence] = []
+        self.scheduler = Scheduler(prefill_budget, self.group.prefills_together)
         self.futures: dict[int, Future] = {}
-        self._rr = -1
-        self.steps = 0
         self.last_batch = 0
         self.batch_peak = 0           # most rows in one decode forward since the worker last took work when idle
-        self._short_last = False      # the previous step served short work out of turn (a batch or one)
-        self.short_batches = 0        # steps that prefilled several sequences together
         self.closed_together = 0      # turns closed in a shared forward with others
         self.closing: list[Sequence] = []   # replied while others decode; turn closed and stored later
         self.replied_early = 0        # replies sent before their turn's closing forward
@@ -104,6 +97,22 @@ class Scheduler:
         self._token_bytes: tuple[int, int] | None = None
         self._tier_key: tuple = ()
         self._tier_ids: dict[int, int] = {}
+
+    @property
+    def prefilling(self) -> list[Sequence]:
+        return self.scheduler.prefilling
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.scheduler.prefill_budget
+
+    @property
+    def steps(self) -> int:
+        return self.scheduler.steps
+
+    @property
+    def short_batches(self) -> int:
+        return self.scheduler.short_batches
 
     @property
     def active(self) -> int:
@@ -118,7 +127,7 @@ class Scheduler:
         generated tokens, at the model's bytes per token (measured once, on a fresh cache fed one
         token); the reused prefix is held by reference (a rooted checkout, the slab's prefix)."""
         per_token, per_seq = self._per_token()
-        return per_token * (len(seq.prep.model_tokens) - seq.start + _growth(seq)) + per_seq
+        return need_bytes(per_token, per_seq, len(seq.prep.model_tokens) - seq.start, _growth(seq))
 
     def _per_token(self) -> tuple[int, int]:
         if self._token_bytes is None:
@@ -134,17 +143,18 @@ class Scheduler:
         """KV held in flight (measured at the last step) plus what the requests in flight will still
         add: the prompt they have not fed and up to ``GROWTH`` more generated tokens each."""
         per_token, _ = self._per_token()
-        ahead = sum(remaining(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
-        return self.engine.state.live_kv_bytes + per_token * ahead
+        ahead = sum(left(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
+        return committed_bytes(self.engine.state.live_kv_bytes, per_token, ahead)
 
     def _room(self, seq: Sequence) -> int | None:
         """KV bytes the budget leaves once ``seq`` is in flight beside the others (negative: it
         would pass the budget); None when admission by memory does not apply -- no budget, several
         ranks, or nothing else in flight (alone, a request always runs)."""
         state = self.engine.state
-        if not state.cache_budget or state.replicated or not (self.prefilling or len(self.group)):
+        others = bool(self.prefilling or len(self.group))
+        if not state.cache_budget or state.replicated or not others:
             return None
-        return state.cache_budget - self.committed_bytes() - self.need_bytes(seq)
+        return room(state.cache_budget, self.committed_bytes(), self.need_bytes(seq), others, state.replicated)
 
     def _admit_or_park(self, seq: Sequence) -> bool:
         """``seq`` starts prefilling (the RAM cache tier first gives up what the budget no longer
@@ -200,7 +210,7 @@ class Scheduler:
             if plan is not None:
                 seq.follows = plan
                 plan[0].stops.append(plan[1])
-        self.prefilling.append(seq)
+        self.scheduler.enter(seq)
         self._forks()
 
     def _forks(self) -> None:
@@ -223,25 +233,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        self.steps += 1
         self._unpark()
-        short = self._short_batch()
-        if len(short) >= 2:
-            self._prefill_short(short)
-        elif self.prefilling:
-            i = self._next_prefill()
-            seq = self.prefilling[i]
-            try:
-                done = self.engine.prefill_step(seq, self.prefill_budget,
-                                                defer_last=self.group.batching and not seq.job.prefill_only)
-            except Exception as exc:  # noqa: BLE001 - this request only
-                self._drop_prefilling(i)
-                self._fail(seq, exc)
-                done = False
-            self._forks()                 # before it joins the batch (its own layers go to a row)
-            if done:
-                self._drop_prefilling(i)
-                self._prefilled(seq)
+        plan = self.scheduler.schedule(self._stopped, self._prefixed)
+        if plan.short:
+            self._prefill_short(list(plan.short))
+        elif plan.prefill is not None:
+            self._prefill_chunk(plan)
         if len(self.group):
             self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
             self.batch_peak = max(self.batch_peak, self.last_batch)
@@ -265,6 +262,28 @@ class Scheduler:
             self._flush_closing()         # the batch emptied (rows failed, or the last ones ended)
         self.account()
         self._unpark()                    # room freed by this step: the parked request starts next
+
+    def _stopped(self, seq: Sequence) -> bool:
+        return self.engine._should_stop(seq)()
+
+    @staticmethod
+    def _prefixed(seq: Sequence) -> bool:
+        return holds_prefixed([seq.live])
+
+    def _prefill_chunk(self, plan: StepPlan) -> None:
+        """One chunk of one request's prompt; it joins the batch once its prompt is fed."""
+        seq = plan.prefill
+        try:
+            done = self.engine.prefill_step(seq, plan.budget,
+                                            defer_last=self.group.batching and not seq.job.prefill_only)
+        except Exception as exc:  # noqa: BLE001 - this request only
+            self.scheduler.drop(seq)
+            self._fail(seq, exc)
+            done = False
+        self._forks()                 # before it joins the batch (its own layers go to a row)
+        if done:
+            self.scheduler.drop(seq)
+            self._prefilled(seq)
 
     def account(self) -> None:
         """What the requests in flight hold in RAM (engine state's ``live_kv_bytes``: the
@@ -292,12 +311,11 @@ class Scheduler:
                              "this request was in flight and was abandoned")
         err.__cause__ = exc
         futures, self.futures = self.futures, {}
-        self.prefilling = []
+        self.scheduler.reset()
         self.closing = []                 # replied already; their turns are simply not stored
         self.parked = None
         self.group.reset()
         self.group.take_failed()
-        self._rr, self._short_last = -1, False
         self.recoveries += 1
         self.engine.state.live_kv_bytes = 0
         n = sum(resolve(f, exc=err) for f in futures.values())
@@ -308,27 +326,6 @@ class Scheduler:
         """The inference thread is dying: resolve every future still held (no MLX call)."""
         futures, self.futures = self.futures, {}
         return sum(resolve(f, exc=exc) for f in futures.values())
-
-    def _next_prefill(self) -> int:
-        """Which waiting sequence gets this step's prefill chunk: one whose whole remainder fits in
-        the chunk goes before a longer one (a side request during a long cold prompt waits at most
-        one chunk), but never twice in a row while a longer one waits; otherwise round-robin."""
-        if not self._short_last:
-            i = shortest_fitting([0 if s.follows else remaining(s) for s in self.prefilling], self.prefill_budget)
-            if i is not None:
-                self._short_last = True
-                return i
-        self._short_last = False
-        for _ in range(len(self.prefilling)):      # a request waiting for its leader is skipped
-            self._rr = next_round_robin(len(self.prefilling), self._rr)
-            if self.prefilling[self._rr].follows is None:
-                break
-        return self._rr
-
-    def _drop_prefilling(self, i: int) -> None:
-        del self.prefilling[i]
-        if i <= self._rr:
-            self._rr -= 1
 
     def _end(self, ended: list[Sequence]) -> None:
         """Sequences that finished decoding this step. While other rows still decode, a completed
@@ -392,26 +389,9 @@ class Scheduler:
             seq.closed = target
         self.closed_together += len(plans)
 
-    def _short_batch(self) -> list[Sequence]:
-        """Waiting sequences whose whole remainders fit one padded batch within the budget (only
-        with decode batching; a long prompt still waiting gets the next step)."""
-        if not self.group.prefills_together or len(self.prefilling) < 2:
-            return []
-        cands = [s for s in self.prefilling if s.follows is None
-                 and not s.job.prefill_only and not (s.pos >= 0 and self.engine._should_stop(s)())]
-        if holds_prefixed([s.live for s in cands]):   # slab rows: an empty one cannot be placed,
-            cands = [s for s in cands if s.live.depth > 0]   # it prefills on its own
-        chosen = [cands[i] for i in choose_short([remaining(s) for s in cands], self.prefill_budget)]
-        if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):
-            return []
-        return chosen
-
     def _prefill_short(self, seqs: list[Sequence]) -> None:
-        self._short_last = True
-        self.short_batches += 1
-        for s in seqs:
-            self.prefilling.remove(s)
-        self._rr = -1
+        """Requests whose whole remainders the plan feeds together: one forward, then each joins
+        the batch (or finishes: nothing to generate)."""
         try:
             layers = prefill_together(self.engine.loaded.model, seqs, self.group.min_shared)
         except Exception as exc:  # noqa: BLE001 - the forward failed: fail its members

@@ -1,0 +1,110 @@
+"""One step's plan: which waiting requests prefill, and how -- decided on plain data.
+
+    sched = Scheduler(prefill_budget=512, prefills_together=True)
+    sched.enter(req)                                   # started and admitted: waits to prefill
+    plan = sched.schedule(stopped, prefixed)           # -> StepPlan
+    ... the engine core has the runner execute it, then:
+    sched.drop(req)                                    # its prefill finished or failed
+
+A step prefills within ``prefill_budget`` tokens: when prefills may share a forward and two or
+more waiting requests have short remainders (a warm agent turn's new tokens), all of them in one
+batched forward -- they join the decode batch together; otherwise one chunk for ONE request: a
+remainder one chunk finishes goes before a longer prompt's next chunk (never twice in a row while
+the longer one waits), else round-robin. A long cold prompt never freezes the others, and a short
+request that arrives during it waits at most one of its chunks. Every step then decodes one token
+for every row of the batch (the runner's decode group).
+
+A request is the engine's (engine/request.py), read here only for plain facts: its prompt
+tokens, checkout depth ``start``, prefill position ``pos``, whether it ``follows`` a leader's
+shared prefill and whether its job is ``prefill_only``. What needs the engine -- whether it was
+abandoned (``stopped``), whether its cache holds a prefix by reference (``prefixed``: such rows
+batch only on slab layers, which need every row to hold a token already) -- comes as callbacks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .policy import choose_short, next_round_robin, remaining, shortest_fitting
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step prefills (its decode covers every row of the batch)."""
+    step: int
+    short: tuple[Any, ...] = ()     # requests whose whole remainders are fed together in one forward
+    prefill: Any = None             # or the one request whose next chunk is fed
+    budget: int = 0                 # tokens the prefill may feed
+
+
+def left(req: Any) -> int:
+    """Prompt tokens ``req`` still has to feed."""
+    return remaining(len(req.prep.model_tokens), req.start, req.pos)
+
+
+class Scheduler:
+    def __init__(self, prefill_budget: int, prefills_together: bool) -> None:
+        self.prefill_budget = max(1, int(prefill_budget))
+        self.prefills_together = prefills_together
+        self.prefilling: list[Any] = []
+        self.steps = 0
+        self.short_batches = 0        # steps that prefilled several requests together
+        self._rr = -1
+        self._short_last = False      # the previous step served short work out of turn (a batch or one)
+
+    def enter(self, req: Any) -> None:
+        self.prefilling.append(req)
+
+    def drop(self, req: Any) -> None:
+        """``req`` no longer waits to prefill (finished, failed or abandoned)."""
+        i = next(i for i, r in enumerate(self.prefilling) if r is req)
+        del self.prefilling[i]
+        if i <= self._rr:
+            self._rr -= 1
+
+    def reset(self) -> None:
+        self.prefilling = []
+        self._rr, self._short_last = -1, False
+
+    def schedule(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> StepPlan:
+        self.steps += 1
+        short = self._short_batch(stopped, prefixed)
+        if len(short) >= 2:
+            self._short_last = True
+            self.short_batches += 1
+            self.prefilling = [r for r in self.prefilling if not any(r is s for s in short)]
+            self._rr = -1
+            return StepPlan(self.steps, short=tuple(short), budget=self.prefill_budget)
+        if self.prefilling:
+            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill()], budget=self.prefill_budget)
+        return StepPlan(self.steps)
+
+    def _short_batch(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> list[Any]:
+        """Waiting requests whose whole remainders fit one padded batch within the budget (a long
+        prompt still waiting gets the next step)."""
+        if not self.prefills_together or len(self.prefilling) < 2:
+            return []
+        cands = [r for r in self.prefilling if r.follows is None
+                 and not r.job.prefill_only and not (r.pos >= 0 and stopped(r))]
+        if any(prefixed(r) for r in cands):        # slab rows: an empty one cannot be placed,
+            cands = [r for r in cands if r.live.depth > 0]   # it prefills on its own
+        chosen = [cands[i] for i in choose_short([left(r) for r in cands], self.prefill_budget)]
+        if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):
+            return []
+        return chosen
+
+    def _next_prefill(self) -> int:
+        """Which waiting request gets this step's prefill chunk: one whose whole remainder fits in
+        the chunk goes before a longer one, but never twice in a row while a longer one waits;
+        otherwise round-robin, skipping a request that waits for its leader."""
+        if not self._short_last:
+            i = shortest_fitting([0 if r.follows else left(r) for r in self.prefilling], self.prefill_budget)
+            if i is not None:
+                self._short_last = True
+                return i
+        self._short_last = False
+        for _ in range(len(self.prefilling)):
+            self._rr = next_round_robin(len(self.prefilling), self._rr)
+            if self.prefilling[self._rr].follows is None:
+                break
+        return self._rr
