@@ -41,7 +41,7 @@ from .request import (  # noqa: F401 - re-exported: the request types live in en
     ContextLengthExceeded,
     PreparedPrompt,
     PromptReady,
-    Sequence,
+    Request,
 )
 
 log = logging.getLogger("mlxstack.request")
@@ -131,7 +131,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
 
         return want if shared_prefix_ok(self) else 0
 
-    def start(self, job: ChatJob) -> Sequence:
+    def start(self, job: ChatJob) -> Request:
         """Render, tokenise, check the window, look the prompt up and check its KV out."""
         if job.is_cancelled():
             raise ClientGone("client left before the request started")
@@ -188,7 +188,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         if report.written:   # what this request will write, by the lifetime applied (cache/lifetimes.py)
             report.segments = tuple(written_segments(match.depth, n_prompt, lifetimes.items(), self.lifetime(job.cache_ttl)))
         deadline = started + s.generation_watchdog_seconds if s.generation_watchdog_seconds > 0 else None
-        return Sequence(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
+        return Request(job=job, prep=prep, session=session, match=match, stable_msgs=stable_msgs, live=live,
                         start=match.depth, thinking_started=thinking_started, checkpoints=checkpoints,
                         history_end=history_end, params=params, t0=t0, t_prep=t_prep, deadline=deadline,
                         forced=forced, from_disk=from_disk, fingerprint=fingerprint, cache_report=report,
@@ -265,7 +265,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
                              f"(0..{self.token_count - 1})")
         return bias or None
 
-    def _should_stop(self, seq: Sequence) -> Callable[[], bool]:
+    def _should_stop(self, seq: Request) -> Callable[[], bool]:
         def should_stop() -> bool:   # asked between prefill chunks and decode tokens: progress
             self.progress()
             if seq.deadline is not None and self.clock() > seq.deadline:
@@ -289,7 +289,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         seq.t_end = time.perf_counter()
         return self.finish(seq)
 
-    def _decode(self, seq: Sequence, logits: Any, should_stop: Callable[[], bool]) -> None:
+    def _decode(self, seq: Request, logits: Any, should_stop: Callable[[], bool]) -> None:
         """Decode alone with the pipelined loop (engine.run: VLMs, MAX_CONCURRENT_SEQUENCES=1, warm
         prompts; the scheduler's decode group -- drafts included -- serves every other request)."""
         if not self.begin_decode(seq, logits):
@@ -301,7 +301,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         self.end_decode(seq)
 
     # ---------------------------------------------------------------- incremental phases
-    def begin_decode(self, seq: Sequence, logits: Any) -> bool:
+    def begin_decode(self, seq: Request, logits: Any) -> bool:
         """Per-sequence decode state (sampler, stop matchers, detokenizer); False when there is
         nothing to generate."""
         seq.stopper = StopMatcher(seq.job.stop)
@@ -316,7 +316,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             self._show(seq, seq.forced)
         return seq.params.max_tokens > 0
 
-    def call_gate(self, seq: Sequence) -> CallGate | None:
+    def call_gate(self, seq: Request) -> CallGate | None:
         """The gate a reply that may call tools passes (parsing/call_gate.py: a call is shown once
         it closes, a repeated call ends the reply, a cut call is never text: LESSONS 70); None when the reply
         cannot call (no tools, tool_choice none) or the format ends a turn at its call (harmony).
@@ -329,7 +329,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return CallGate(tools=job.tools, family=self.loaded.family, thinking_started=seq.thinking_started,
                         single=single)
 
-    def _show(self, seq: Sequence, text: str, gated: bool = True) -> bool:
+    def _show(self, seq: Request, text: str, gated: bool = True) -> bool:
         """Stream reply text through the call gate (``gated=False``: what the gate let out at the
         end); True when the gate ends the reply there -- a finished reply whose visible text stops
         before the rest, as at a stop string."""
@@ -344,7 +344,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             self.state.counters.bump("tool_call_gate_stops")
         return end
 
-    def new_constraint(self, seq: Sequence, width: int) -> Any:
+    def new_constraint(self, seq: Request, width: int) -> Any:
         """The request's grammar as a fresh per-row constraint (None without one). A prompt that
         left a reasoning block open keeps the reasoning free: the grammar starts once it closes."""
         grammar = seq.params.grammar
@@ -352,7 +352,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             return None
         return grammar.new_row(seq.params.stop_token_ids, width, REASONING_CLOSE if seq.thinking_started else None)
 
-    def _dead_end(self, seq: Sequence, row: Any) -> None:
+    def _dead_end(self, seq: Request, row: Any) -> None:
         """The grammar could not continue the reply: only stop tokens were left, and one ended it.
         Never an exception (the rest of the batch goes on); the reply says so in its finish reason."""
         seq.finish_reason = GRAMMAR_DEAD_END
@@ -360,7 +360,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         log.error("%s the reply's grammar (%s) reached a dead end after %d tokens: %s", seq.job.request_id,
                   row.grammar.spec.kind, len(seq.generated), row.error)
 
-    def consume(self, seq: Sequence, tok: int) -> bool:
+    def consume(self, seq: Request, tok: int) -> bool:
         """One generated token read back: stream its text, apply every stop rule. True when the
         sequence is done (a stop token or string, harmony's stop rule, or max_tokens)."""
         seq.generated.append(tok)
@@ -389,7 +389,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             return True
         return seq.produced >= seq.params.max_tokens
 
-    def end_decode(self, seq: Sequence) -> None:
+    def end_decode(self, seq: Request) -> None:
         """Flush the text a stop matcher held back (unless a stop string or an abort ended it)."""
         if not seq.stopped_by_string and not (seq.watchdog or seq.job.is_cancelled()):
             seq.detok.finalize()
@@ -400,7 +400,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             if seq.calls is not None:     # a reply cut inside a call never shows it (call_gate.py)
                 self._show(seq, seq.calls.flush(cut=seq.finish_reason == "length"), gated=False)
 
-    def prefill_step(self, seq: Sequence, budget: int, defer_last: bool = False) -> bool:
+    def prefill_step(self, seq: Request, budget: int, defer_last: bool = False) -> bool:
         """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
         True once the prompt is done (``seq.logits`` set) or the request was abandoned between
         chunks (``seq.prefill_aborted``). A short rest (runner/generate ``folds``) is fed with the last one,
@@ -436,7 +436,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             return True
         return False
 
-    def feed_last(self, seq: Sequence) -> None:
+    def feed_last(self, seq: Request) -> None:
         """Feed a deferred last prompt token now (a sequence that will not decode after all)."""
         if seq.logits is None and seq.pos == len(seq.prep.model_tokens) - 1:
             seq.logits = last_logits(self.loaded.model, seq.live, seq.prep.model_tokens[-1])

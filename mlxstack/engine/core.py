@@ -46,7 +46,7 @@ from ..cache.kv_ops import LiveCache
 from ..cache.prefixed_kv import PrefixedKVCache
 from ..runner.batch import DecodeGroup, GroupReset
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
-from .chat import ChatEngine, ChatJob, Sequence
+from .chat import ChatEngine, ChatJob, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from ..scheduler.admission import committed_bytes, need_bytes, room
 from ..scheduler.plan import Scheduler, StepPlan, left
@@ -61,11 +61,11 @@ class SchedulerReset(RuntimeError):
     """A request that was in flight when the scheduler's state had to be thrown away."""
 
 
-def _growth(seq: Sequence) -> int:
+def _growth(seq: Request) -> int:
     return growth(seq.params.max_tokens, seq.produced)
 
 
-def fork(follower: Sequence, quant: Any) -> None:
+def fork(follower: Request, quant: Any) -> None:
     """Give ``follower`` its leader's first ``depth`` tokens (references), as both's root
     (scheduler/shared_prefill.py decided whom it follows and when)."""
     leader, depth = follower.follows
@@ -87,19 +87,19 @@ class EngineCore:
         self.last_batch = 0
         self.batch_peak = 0           # most rows in one decode forward since the worker last took work when idle
         self.closed_together = 0      # turns closed in a shared forward with others
-        self.closing: list[Sequence] = []   # replied while others decode; turn closed and stored later
+        self.closing: list[Request] = []   # replied while others decode; turn closed and stored later
         self.replied_early = 0        # replies sent before their turn's closing forward
         self.failed = 0               # requests failed by the scheduler (not by their own finish)
         self.recoveries = 0           # times the whole state was thrown away (recover)
         self.shared_prefills = 0      # requests that took a common prompt prefix from another's prefill
-        self.parked: Sequence | None = None   # started, waiting for KV memory (admission by bytes)
+        self.parked: Request | None = None   # started, waiting for KV memory (admission by bytes)
         self.parked_total = 0         # requests that had to wait for memory
         self._token_bytes: tuple[int, int] | None = None
         self._tier_key: tuple = ()
         self._tier_ids: dict[int, int] = {}
 
     @property
-    def prefilling(self) -> list[Sequence]:
+    def prefilling(self) -> list[Request]:
         return self.scheduler.prefilling
 
     @property
@@ -122,7 +122,7 @@ class EngineCore:
         return self.active < self.max_sequences and self.parked is None
 
     # ------------------------------------------------------------------ admission by memory
-    def need_bytes(self, seq: Sequence) -> int:
+    def need_bytes(self, seq: Request) -> int:
         """KV bytes ``seq`` will add while in flight: its uncached prompt and up to ``GROWTH``
         generated tokens, at the model's bytes per token (measured once, on a fresh cache fed one
         token); the reused prefix is held by reference (a rooted checkout, the slab's prefix)."""
@@ -146,7 +146,7 @@ class EngineCore:
         ahead = sum(left(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
         return committed_bytes(self.engine.state.live_kv_bytes, per_token, ahead)
 
-    def _room(self, seq: Sequence) -> int | None:
+    def _room(self, seq: Request) -> int | None:
         """KV bytes the budget leaves once ``seq`` is in flight beside the others (negative: it
         would pass the budget); None when admission by memory does not apply -- no budget, several
         ranks, or nothing else in flight (alone, a request always runs)."""
@@ -156,7 +156,7 @@ class EngineCore:
             return None
         return room(state.cache_budget, self.committed_bytes(), self.need_bytes(seq), others, state.replicated)
 
-    def _admit_or_park(self, seq: Sequence) -> bool:
+    def _admit_or_park(self, seq: Request) -> bool:
         """``seq`` starts prefilling (the RAM cache tier first gives up what the budget no longer
         leaves it), or waits for memory (False)."""
         room = self._room(seq)
@@ -167,7 +167,7 @@ class EngineCore:
         self._enter(seq)
         return True
 
-    def _checked_out(self, seq: Sequence) -> set[int]:
+    def _checked_out(self, seq: Request) -> set[int]:
         """The cache entries ``seq`` and the requests in flight were checked out of: they hold
         those arrays (by reference, or until their first append), so spilling the entries frees
         no memory and loses a hot entry."""
@@ -203,7 +203,7 @@ class EngineCore:
             self.parked = seq
             self.parked_total += 1
 
-    def _enter(self, seq: Sequence) -> None:
+    def _enter(self, seq: Request) -> None:
         """``seq`` starts prefilling."""
         if self.group.prefills_together and self.group.min_shared is not None:
             plan = plan_follow(seq, self.prefilling, self.group.min_shared)
@@ -263,11 +263,11 @@ class EngineCore:
         self.account()
         self._unpark()                    # room freed by this step: the parked request starts next
 
-    def _stopped(self, seq: Sequence) -> bool:
+    def _stopped(self, seq: Request) -> bool:
         return self.engine._should_stop(seq)()
 
     @staticmethod
-    def _prefixed(seq: Sequence) -> bool:
+    def _prefixed(seq: Request) -> bool:
         return holds_prefixed([seq.live])
 
     def _prefill_chunk(self, plan: StepPlan) -> None:
@@ -327,7 +327,7 @@ class EngineCore:
         futures, self.futures = self.futures, {}
         return sum(resolve(f, exc=exc) for f in futures.values())
 
-    def _end(self, ended: list[Sequence]) -> None:
+    def _end(self, ended: list[Request]) -> None:
         """Sequences that finished decoding this step. While other rows still decode, a completed
         reply goes out now and its turn is closed (last token + the template's closer fed) and
         stored later, together with every other that ends before the batch empties or a new
@@ -359,14 +359,14 @@ class EngineCore:
         for seq in pending:
             self.engine.store_turn(seq)
 
-    def _close_together(self, finished: list[Sequence]) -> None:
+    def _close_together(self, finished: list[Request]) -> None:
         """Sequences that finished in the same step close their turns (last sampled token + the
         template's closer) in one batched forward instead of one forward each; finish() then only
         stores. Anything unusual (an abort, a failure here) is left to finish()'s own path."""
         eng = self.engine
         if not self.group.prefills_together or len(finished) < 2 or not eng.state.prompt_cache.enabled:
             return
-        plans: list[tuple[Sequence, list[int], list[int]]] = []
+        plans: list[tuple[Request, list[int], list[int]]] = []
         for seq in finished:
             if not eng.completed(seq):
                 continue
@@ -389,7 +389,7 @@ class EngineCore:
             seq.closed = target
         self.closed_together += len(plans)
 
-    def _prefill_short(self, seqs: list[Sequence]) -> None:
+    def _prefill_short(self, seqs: list[Request]) -> None:
         """Requests whose whole remainders the plan feeds together: one forward, then each joins
         the batch (or finishes: nothing to generate)."""
         try:
@@ -430,7 +430,7 @@ class EngineCore:
             for i in joining:
                 self._fail(seqs[i], exc)
 
-    def _prefilled(self, seq: Sequence) -> None:
+    def _prefilled(self, seq: Request) -> None:
         seq.t_first = time.perf_counter()
         deferred = seq.logits is None and seq.pos == len(seq.prep.model_tokens) - 1
         if seq.prefill_aborted or (seq.logits is None and not deferred) or seq.job.prefill_only:
@@ -449,7 +449,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - the join was rolled back: only this one fails
             self._fail(seq, exc)
 
-    def _finish(self, seq: Sequence, store: bool = True) -> bool:
+    def _finish(self, seq: Request, store: bool = True) -> bool:
         """Resolve ``seq``'s future with its outcome (``store``: its turn closed and stored
         first); False when it failed instead (nothing is to be stored then)."""
         future = self.futures.pop(id(seq), None)
@@ -464,7 +464,7 @@ class EngineCore:
         resolve(future, outcome)
         return True
 
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+    def _fail(self, seq: Request, exc: BaseException) -> None:
         future = self.futures.pop(id(seq), None)
         if future is not None and resolve(future, exc=exc):
             self.failed += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..cache.diagnosis import NONE, Diagnosis, diagnose, fingerprint, with_tokens
-from .request import CacheReport, ChatJob, PreparedPrompt, Sequence
+from .request import CacheReport, ChatJob, PreparedPrompt, Request
 
 
 def request_settings(job: ChatJob) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def start_report(state: Any, job: ChatJob, prep: PreparedPrompt, session_id: str
     return fp, report
 
 
-def keep_fingerprint(state: Any, seq: Sequence, tokens: list[int]) -> None:
+def keep_fingerprint(state: Any, seq: Request, tokens: list[int]) -> None:
     """Keep the request's fingerprint over ``tokens`` (its prompt and the reply the next turn
     continues from) under its session and its reply's id."""
     if seq.fingerprint is None:

@@ -25,7 +25,7 @@ from ..parsing.harmony import healing_patch
 from ..prompt.render import encode
 from ..runner.generate import feed
 from .diagnosis import keep_fingerprint
-from .request import ChatOutcome, Sequence
+from .request import ChatOutcome, Request
 
 log = logging.getLogger("mlxstack.request")
 
@@ -42,7 +42,7 @@ class TurnFinish:
     call_id: int | None
     context_limit: int
 
-    def finish(self, seq: Sequence, store: bool = True) -> ChatOutcome:
+    def finish(self, seq: Request, store: bool = True) -> ChatOutcome:
         """Close the turn, store what the KV holds, record the request. Never raises because
         of a cache kind: a failed store is logged and counted, the reply still goes out.
         ``store=False`` (a completed reply only): the reply without closing and storing the
@@ -105,7 +105,7 @@ class TurnFinish:
         st.record(job, outcome, prep)
         return outcome
 
-    def _cache_report(self, seq: Sequence, aborted: bool, raw_ids: list[int]) -> Any:
+    def _cache_report(self, seq: Request, aborted: bool, raw_ids: list[int]) -> Any:
         """The request's cache report with the prompt tokens it hands to the cache (its turn's
         entry holds the prompt: what was not reused is written), and its fingerprint kept over
         what the next turn continues from (the prompt, then the reply the client saw)."""
@@ -121,11 +121,11 @@ class TurnFinish:
         keep_fingerprint(self.state, seq, seq.prep.model_tokens + reply)
         return report
 
-    def store_turn(self, seq: Sequence) -> None:
+    def store_turn(self, seq: Request) -> None:
         """The rest of ``finish(seq, store=False)``: close the turn and store it (once)."""
         self._store_turn(seq, False, self.content_ids(seq))
 
-    def _store_turn(self, seq: Sequence, aborted: bool, raw_ids: list[int]) -> None:
+    def _store_turn(self, seq: Request, aborted: bool, raw_ids: list[int]) -> None:
         st, job = self.state, seq.job
         if not st.prompt_cache.enabled or seq.stored:
             return
@@ -143,7 +143,7 @@ class TurnFinish:
                           job.request_id, st.layout.describe())
             st.counters.bump("store_failures")
 
-    def _check_json(self, seq: Sequence, visible: str) -> None:
+    def _check_json(self, seq: Request, visible: str) -> None:
         """A JSON-mode reply that ended on its own must hold one JSON object (a tool call instead
         is fine when tools were offered). Without a grammar (best effort) a miss is counted
         (``json_mode_invalid``) and logged; with one it cannot happen -- a miss is a bug
@@ -169,7 +169,7 @@ class TurnFinish:
         log.warning("%s response_format %s: the reply is not a JSON object (finish=%s)", seq.job.request_id,
                     seq.job.response_format.get("type"), seq.finish_reason)
 
-    def _logprobs(self, seq: Sequence) -> list[dict] | None:
+    def _logprobs(self, seq: Request) -> list[dict] | None:
         """OpenAI ``logprobs.content`` entries for the tokens the client sees (stop tokens excluded)."""
         if not seq.params.logprobs or seq.sampler is None:
             return None
@@ -188,7 +188,7 @@ class TurnFinish:
             out.append(entry)
         return out
 
-    def _remember_reply(self, seq: Sequence, raw_text: str, visible: str) -> None:
+    def _remember_reply(self, seq: Request, raw_text: str, visible: str) -> None:
         """Healing store: the reply as the client will see it -> the text as generated. A reply a
         client stop string cut is remembered only up to the cut (the client never saw the rest)."""
         healing = self.state.healing
@@ -211,7 +211,7 @@ class TurnFinish:
         healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages]), parsed.content,
                          parsed.tool_calls, healed)
 
-    def _close_turn(self, seq: Sequence, content_ids: list[int]) -> list[int]:
+    def _close_turn(self, seq: Request, content_ids: list[int]) -> list[int]:
         """Feed what the next turn is certain to contain after this reply: the last sampled
         token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
 
@@ -223,7 +223,7 @@ class TurnFinish:
         feed(self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
         return target
 
-    def plan_close(self, seq: Sequence, content_ids: list[int]) -> tuple[list[int], list[int]]:
+    def plan_close(self, seq: Request, content_ids: list[int]) -> tuple[list[int], list[int]]:
         """What closing the turn leaves after the prompt, and the tokens still to feed for it (the
         KV is cut back first where it holds a stop token the next turn will not contain). The
         scheduler feeds the closers of sequences finishing together in one forward."""
@@ -253,16 +253,16 @@ class TurnFinish:
             fed = keep
         return target, target[fed:]
 
-    def content_ids(self, seq: Sequence) -> list[int]:
+    def content_ids(self, seq: Request) -> list[int]:
         """The reply's tokens without stop tokens (what the client's next turn renders back)."""
         stop_ids = seq.params.stop_token_ids
         return [t for t in seq.generated if t not in stop_ids]
 
-    def completed(self, seq: Sequence) -> bool:
+    def completed(self, seq: Request) -> bool:
         """The reply ran to its end (no watchdog, no hang-up): its turn is closed and stored."""
         return not seq.watchdog and not seq.job.is_cancelled() and not seq.job.prefill_only
 
-    def _salvage(self, seq: Sequence) -> None:
+    def _salvage(self, seq: Request) -> None:
         """Nothing prefilled is thrown away: a request aborted by a hang-up or the watchdog keeps
         the KV it computed -- cut at the last completed prefill chunk, or the prompt plus what was
         decoded -- as an ordinary entry, so the client's retry pays only the rest."""
@@ -275,7 +275,7 @@ class TurnFinish:
         self._store(seq, in_kv, prompt_depth=min(depth, n_prompt))
         self.state.counters.bump("salvaged_prefill_tokens", min(depth, n_prompt) - seq.start)
 
-    def _store(self, seq: Sequence, continuation: list[int], prompt_depth: int | None = None) -> None:
+    def _store(self, seq: Request, continuation: list[int], prompt_depth: int | None = None) -> None:
         """Store the turn's KV (and its snapshots) with their session records -- all or nothing:
         a failure part-way removes the entries this call inserted before it re-raises."""
         inserted: list[int] = []
@@ -289,7 +289,7 @@ class TurnFinish:
                     log.exception("removing entry %s after a failed store failed", entry_id)
             raise
 
-    def _store_entries(self, seq: Sequence, continuation: list[int], prompt_depth: int | None,
+    def _store_entries(self, seq: Request, continuation: list[int], prompt_depth: int | None,
                        inserted: list[int]) -> None:
         st = self.state
         prep, match, session_id = seq.prep, seq.match, seq.session.session_id

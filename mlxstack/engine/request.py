@@ -2,7 +2,7 @@
 the prepared prompt, the in-flight sequence (cache, prefill and decode state), the outcome.
 
     job = ChatJob(...)                    # server/job_adapter.py builds it from a validated request
-    seq = engine.start(job)               # -> Sequence (engine/chat.py)
+    seq = engine.start(job)               # -> Request (engine/chat.py)
     outcome = engine.finish(seq)          # -> ChatOutcome
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ class PreparedPrompt:
 
 
 @dataclass(eq=False)       # identity: a request is itself, never "equal" to another
-class Sequence:
+class Request:
     """One request between start() and finish(): its prompt, cache, and decode state."""
     job: ChatJob
     prep: PreparedPrompt
@@ -205,7 +205,7 @@ class Sequence:
     spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)
     calls: Any = None                 # parsing/call_gate.CallGate (None: the reply cannot call tools)
     stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
-    follows: Any = None               # (leader Sequence, depth): waits to take the leader's first tokens
+    follows: Any = None               # (leader Request, depth): waits to take the leader's first tokens
     shared_prefill: int = 0           # prompt tokens taken from another request's prefill (not computed)
     fingerprint: Any = None           # cache/diagnosis.Fingerprint of the prompt (None: not taken)
     cache_report: CacheReport | None = None

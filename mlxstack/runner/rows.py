@@ -1,7 +1,7 @@
 """What the runner knows of a request in flight, and how a row's failure travels.
 
 The runner never imports the engine (imports point down only): a row is the engine's request
-object (engine/request.py ``Sequence``), read and advanced through the attributes the runner
+object (engine/request.py ``Request``), read and advanced through the attributes the runner
 uses -- its live cache, tokens, sampler, and the engine's ``consume`` / ``should_stop`` callbacks
 held by the group's owner.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-Row = Any     # engine/request.py Sequence: one request in flight
+Row = Any     # engine/request.py Request: one request in flight
 Owner = Any   # engine/chat.py ChatEngine: state, settings, the loaded model, consume / stop callbacks
 
 
