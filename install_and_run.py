@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Bootstrap: find Python 3.12, build .venv, install requirements, then exec start_llm.py.
+"""Bootstrap: find Python 3.12, build .venv, install requirements, build the native CPU kernels
+(Linux), then exec start_llm.py.
 
 Runs under any python3 >= 3.8 with the standard library only, because it is the first thing a
 newcomer runs and their default python3 may be anything. The server itself only ever runs on
@@ -276,6 +277,23 @@ def ensure_openblas():
         say("WARNING: could not install libopenblas0-pthread; prefill will be slow (continuing)")
 
 
+def build_native():
+    """The CPU backend's native kernels built now (mlxstack build-native), not at the server's first
+    load. Linux only (where MLX computes on the CPU); a failure is not fatal: the server runs the MLX
+    path for them and its backend report says why."""
+    if not sys.platform.startswith("linux"):
+        return
+    say("building the CPU backend's native kernels (mlxstack build-native)")
+    try:
+        r = subprocess.run([str(venv_python(VENV)), "-m", "mlxstack.cli", "build-native"], cwd=str(REPO),
+                           timeout=300)
+        ok = r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        say("WARNING: native kernels not built; the server runs the MLX path for them (continuing)")
+
+
 # LITELLM_MASTER_KEY: what clients send to LiteLLM; MLX_API_KEY: what LiteLLM sends to the MLX server.
 GENERATED_KEYS = ("LITELLM_MASTER_KEY", "MLX_API_KEY")
 
@@ -367,6 +385,7 @@ def main(argv):
     ensure_venv(py312, recreate)
     install_requirements()
     ensure_openblas()
+    build_native()
     env_path, keys, generated = ensure_env_file()
     for name in generated:
         say("wrote a new %s=%s into %s" % (name, mask_secret(keys[name]), env_path))

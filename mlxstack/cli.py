@@ -6,6 +6,8 @@
                                          (mlxstack.launcher.test_runner; --fast: the fast tier)
     mlxstack bench [guard args]          the benchmark guard (scripts/bench_guard.py)
     mlxstack env-example                 regenerate .env.example and docs/configuration.md
+    mlxstack build-native                build the CPU backend's native kernels now, not at the
+                                         server's first load (install_and_run.py runs it)
 
 Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e .``, as
 ``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
@@ -27,6 +29,7 @@ COMMANDS = {
     "test": "run the tests with the optimised BLAS preloaded; --fast: -m \"not e2e and not slow\"",
     "bench": "run the benchmark guard (scripts/bench_guard.py; ~10 min, not in CI)",
     "env-example": "regenerate .env.example and docs/configuration.md from the settings",
+    "build-native": "build the CPU backend's native kernels with the system C compiler now (else at load)",
 }
 
 
@@ -75,9 +78,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mlxstack env-example: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
             return 2
         _exec_python([_script("scripts/gen_env_example.py")])
+    elif command == "build-native":
+        return build_native(rest)
     else:
         print(f"mlxstack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    return 0
+
+
+def build_native(rest: list[str]) -> int:
+    """Build (or find) the native kernels' library where a server of this environment looks for it
+    (backends/cpu/native_build.py: per source, compiler and CPU, in ``<venv>/mlxstack-native/``), so
+    no server compiles at load. 0: built or already there; 1: it cannot be built here (the server
+    then runs the MLX path for those kernels, and says so in its backend report)."""
+    if rest[:1] in (["-h"], ["--help"]):
+        print(f"usage: mlxstack build-native\n\n{COMMANDS['build-native']}")
+        return 0
+    if rest:
+        print(f"mlxstack build-native: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
+        return 2
+    from .backends.cpu import native_build
+
+    path, why = native_build.build_ahead()
+    if path is None:
+        print(f"mlxstack build-native: not built ({why}); servers run the MLX path for the native kernels",
+              file=sys.stderr)
+        return 1
+    print(f"native kernels: {path}")
     return 0
 
 

@@ -262,12 +262,12 @@ def section_breakdown(model_path: str, length: int, steps: list[int]) -> None:
     print(f"  x {args.num_hidden_layers} layers ~ {t_layer * args.num_hidden_layers:.2f} s per {length}-token chunk; "
           f"attention share of a layer {t_sdpa / t_layer * 100:.0f}%")
     try:
-        from mlxstack.models import cpu_attention
+        from mlxstack.backends.cpu import block_causal as cpu_attention
     except ImportError:
         cpu_attention = None  # type: ignore[assignment]
     if cpu_attention is not None:
         t_blk = _timeit(lambda: cpu_attention.block_causal_sdpa(q, k, v, scale=scale))
-        print(f"  mlxstack.models.cpu_attention.block_causal_sdpa (opt-in)   {t_blk:8.4f} s  ({t_sdpa / t_blk:.2f}x vs mx.fast)")
+        print(f"  mlxstack.backends.cpu.block_causal.block_causal_sdpa (opt-in) {t_blk:8.4f} s  ({t_sdpa / t_blk:.2f}x vs mx.fast)")
 
     print(f"\nprefill chunk size (prefill_step_size) for a {length}-token prompt, engine path:")
     prompt = make_prompt(tokenizer, length)

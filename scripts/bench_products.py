@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The host path's weight products, side by side in one process: the native loop
-(models/native_products.py, NATIVE_PRODUCTS) vs OpenBLAS's sgemm (the BLAS MLX itself uses),
+(backends/cpu/native_products.py, NATIVE_PRODUCTS) vs OpenBLAS's sgemm (the BLAS MLX itself uses),
 over every product of one decode step of the embedded model's shapes (SmolLM2-135M: 30 layers x
 q / k / v / o / gate / up / down + the tied head, 211 products, ~540 MB of float32 weights),
 for several row counts. Random weights of those shapes (the cost does not depend on the values);
@@ -35,7 +35,7 @@ def main() -> int:
     import numpy as np
 
     import mlx.core  # noqa: F401 - loads MLX's BLAS the way the server does
-    from mlxstack.models import host_forward, native_products
+    from mlxstack.backends.cpu import host_forward, native_products
 
     sgemm = host_forward.blas()
     loop = native_products.load()

@@ -16,6 +16,7 @@ CONFIG_DOC = REPO / "docs" / "configuration.md"
 # Where each group of settings is explained at length (docs pages, relative to docs/).
 GROUP_LINKS = {
     "model": "[CPU backend](cpu-backend.md)",
+    "cpu backend": "[CPU backend](cpu-backend.md)",
     "network": "[operations](operations.md), [security](security.md)",
     "distributed": "[one model across machines](distributed.md)",
     "backends": "[several backends](operations.md#several-backends-replicas-two-models-other-machines)",

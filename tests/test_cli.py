@@ -26,7 +26,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_subcommand():
     out = run("--help")
     assert out.returncode == 0, out.stderr
-    for name in ("serve", "test", "bench", "env-example", "mlx-server"):
+    for name in ("serve", "test", "bench", "env-example", "mlx-server", "build-native"):
         assert re.search(rf"^  {re.escape(name)}\s", out.stdout, re.M), name
 
 

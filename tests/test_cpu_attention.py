@@ -5,7 +5,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from mlxstack.models.cpu_attention import block_causal_sdpa, make_sdpa  # noqa: E402
+from mlxstack.backends.cpu.block_causal import block_causal_sdpa, make_sdpa  # noqa: E402
 
 
 @pytest.mark.parametrize("L,S,block", [(300, 300, 64), (128, 448, 50), (64, 64, 256), (1, 40, 16)])

@@ -1,5 +1,5 @@
-"""CPU kernels (models/fast_math.py, models/cpu_kernels.py, the plain path of
-models/shared_attention.py): the fast exp against mx.exp, attention against mx.fast's over every
+"""CPU kernels (backends/cpu/fast_math.py, backends/cpu/kernels.py, the plain path of
+backends/cascade.py): the fast exp against mx.exp, attention against mx.fast's over every
 mask form, blocked prefills, and the model's logits with the kernels on vs off."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxstack.models import shared_attention as sa
-from mlxstack.models.cpu_kernels import install_cpu_kernels
-from mlxstack.models.fast_math import fast_exp, fast_silu, fast_swiglu
+from mlxstack.backends import cascade as sa
+from mlxstack.backends.cpu.kernels import install_cpu_kernels
+from mlxstack.backends.cpu.fast_math import fast_exp, fast_silu, fast_swiglu
 
 
 def test_fast_exp_matches_mx_exp():
@@ -46,7 +46,7 @@ def _strided(B, H, T, D, seed):
 
 @pytest.mark.parametrize("B,L,T", [(1, 1, 300), (3, 1, 300), (1, 200, 700), (2, 9, 40), (1, 64, 64)])
 def test_plain_attention_matches_mx_fast(B, L, T):
-    sa.use_fast_exp(True)
+    sa.use_exp(fast_exp)
     try:
         q = mx.random.normal((B, 6, L, 16), key=mx.random.key(4))
         k, v = _strided(B, 2, T, 16, 5), _strided(B, 2, T, 16, 6)
@@ -61,7 +61,7 @@ def test_plain_attention_matches_mx_fast(B, L, T):
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal", sinks=sinks)
         assert mx.max(mx.abs(sa.attend_blocked(q, k, v, 0.25, "causal", sinks) - ref)).item() < 2e-5
     finally:
-        sa.use_fast_exp(False)
+        sa.use_exp(None)
 
 
 def test_a_long_prefill_runs_in_causal_blocks():

@@ -1,7 +1,10 @@
-"""The host path for decode-sized forwards (models/host_forward.py): RoPE bit for bit MLX's own,
-logits and KV within float rounding of mlx-lm's forward for every cache layout it takes, nothing
-taken that it cannot do, a model whose weights change falls back at once, and an engine whose
-batched replies are the same with it on and off."""
+"""The host path for decode-sized forwards (backends/cpu/host_forward.py), reached as the CPU
+backend's ``forward_rows`` / ``feed_rows`` through runner/forward.py (nothing patched on mlx-lm's
+class: ``model(...)`` is always mlx-lm's own): RoPE bit for bit MLX's own, logits and KV within
+float rounding of mlx-lm's forward for every cache layout it takes -- the backend's counter
+proving the host path computed them, not a silent fall back to the model -- nothing taken that it
+cannot do, a model whose weights change falls back at once, and an engine whose batched replies
+are the same with it on and off."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -13,7 +16,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, Rotatin
 
 from mlxstack.cache.prefixed_kv import PrefixedKVCache
 from mlxstack.cache.slab import SlabKVCache
-from mlxstack.models import host_forward as hf
+from mlxstack.backends.cpu import host_forward as hf
+from mlxstack.backends.cpu.backend import CpuBackend
+from mlxstack.runner.forward import attach, backend_of, feed_rows, forward
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
@@ -36,12 +41,21 @@ def tiny_llama(seed=0, **over):
 
 
 def mlx_forward(model, tokens, cache):
-    plan = model.__dict__.get(hf._ATTR)
-    model.__dict__[hf._ATTR] = None
-    try:
-        return model(tokens, cache=cache)
-    finally:
-        model.__dict__[hf._ATTR] = plan
+    """mlx-lm's own forward: the model's ``__call__``, never the host path."""
+    return model(tokens, cache=cache)
+
+
+def host(model):
+    """The host path installed on ``model`` and a CPU backend attached to it (as engine/factory.py
+    does): True when the path applies."""
+    ok = hf.install(model)
+    attach(model, CpuBackend())
+    return ok
+
+
+def ours(model, tokens, cache):
+    """The forward the runner runs: the attached backend's ``forward_rows``, or the model's own."""
+    return forward(model, tokens, cache)
 
 
 def close(a, b, tol=2e-5):
@@ -67,14 +81,16 @@ def test_rope_is_bit_for_bit_mlx(traditional, dims, offset):
                                   {"rope_traditional": True, "head_dim": 32}])
 def test_same_logits_and_kv_as_mlx_lm(over):
     model = tiny_llama(**over)
-    assert hf.install(model) and hf.enabled(model)
+    assert host(model) and hf.enabled(model)
+    backend = backend_of(model)
     prompt = mx.array([[5, 17, 3, 88, 41, 9]])
-    ours, theirs = [KVCache() for _ in range(3)], [KVCache() for _ in range(3)]
-    close(model(prompt, cache=ours), mlx_forward(model, prompt, theirs))
+    mine, theirs = [KVCache() for _ in range(3)], [KVCache() for _ in range(3)]
+    close(ours(model, prompt, mine), mlx_forward(model, prompt, theirs))
     for tok in (12, 60, 2):
         step = mx.array([[tok]])
-        close(model(step, cache=ours), mlx_forward(model, step, theirs))
-    for a, b in zip(ours, theirs):
+        close(ours(model, step, mine), mlx_forward(model, step, theirs))
+    assert backend.host_calls == 4              # every call above ran on the host path, none fell back
+    for a, b in zip(mine, theirs):
         assert a.offset == b.offset == 9
         close(a.keys[..., :9, :], b.keys[..., :9, :])
         close(a.values[..., :9, :], b.values[..., :9, :])
@@ -84,7 +100,7 @@ def test_batched_layouts_match_mlx_lm():
     """Left-padded batch rows (mlx-lm's BatchKVCache), a slab with ragged ends after a rewind
     (speculation), a shared prefix held once, a prefixed single cache: the same as mlx-lm."""
     model = tiny_llama(1)
-    assert hf.install(model)
+    assert host(model)
     rows = mx.array([[3, 9, 4, 6], [8, 1, 2, 3], [70, 71, 72, 73]])
 
     def run(forward, make):
@@ -93,9 +109,6 @@ def test_batched_layouts_match_mlx_lm():
         for toks in ([[4], [5], [6]], [[7, 8], [9, 10], [11, 12]]):
             out.append(forward(model, mx.array(toks), cache))
         return out, cache
-
-    def ours(m, t, c):
-        return m(t, cache=c)
 
     for make in (lambda: [BatchKVCache([1, 0, 2]) for _ in range(3)], lambda: [SlabKVCache([2, 0, 1]) for _ in range(3)]):
         got, _ = run(ours, make)
@@ -112,6 +125,8 @@ def test_batched_layouts_match_mlx_lm():
         return forward(model, mx.array([[1, 2], [3, 4], [5, 6]]), cache)
 
     close(ragged(ours), ragged(mlx_forward))
+    taken = backend_of(model).host_calls
+    assert taken == 2 * 3 + 2                   # both layouts' three calls, the ragged pair: all on the host path
 
     def prefixed(forward):
         base = [KVCache() for _ in range(3)]
@@ -121,13 +136,14 @@ def test_batched_layouts_match_mlx_lm():
 
     for a, b in zip(prefixed(ours), prefixed(mlx_forward)):
         close(a, b)
+    assert backend_of(model).host_calls == taken + 3
 
 
 def test_takes_only_what_it_can_do():
     model = tiny_llama(2)
     fresh = lambda: [KVCache() for _ in range(3)]  # noqa: E731
     assert hf.forward(model, mx.array([[1, 2]]), fresh()) is None          # not installed
-    assert hf.install(model)
+    assert host(model)
     assert hf.forward(model, mx.array([[1, 2]]), fresh()) is not None
     assert hf.forward(model, mx.array([list(range(hf.MAX_POSITIONS + 1))]), fresh()) is None   # a prefill
     assert hf.forward(model, mx.array([[1]]), None) is None
@@ -135,9 +151,32 @@ def test_takes_only_what_it_can_do():
     assert hf.forward(model, mx.array([[1]]), [QuantizedKVCache() for _ in range(3)]) is None
     assert hf.forward(model, mx.array([[1]]), [RotatingKVCache(max_size=8) for _ in range(3)]) is None
     assert hf.forward(model, mx.array([[1]]), fresh()[:2]) is None
-    # a long call still runs (mlx-lm's forward) through the same entry point
+    # a long call still runs (mlx-lm's forward) through the same entry point, not on the host path
+    backend = backend_of(model)
     long = mx.array([list(range(20))])
-    close(model(long, cache=fresh()), mlx_forward(model, long, fresh()))
+    assert backend.forward_rows(model, long, fresh()) is None
+    close(ours(model, long, fresh()), mlx_forward(model, long, fresh()))
+    assert backend.host_calls == 0
+    ours(model, mx.array([[1, 2]]), fresh())
+    assert backend.host_calls == 1
+
+
+def test_nothing_is_patched_on_the_model_class():
+    """The host path is the attached backend's: mlx-lm's class keeps its own ``__call__``, a model
+    called directly runs mlx-lm's forward (the backend never sees it), and a model the backend was
+    not attached to runs plainly through the runner's door too."""
+    model = tiny_llama(8)
+    assert host(model)
+    assert llama.Model.__call__.__module__ == llama.__name__ and llama.Model.__call__.__qualname__ == "Model.__call__"
+    assert "__call__" not in model.__dict__
+    backend = backend_of(model)
+    model(mx.array([[1, 2]]), cache=[KVCache() for _ in range(3)])
+    assert backend.host_calls == 0
+    other = tiny_llama(8)
+    assert hf.install(other) and backend_of(other) is None               # a plan, but no backend attached
+    close(ours(other, mx.array([[1, 2]]), [KVCache() for _ in range(3)]),
+          mlx_forward(other, mx.array([[1, 2]]), [KVCache() for _ in range(3)]), tol=0)
+    assert backend.host_calls == 0
 
 
 def test_models_it_does_not_take():
@@ -159,12 +198,12 @@ def test_replaced_weights_fall_back_at_once():
     """Weights swapped after install (a reload, an adapter): never the old views -- mlx-lm's
     forward from then on, with the new weights."""
     model = tiny_llama(4)
-    assert hf.install(model)
+    assert host(model)
     proj = model.model.layers[1].mlp.down_proj
     proj.weight = proj.weight * 3.0
     mx.eval(proj.weight)
     tokens = mx.array([[4, 5, 6]])
-    got = model(tokens, cache=[KVCache() for _ in range(3)])
+    got = ours(model, tokens, [KVCache() for _ in range(3)])
     assert not hf.enabled(model)
     close(got, mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
 
@@ -179,6 +218,8 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
     eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
     model = eng.loaded.model
     assert hf.enabled(model)
+    backend = backend_of(model)
+    assert backend is not None and backend.name == "cpu"
     plan = model.__dict__[hf._ATTR]
     shapes = []
     original = hf.forward
@@ -195,7 +236,9 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
 
     hf.forward = counted
     try:
+        before = backend.host_calls
         on = replies("on")
+        assert backend.host_calls > before
         model.__dict__[hf._ATTR] = None
         off = replies("off")
     finally:
@@ -207,12 +250,12 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
 
 def test_replaced_bias_falls_back():
     model = tiny_llama(5, attention_bias=True)
-    assert hf.install(model)
+    assert host(model)
     q = model.model.layers[0].self_attn.q_proj
     q.bias = q.bias + 1.0
     mx.eval(q.bias)
     tokens = mx.array([[4, 5]])
-    close(model(tokens, cache=[KVCache() for _ in range(3)]), mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
+    close(ours(model, tokens, [KVCache() for _ in range(3)]), mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
     assert not hf.enabled(model)
 
 
@@ -226,7 +269,7 @@ def test_feed_rows_on_each_rows_own_cache():
     """Three rows at different depths (one holding its prefix by reference) fed 3, 1 and 2 tokens
     in one pass on their own layers: the KV each row's own mlx-lm forward writes, in place."""
     model = tiny_llama(6)
-    assert hf.install(model)
+    assert host(model)
     prompts, feeds = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], [[20, 21, 22], [23], [24, 25]]
 
     def rows():
@@ -234,24 +277,25 @@ def test_feed_rows_on_each_rows_own_cache():
         out[2] = [PrefixedKVCache((c.keys, c.values, 6)) for c in out[2]]
         return out
 
-    ours, theirs = rows(), rows()
-    assert hf.feed_rows(model, ours, feeds)
+    mine, theirs = rows(), rows()
+    assert feed_rows(model, mine, feeds)                  # the runner's door: the backend's feed_rows
+    assert backend_of(model).rows_fed == 1
     for cache, feed in zip(theirs, feeds):
         mlx_forward(model, mx.array([feed]), cache)
-    for a_row, b_row, p, f in zip(ours, theirs, prompts, feeds):
+    for a_row, b_row, p, f in zip(mine, theirs, prompts, feeds):
         for a, b in zip(a_row, b_row):
             assert a.offset == b.offset == len(p) + len(f)
             n = a.offset - (6 if isinstance(a, PrefixedKVCache) else 0)
             close(a.keys[..., :n, :], b.keys[..., :n, :])
             close(a.values[..., :n, :], b.values[..., :n, :])
     step = mx.array([[3]])
-    for a_row, b_row in zip(ours, theirs):
-        close(model(step, cache=a_row), mlx_forward(model, step, b_row))
+    for a_row, b_row in zip(mine, theirs):
+        close(ours(model, step, a_row), mlx_forward(model, step, b_row))
 
 
 def test_feed_rows_declines_or_puts_everything_back(monkeypatch):
     model = tiny_llama(7)
-    assert hf.install(model)
+    assert host(model)
     assert not hf.feed_rows(model, [_prompted(model, [1, 2])], [list(range(hf.MAX_POSITIONS + 1))])
     assert not hf.feed_rows(model, [[BatchKVCache([0]) for _ in range(3)]], [[1]])
     caches = [_prompted(model, [1, 2, 3]), _prompted(model, [4, 5])]

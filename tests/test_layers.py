@@ -16,9 +16,10 @@ ALLOWED = {
     "server": {"observability", "engine", "runner", "constraints", "models", "cache", "prompt", "parsing", "config",
                "system"},
     "observability": {"cache", "config", "system"},
-    "engine": {"runner", "constraints", "models", "cache", "prompt", "parsing", "config"},
-    "runner": {"constraints", "models", "cache", "prompt", "config"},
+    "engine": {"runner", "backends", "constraints", "models", "cache", "prompt", "parsing", "config"},
+    "runner": {"backends", "constraints", "models", "cache", "prompt", "config"},
     "constraints": {"parsing", "config"},
+    "backends": {"models", "config", "system"},
     "models": {"config", "system"},
     "cache": {"config"},
     "prompt": {"parsing", "config"},
@@ -82,3 +83,55 @@ def test_pure_layers_import_no_mlx_and_no_network(name):
         mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
         assert not mods & {"mlx", "mlx_lm", "mlx_vlm", "urllib", "socket", "http", "requests"}, (path.name, mods)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every mlxstack module a module imports, as a dotted name under ``mlxstack`` (``backends.cpu.kernels``),
+    absolute or relative at any depth, anywhere in the file (inside functions too); ``from X import Y``
+    also counts ``X.Y`` (Y may be a module), and a string naming an ``mlxstack.`` module (``import_module``)."""
+    tree = ast.parse(path.read_text())
+    package = path.relative_to(PKG).parent.parts
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if not (node.module and (node.module + ".").startswith("mlxstack.")):
+                    continue
+                base = tuple(node.module.split(".")[1:])
+            else:
+                if node.level - 1 > len(package):
+                    continue
+                base = (*package[:len(package) - (node.level - 1)], *(node.module.split(".") if node.module else ()))
+            if base:
+                out.add(".".join(base))
+            out |= {".".join((*base, alias.name)) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {alias.name.split(".", 1)[1] for alias in node.names if alias.name.startswith("mlxstack.")}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mlxstack."):
+            out.add(node.value.split(".", 1)[1])
+    return out
+
+
+def test_imported_modules_sees_every_form(tmp_path, monkeypatch):
+    mod = tmp_path / "engine" / "sub" / "m.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("from ...backends import cpu\n"
+                   "def f():\n    from ...backends.cpu.backend import CpuBackend\n"
+                   "    import mlxstack.backends.cpu.kernels\n"
+                   "    return __import__('importlib').import_module('mlxstack.backends.cpu')\n"
+                   "from .. import backends\nfrom ..factory import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path)
+    assert imported_modules(mod) == {"backends", "backends.cpu", "backends.cpu.backend", "backends.cpu.backend.CpuBackend",
+                                     "backends.cpu.kernels", "engine", "engine.backends", "engine.factory",
+                                     "engine.factory.x"}
+
+
+SCHEDULING = sorted(p for name in ("engine", "scheduler") for p in (PKG / name).glob("**/*.py"))
+
+
+@pytest.mark.parametrize("path", SCHEDULING, ids=lambda p: str(p.relative_to(PKG)))
+def test_the_engine_and_the_scheduler_never_import_the_cpu_backend(path):
+    """The engine chooses a backend only through ``select`` (backends/__init__.py) (engine/factory.py);
+    what the CPU backend is stays inside backends/cpu."""
+    wrong = sorted(m for m in imported_modules(path) if m == "backends.cpu" or m.startswith("backends.cpu."))
+    assert not wrong, f"{path.relative_to(PKG)} imports {wrong}: select the CPU backend through mlxstack.backends"

@@ -1,4 +1,4 @@
-"""The native decode-attention kernel (models/native_attention.py): the same softmax as the MLX
+"""The native decode-attention kernel (backends/cpu/native_attention.py): the same softmax as the MLX
 ops path for every input shape the attention hook hands it, per-row results independent of the
 batch, None for what it does not take, no kernel where it cannot build, and an engine whose
 batched replies are the same with it on and off."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxstack.models import cpu_kernels, native_attention
-from mlxstack.models import shared_attention as sa
-from mlxstack.models.shared_attention import Part, attend_parts_mlx
+from mlxstack.backends.cpu import kernels as cpu_kernels, native_attention
+from mlxstack.backends import cascade as sa
+from mlxstack.backends.cascade import Part, attend_parts_mlx
 from tests.conftest import build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job

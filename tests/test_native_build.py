@@ -1,4 +1,4 @@
-"""The native kernels' build (models/native_build.py): one library per CPU as well as per source,
+"""The native kernels' build (backends/cpu/native_build.py): one library per CPU as well as per source,
 flags and compiler (a build copied to a CPU with other features is rebuilt, never loaded: -march=native
 code dies of SIGILL elsewhere), in a private folder (0700, this user's), and a library that is not
 this user's own unwritable file -- a predictable name in a loose folder -- never loaded."""
@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from mlxstack.models import native_build
+from mlxstack.backends.cpu import native_build
 
 needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -66,9 +66,39 @@ def test_a_library_others_may_write_is_built_again_over(tmp_path, monkeypatch):
 
 
 def test_the_products_loop_only_where_the_cpu_fuses_multiply_adds():
-    from mlxstack.models.native_products import fast_here
+    from mlxstack.backends.cpu.native_products import fast_here
 
     assert fast_here(X86, "x86_64")
     assert not fast_here(X86.replace(" fma", ""), "x86_64")       # __builtin_fmaf would be a libm call
     assert not fast_here(X86.replace(" avx2", ""), "x86_64")
     assert fast_here("", "arm64") and fast_here("", "aarch64")   # NEON has them
+
+
+@needs_cc
+def test_built_ahead_a_server_only_binds_it(tmp_path, monkeypatch):
+    """`mlxstack build-native` (what install_and_run.py runs) builds the library where a server of the
+    same environment looks; the server's load then finds it and compiles nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    python = repo / ".venv" / "bin" / "python"
+    env = {**os.environ, "MLXSTACK_NATIVE_DIR": str(tmp_path)}
+    out = subprocess.run([str(python if python.exists() else sys.executable), "-m", "mlxstack.cli", "build-native"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    built = [p for p in tmp_path.iterdir()]
+    assert len(built) == 1 and str(built[0]) in out.stdout
+    monkeypatch.setenv("MLXSTACK_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "compiled_here", False)
+    monkeypatch.setattr(native_build.subprocess, "run", lambda *a, **k: pytest.fail("compiled at load"))
+    assert native_build.build() == built[0] and native_build.compiled_here is False
+
+
+def test_build_native_says_why_not(monkeypatch, capsys):
+    from mlxstack import cli
+
+    monkeypatch.setattr(native_build, "build_ahead", lambda: (None, "no C compiler (cc / gcc / CC)"))
+    assert cli.main(["build-native"]) == 1 and "no C compiler" in capsys.readouterr().err
+    assert cli.main(["build-native", "extra"]) == 2

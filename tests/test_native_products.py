@@ -1,4 +1,4 @@
-"""The native loop for the host path's weight products (models/native_products.py): x @ w.T within
+"""The native loop for the host path's weight products (backends/cpu/native_products.py): x @ w.T within
 float rounding of a float64 reference for every tail of the blocking, a row's result the same
 bits alone or in any batch, both threads, nothing built without a compiler, and the host path's
 forward with it equal to mlx-lm's within rounding -- replies token for token on the embedded model."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxstack.models import host_forward as hf
-from mlxstack.models import native_products
-from tests.test_host_forward import close, mlx_forward, tiny_llama
+from mlxstack.backends.cpu import host_forward as hf
+from mlxstack.backends.cpu import native_products
+from tests.test_host_forward import close, host, mlx_forward, ours, tiny_llama
 
 products = native_products.load()
 needs_kernel = pytest.mark.skipif(products is None, reason="no C compiler here: the loop is not built")
@@ -125,16 +125,16 @@ def native_on():
 @needs_kernel
 def test_host_forward_with_the_loop_matches_mlx_lm(native_on):
     model = tiny_llama(4, tie_word_embeddings=False)
-    assert hf.install(model)
+    assert host(model)
     prompt = mx.array([[5, 17, 3, 88, 41, 9]])
-    ours, theirs = [KVCache() for _ in range(3)], [KVCache() for _ in range(3)]
-    close(model(prompt, cache=ours), mlx_forward(model, prompt, theirs))
+    mine, theirs = [KVCache() for _ in range(3)], [KVCache() for _ in range(3)]
+    close(ours(model, prompt, mine), mlx_forward(model, prompt, theirs))
     for tok in (12, 60, 2):
-        close(model(mx.array([[tok]]), cache=ours), mlx_forward(model, mx.array([[tok]]), theirs))
+        close(ours(model, mx.array([[tok]]), mine), mlx_forward(model, mx.array([[tok]]), theirs))
     rows = mx.array([[3, 9, 4, 6], [8, 1, 2, 3], [70, 71, 72, 73]])
     a, b = [BatchKVCache([1, 0, 2]) for _ in range(3)], [BatchKVCache([1, 0, 2]) for _ in range(3)]
-    close(model(rows, cache=a), mlx_forward(model, rows, b))
-    close(model(mx.array([[4], [5], [6]]), cache=a), mlx_forward(model, mx.array([[4], [5], [6]]), b))
+    close(ours(model, rows, a), mlx_forward(model, rows, b))
+    close(ours(model, mx.array([[4], [5], [6]]), a), mlx_forward(model, mx.array([[4], [5], [6]]), b))
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_embedded_model_replies_are_the_same_with_the_loop_and_sgemm(embedded_mo
     convos = [[system, {"role": "user", "content": f"Tell me about the number {n}."}] for n in (3, 17, 42, 99)]
     eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
     model = eng.loaded.model
-    assert hf.enabled(model) and hf.native_products_on()       # the loader chose it (NATIVE_PRODUCTS=auto)
+    assert hf.enabled(model) and hf.native_products_on()       # the CPU backend chose it (NATIVE_PRODUCTS=auto)
     plan = model.__dict__[hf._ATTR]
     calls = []
     loop = hf._products

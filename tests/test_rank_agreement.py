@@ -1,6 +1,6 @@
 """Ranks that agree: what shapes a forward (the CPU kernels, the native attention call) and the
 settings every rank must share, decided alike on every rank over real ring collectives between 3
-local ranks (models/sharding.py ``agree`` / ``differing_settings``, models/cpu_kernels.py
+local ranks (models/sharding.py ``agree`` / ``differing_settings``, backends/cpu/kernels.py
 ``agreed_modes``; LESSONS 60), and which settings may differ per host (``shared_settings``)."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def run_ranks(code: str, tmp_path: Path, extra_env: dict, timeout: float, ranks:
 _AGREE_RANK = """
 import json, os, sys
 import mlx.core as mx
-from mlxstack.models.cpu_kernels import agreed_modes
+from mlxstack.backends.cpu.kernels import agreed_modes
 from mlxstack.models.sharding import agree, differing_settings
 group = mx.distributed.init(strict=True, backend="ring")
 cases = json.loads(os.environ["AGREE_CASES"])
@@ -69,7 +69,7 @@ def test_ranks_agree_on_what_shapes_the_forward(tmp_path):
              [{"A": "1"}, {"A": "1"}, {"A": "1", "B": "x"}]]                               # another version
     outs = run_ranks(_AGREE_RANK, tmp_path, {"AGREE_CASES": json.dumps(cases)}, timeout=240)
     got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
-    from mlxstack.models.cpu_kernels import native_kernel
+    from mlxstack.backends.cpu.kernels import native_kernel
 
     native = "auto" if native_kernel() is not None else "off"     # the same build on this machine
     want = [[True, True], [False, False], ["on", "off"], ["off", "off"], ["on", native],

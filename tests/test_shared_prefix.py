@@ -17,7 +17,7 @@ from mlxstack.cache.slab import SlabKVCache
 from mlxstack.runner.kv_bytes import resident_bytes
 from mlxstack.engine.core import EngineCore
 from mlxstack.runner.shared_prefix import shared_prefix_ok
-from mlxstack.models.shared_attention import Part, attend_parts
+from mlxstack.backends.cascade import Part, attend_parts
 from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 from tests.test_engine import job
@@ -75,7 +75,7 @@ def test_cascade_with_left_padded_tails_and_a_row_that_sees_nothing():
 
 
 def test_cascade_one_row_with_a_full_mask_split_at_the_prefix():
-    from mlxstack.models.shared_attention import split_mask
+    from mlxstack.backends.cascade import split_mask
 
     mx.random.seed(4)
     Hq, Hkv, D, P, T, L = 4, 4, 8, 12, 6, 6

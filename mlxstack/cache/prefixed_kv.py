@@ -7,7 +7,7 @@
 A row that leaves a decode batch whose rows share a prefix (cache/slab.py) is handed back
 as one of these instead of a copy of prefix + tail: eight sub-agents finishing together would
 otherwise copy the shared system prompt eight times just to close their turns and store them. The
-model attends prefix + tail through models/shared_attention.py (the mask the model builds covers
+model attends prefix + tail through backends/cascade.py (the mask the model builds covers
 both: ``full_mask`` True, split at the prefix). ``offset`` counts every token (prefix included),
 as a ``KVCache``'s does. Stored, it is a rooted plain-KV state (cache/layer_kinds.py
 ``PrefixedKind``): the prefix by reference, the tail copied.
@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, create_attention_mask
 
 class PrefixedKVCache:
     step = 256
-    plain_kv = True     # plain K / V with KVCache's semantics (models/host_forward.py takes it)
+    plain_kv = True     # plain K / V with KVCache's semantics (backends/cpu/host_forward.py takes it)
 
     def __init__(self, prefix: tuple[Any, Any, int] | None = None, keys: Any = None, values: Any = None,
                  tail: int = 0) -> None:

@@ -43,8 +43,8 @@ class SlabKVCache(BatchKVCache):
         # takes rejected drafts back from one row, not from all): 0 everywhere is mlx-lm's layout
         self.gap: list[int] = [0] * len(left_padding)
         self._ends: list[int] | None = None   # rows' ends before the rewinds settle() applies
-        # one prefix held once for the rows that share it (cascade attention: models/
-        # shared_attention.py): (keys, values, n) -- the first n positions of those arrays, the
+        # one prefix held once for the rows that share it (cascade attention:
+        # backends/cascade.py): (keys, values, n) -- the first n positions of those arrays, the
         # very objects a stored entry or a shared prefill holds; a sharing row keeps only its tail
         self.prefix: tuple[mx.array, mx.array, int] | None = None
         self.shares: list[bool] = [False] * len(left_padding)

@@ -1,6 +1,11 @@
 """One place that builds the request engine for a loaded model (server and tests share it).
 
     engine = make_engine(load_model(settings), settings)   # engine.renderer, engine.state
+
+It is also where the backend is composed (``install_backend``): chosen for the loaded model
+(``select``, backends/__init__.py: the CPU backend where it applies, else MLX's own), installed (its
+report logged once and kept on ``loaded.extra["backend"]`` for /health) and attached to the model
+-- and to the draft model -- through runner/forward.py. The engine never imports backends/cpu.
 """
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ import dataclasses
 import logging
 from typing import Any
 
+from ..backends import Backend, select
 from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
 from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
+from ..runner.forward import attach
 from ..runner.spec.draft_model import DraftModel
 from ..runner.spec.speculation import DRAFT_MODEL_MODES
 from .state import EngineState
@@ -22,6 +29,7 @@ log = logging.getLogger("mlxstack.engine")
 
 def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     """ChatEngine for text models, VLMChatEngine (engine/vlm_chat.py) when ``loaded.is_vlm``."""
+    backend = install_backend(loaded, settings)
     if loaded.is_vlm:
         from .vlm_chat import VLMChatEngine, VLMChatRenderer
 
@@ -44,7 +52,8 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     if loaded.is_vlm:
         engine = engine_cls(loaded, renderer, state, settings)
     else:
-        engine = ChatEngine(loaded, renderer, state, settings, draft=draft_model(loaded, settings, state.counters))
+        engine = ChatEngine(loaded, renderer, state, settings,
+                            draft=draft_model(loaded, settings, state.counters, backend))
     engine.speculation.calibrated(engine.decode_model, settings.max_concurrent_sequences or 8)
     log.info("speculative decoding: %s%s", engine.speculation.describe(),
              f"; a step of 1 + k drafts costs (rows x width: plain steps) {engine.speculation.costs.table}"
@@ -52,12 +61,33 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     return engine
 
 
-def draft_model(loaded: Any, settings: Any, counters: Any = None) -> DraftModel | None:
+def install_backend(loaded: Any, settings: Any) -> Backend:
+    """The backend for ``loaded`` chosen, installed and attached to its model; its report logged
+    (one line) and the backend kept on ``loaded.extra["backend"]`` (/health shows its report). An
+    engine built again on the same loaded model with the same settings reuses the installed one."""
+    import mlx.core as mx
+
+    backend = select(settings, loaded, mx.default_device())
+    report = backend.install(loaded, settings)
+    attach(loaded.model, backend)
+    loaded.extra["backend"] = backend
+    log.info("%s", report.line())
+    return backend
+
+
+def draft_model(loaded: Any, settings: Any, counters: Any = None, backend: Backend | None = None) -> DraftModel | None:
     """DRAFT_MODEL loaded and checked against the target (models/loader.py), with its cache store;
-    None when none is set or the SPECULATIVE mode does not draft with one."""
+    None when none is set or the SPECULATIVE mode does not draft with one. ``backend`` (the
+    target's) serves the draft model's forwards too where it applies to it; the CPU backend's host
+    path is installed on the target only, so the draft keeps mlx-lm's forward, as it always did."""
     if not settings.draft_model.strip() or settings.speculative not in DRAFT_MODEL_MODES:
         return None
     draft = load_draft_model(settings, loaded)
+    if backend is not None:
+        import mlx.core as mx
+
+        if backend.applies(draft.model, mx.default_device())[0]:
+            attach(draft.model, backend)
     return DraftModel(draft.model, vocab=tokenizer_size(loaded.tokenizer) or 1 << 30,
                       cost=draft.extra["cost"], step=settings.prefill_step_size, window=settings.draft_window,
                       max_bytes=settings.draft_cache_max_bytes, name=draft.model_id, counters=counters)

@@ -4,6 +4,8 @@
 
 On CPU-only MLX (Linux) weights are dequantized/upcast to float32 when ``CPU_FLOAT32`` is on:
 the CPU kernels for quantized and half-precision matmuls are far slower than an f32 BLAS sgemm.
+Loading only: how the forwards are computed (the CPU backend's kernels and host path, the cascade
+attention) is the backend's, chosen and installed by engine/factory.py (backends/).
 """
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ from typing import Any, Callable
 
 from ..config.settings import Settings
 from .context import context_window
-from . import host_forward
-from .cpu_kernels import agreed_modes, install_cpu_kernels, native_attention_on
 from .device import is_cpu_only, upcast_for_cpu
 from .loaded import LoadedModel, ModelLoadError, detect_family
 from .vlm_loader import is_vlm_config, load_vlm
@@ -110,9 +110,7 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
         if distributed:
             raise ModelLoadError(f"DISTRIBUTED={settings.distributed}: vision-language models are served by one "
                                  "process only (mlx-vlm has no sharding here); use DISTRIBUTED=off.")
-        vlm = load_vlm(path, name, config, settings)
-        install_cpu_kernels(settings.cpu_kernels, native=settings.native_attention)
-        return vlm
+        return load_vlm(path, name, config, settings)
     say(f"loading {name} from {path}")
     from mlx_lm import load as mlx_load
 
@@ -123,22 +121,6 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
     extra: dict = {}
     if distributed:
         extra["group"] = _shard(model, config, name, settings, say, files_ready)
-    # pipeline stages: no native call -- its per-layer evaluation stalled a stage waiting on its
-    # neighbour's send (tests/test_distributed.py); tensor ranks each attend their own heads with it
-    native = "off" if settings.distributed == "pipeline" else settings.native_attention
-    kernels = settings.cpu_kernels
-    if distributed:      # every rank the same forward: rank 0's choice, the native call only where all have it
-        kernels, native = agreed_modes(extra["group"], kernels, native)
-    if install_cpu_kernels(kernels, native=native):
-        host = False
-        if not distributed and settings.host_forward != "off":
-            host_forward.use_native_products(settings.native_products != "off", timed=settings.native_products == "auto")
-            host = host_forward.install(model)
-        say("CPU: attention and SiLU with a fast exp (CPU_KERNELS)"
-            + (", decode attention in a native call (NATIVE_ATTENTION)" if native_attention_on() else "")
-            + (", decode-sized forwards on the host path (HOST_FORWARD)" if host else "")
-            + (", their weight products in a native loop (NATIVE_PRODUCTS)"
-               if host and host_forward.native_products_on() else ""))
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache.kv_ops import capture, checkout
-from ..models.shared_attention import install
+from ..backends.cascade import install
 from .generate import feed
 from .forward import forward
 

@@ -264,7 +264,9 @@ class App:
     def health(self) -> dict:
         """ok + ready once the model is loaded; ``status: error`` (503) with the reason when the
         load failed, or the inference thread died or stalled (INFERENCE_STALL_SECONDS): the
-        launcher restarts a server that keeps saying so (launcher/stack.py)."""
+        launcher restarts a server that keeps saying so (launcher/stack.py). ``backend``: the
+        backend's report once the model is loaded (backends/base.py: its name, and each feature
+        "on (...)" or "off: why")."""
         problem = self.load_error or (self.worker.health_problem(self.settings.inference_stall_seconds)
                                       if self.ready else None)
         body = {"status": "ok" if problem is None else "error", "model": self.model_id,
@@ -272,6 +274,9 @@ class App:
                 "busy": self.worker.busy}
         if problem:
             body["error"] = problem
+        backend = self.loaded.extra.get("backend") if self.loaded is not None else None
+        if backend is not None and backend.report is not None:   # what the backend turned on, and why
+            body["backend"] = backend.report.as_dict()
         return body
 
     def models(self) -> dict:

@@ -1,13 +1,15 @@
-"""Attention and SiLU on MLX's CPU backend without its scalar ``exp`` (models/fast_math.py).
+"""Attention and SiLU on MLX's CPU backend without its scalar ``exp`` (backends/cpu/fast_math.py).
 
-    install_cpu_kernels("auto")   # after a model is loaded: on where fast_exp measures faster
+    install_cpu_kernels("auto")   # by the CPU backend's install (backends/cpu/backend.py) only
 
 On: every mlx-lm / mlx-vlm model module's ``scaled_dot_product_attention`` goes through
-models/shared_attention.py for float caches (decode, prefill, speculation's verification: one
+backends/cascade.py for float caches (decode, prefill, speculation's verification: one
 exp per score, grouped-query products without repeating the KV heads), decode-sized calls
-through the native kernel where it builds here (models/native_attention.py), and ``swiglu``
-(the MLP of Llama, Qwen, Mistral... families) through ``fast_swiglu``. Quantised KV caches keep mlx-lm's
-attention. Off (or on a GPU): mlx-lm's own functions, untouched.
+through the native kernel where it builds here (backends/cpu/native_attention.py), and ``swiglu``
+(the MLP of Llama, Qwen, Mistral... families) through ``fast_swiglu``. Quantised KV caches keep
+mlx-lm's attention. Off (or on a GPU): mlx-lm's own functions, untouched. These are module hooks
+(the model modules' names are replaced for the whole process), installed only by the CPU backend
+when it applies and undone by ``restore`` (the MLX backend's install).
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import native_attention, shared_attention
-from .fast_math import fast_swiglu, wanted
+from ..cascade import install as install_cascade, native_in_use, use_exp, use_native
+from . import native_attention
+from .fast_math import fast_exp, fast_swiglu, wanted
 
 _NOT_LOADED = object()
 _native: Any = _NOT_LOADED
@@ -34,7 +37,7 @@ def native_kernel() -> Any:
 
 def native_attention_on() -> bool:
     """Whether decode-sized attention goes through the native kernel now."""
-    return shared_attention.native_in_use()
+    return native_in_use()
 
 
 def agreed_modes(group: Any, mode: str, native: str = "auto") -> tuple[str, str]:
@@ -43,7 +46,7 @@ def agreed_modes(group: Any, mode: str, native: str = "auto") -> tuple[str, str]
     call only where every rank built and checked it. Each rank deciding alone differed under load
     (rank 2's timed ``wanted()`` said off): its forward evaluated in another order than its peers'
     and the group hung at its first batched check (LESSONS 60). A collective: every rank calls it."""
-    from .sharding import agree
+    from ...models.sharding import agree
 
     local_on = mode == "on" or (mode == "auto" and wanted())
     local_native = native != "off" and mx.default_device() == mx.cpu and native_kernel() is not None
@@ -57,9 +60,21 @@ def install_cpu_kernels(mode: str, native: str = "auto") -> bool:
     Returns whether they are on. Idempotent; call again after loading another model module."""
     on = mode == "on" or (mode == "auto" and wanted())
     native_attention.THREADS = native_attention.threads_here()   # after a rank took its share of the cores
-    shared_attention.install()
-    shared_attention.use_fast_exp(on)
-    shared_attention.use_native(native_kernel() if on and native != "off" and mx.default_device() == mx.cpu else None)
+    install_cascade()
+    use_exp(fast_exp if on else None)
+    use_native(native_kernel() if on and native != "off" and mx.default_device() == mx.cpu else None)
+    _swiglu(on)
+    return on
+
+
+def restore() -> None:
+    """mlx-lm's own functions again (the cascade stays: it serves shared prefixes on any backend)."""
+    use_exp(None)
+    use_native(None)
+    _swiglu(False)
+
+
+def _swiglu(on: bool) -> None:
     from mlx_lm.models import activations
 
     for name, mod in list(sys.modules.items()):
@@ -70,4 +85,3 @@ def install_cpu_kernels(mode: str, native: str = "auto") -> bool:
             mod.swiglu = fast_swiglu
         elif fn is fast_swiglu and not on:
             mod.swiglu = activations.swiglu
-    return on

@@ -1,6 +1,6 @@
 /* The native kernels in one library (one helper thread for all: pool.h), built and bound by
-   models/native_build.py: decode attention (models/native_attention.py) and row products
-   (models/native_products.py). */
+   backends/cpu/native_build.py: decode attention (backends/cpu/native_attention.py) and row products
+   (backends/cpu/native_products.py). */
 #include "pool.h"
 #include "decode_attention.c"
 #include "row_products.c"

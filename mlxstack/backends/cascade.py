@@ -16,6 +16,9 @@ one copy of the prefix -- instead of each row reading its own padded copy.
 imported from ``mlx_lm.models.base``) through ``sdpa``: a cache without a shared prefix goes to
 the original unchanged; a cache with one comes here. A model that does not call that function is
 caught by the engine's check at load (``runner/shared_prefix.py``), which then never shares.
+Every backend installs it (backends/mlx.py: on Metal and on a CPU alike); the CPU backend
+(backends/cpu/kernels.py) adds a faster exp (``use_exp``), the attention of caches without a
+shared prefix (``attend_blocked``) and the native decode kernel (``use_native``).
 """
 from __future__ import annotations
 
@@ -68,17 +71,15 @@ def _f32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
-_exp = mx.exp     # the exp over scores: models/fast_math.fast_exp where it measures faster
-_plain = False    # attend caches without a shared prefix here too (models/cpu_kernels.py: a CPU)
+_exp = mx.exp     # the exp over scores: backends/cpu/fast_math.fast_exp where it measures faster
+_plain = False    # attend caches without a shared prefix here too (backends/cpu/kernels.py: a CPU)
 
 
-def use_fast_exp(on: bool) -> None:
-    """Attention here with ``fast_exp`` and for every float cache (on), or with ``mx.exp`` and
-    mlx-lm's own attention for caches without a shared prefix (off)."""
+def use_exp(exp: Optional[Callable[[mx.array], mx.array]]) -> None:
+    """Attention here with ``exp`` (the CPU backend's ``fast_exp``) and for every float cache, or
+    (None) with ``mx.exp`` and mlx-lm's own attention for caches without a shared prefix."""
     global _exp, _plain
-    from .fast_math import fast_exp
-
-    _exp, _plain = (fast_exp, True) if on else (mx.exp, False)
+    _exp, _plain = (exp, True) if exp is not None else (mx.exp, False)
 
 
 @dataclass
@@ -140,7 +141,7 @@ def _attend_one(q5: mx.array, part: Part) -> _Partial:
     return _Partial(out, den, top)
 
 
-_native: Optional[Callable[..., Optional[mx.array]]] = None   # models/native_attention.py, when on
+_native: Optional[Callable[..., Optional[mx.array]]] = None   # backends/cpu/native_attention.py, when on
 
 
 def use_native(attend: Optional[Callable[..., Optional[mx.array]]]) -> None:
@@ -267,3 +268,10 @@ def install() -> int:
             setattr(mod, "scaled_dot_product_attention", wrapped)
             n += 1
     return n
+
+
+def installed() -> int:
+    """How many loaded mlx-lm / mlx-vlm model modules attend through ``sdpa_with_prefix`` now."""
+    return sum(1 for name, mod in list(sys.modules.items())
+               if name.startswith(("mlx_lm.models.", "mlx_vlm.models.")) and mod is not None
+               and getattr(getattr(mod, "scaled_dot_product_attention", None), "__mlxstack_shared_prefix__", False))

@@ -1,5 +1,5 @@
-"""A few rows times a weight matrix in one native loop (models/native/row_products.c, built into
-the library of models/native/kernels.c, whose helper thread it shares with the decode attention).
+"""A few rows times a weight matrix in one native loop (backends/cpu/native/row_products.c, built into
+the library of backends/cpu/native/kernels.c, whose helper thread it shares with the decode attention).
 
     products = load()                  # None where it cannot be built or disagrees here
     y = products(x, w)                 # x [M, K] float32, w [N, K] row-major -> x @ w.T [M, N]
@@ -37,7 +37,7 @@ _i64 = ctypes.c_int64
 
 
 def build() -> Optional[Path]:
-    """The native kernels' library (models/native/kernels.c includes row_products.c)."""
+    """The native kernels' library (backends/cpu/native/kernels.c includes row_products.c)."""
     return native_build.build()
 
 

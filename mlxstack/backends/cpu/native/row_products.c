@@ -3,7 +3,7 @@
    packing of the weight as a general GEMM does on every call (for 8 rows OpenBLAS spends much of
    a product repacking the weight). Blocks of WROWS weight rows x GROUP x rows keep their
    accumulators in registers; the block's weight rows stay in L1 while further row groups pass.
-   Built by models/native_products.py with -O3 -march=native (AVX-512, AVX2 + FMA, or portable C).
+   Built by backends/cpu/native_products.py with -O3 -march=native (AVX-512, AVX2 + FMA, or portable C).
 
    Every (row, output) dot product runs the same instruction sequence whatever M is and whichever
    group of rows it falls in: VEC lanes of partial sums over k = lane (mod VEC), the K tail in

@@ -1,7 +1,11 @@
 """Decode-sized forwards of a Llama-family model on the CPU without a graph of small MLX ops.
 
-    install(model)        # after the weights are loaded (models/loader.py): True when it applies
-    model(tokens, cache)  # unchanged for callers; <= 16 positions a row take the host path
+    install(model)                  # by the CPU backend's install (backends/cpu/backend.py): True when it applies
+    forward(model, tokens, cache)   # the logits, or None: not a call it takes (the caller runs model(...))
+
+Nothing is patched onto mlx-lm's classes: the CPU backend's ``forward_rows`` / ``feed_rows``
+(backends/base.py) call ``forward`` / ``feed_rows`` here, reached through runner/forward.py for
+the model objects the backend was attached to; ``model(tokens, cache=...)`` is always mlx-lm's own.
 
 On MLX's CPU backend a decode step of a small model is bound by op count, not arithmetic: each
 of a layer's ~20 MLX ops (norms, projections, reshapes, RoPE, the KV write, the SwiGLU, the
@@ -12,13 +16,13 @@ OpenBLAS). For calls of up to ``MAX_POSITIONS`` positions a row (a decode step, 
 verification, a turn's closer, a warm turn's short rest) this module runs the layer's dense
 arithmetic on numpy views of the model's own weight buffers (no copy) -- products through the
 optimised BLAS MLX itself uses (``blas()``) or, for up to 128 rows, a native loop that streams each
-weight once (models/native_products.py, NATIVE_PRODUCTS), norms and SwiGLU in numpy -- and keeps in MLX exactly
+weight once (backends/cpu/native_products.py, NATIVE_PRODUCTS), norms and SwiGLU in numpy -- and keeps in MLX exactly
 what carries the cache semantics:
 RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call; the rotation is
 then bit for bit MLX's), the cache's own
 ``update_and_fetch`` / ``make_mask`` (every cache layout -- a slab's rows, a shared prefix held
 once, ragged speculative ends -- works unchanged) and the model module's attention (the native
-kernel or shared_attention's ops). Longer calls, other architectures, quantised or sharded
+kernel or the cascade's ops: backends/cascade.py). Longer calls, other architectures, quantised or sharded
 weights, biases of unusual shape, sliding layers, scaled RoPE variants: mlx-lm's forward.
 
 Within float rounding of mlx-lm's forward (RMSNorm and SiLU are computed in float32 by numpy);
@@ -153,7 +157,7 @@ def blas() -> Any:
     if _sgemm is None:
         import ctypes
 
-        from ..system.blas import optimized_blas_active
+        from ...system.blas import optimized_blas_active
 
         fn = None
         if optimized_blas_active():
@@ -165,7 +169,7 @@ def blas() -> Any:
     return _sgemm or None
 
 
-_products: Any = None       # models/native_products.py's loop, when NATIVE_PRODUCTS is on and it loaded
+_products: Any = None       # backends/cpu/native_products.py's loop, when NATIVE_PRODUCTS is on and it loaded
 
 
 def _proj(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
@@ -364,26 +368,6 @@ def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> boo
     return True
 
 
-def _patch_llama() -> None:
-    from mlx_lm.models import llama
-
-    cls = llama.Model
-    if getattr(cls.__call__, "__mlxstack_host__", False):
-        return
-    original = cls.__call__
-
-    def __call__(self, inputs, cache=None, input_embeddings=None, **kwargs):
-        if not kwargs:
-            out = forward(self, inputs, cache, input_embeddings)
-            if out is not None:
-                return out
-        return original(self, inputs, cache=cache, input_embeddings=input_embeddings, **kwargs)
-
-    __call__.__mlxstack_host__ = True  # type: ignore[attr-defined]
-    __call__.__wrapped__ = original    # type: ignore[attr-defined]
-    cls.__call__ = __call__
-
-
 def uninstall(model: Any) -> None:
     if hasattr(model, "__dict__"):
         model.__dict__.pop(_ATTR, None)
@@ -394,18 +378,20 @@ def enabled(model: Any) -> bool:
 
 
 def use_native_products(on: bool, timed: bool = False) -> bool:
-    """The host path's products (every model of the process) through models/native_products.py's
+    """The host path's products (every model of the process) through backends/cpu/native_products.py's
     loop (``on`` and it loads here; ``timed``: and it beats sgemm here at 1 and 8 rows) or
-    OpenBLAS's sgemm; returns whether the loop is in use. Called by the loader before ``install``
+    OpenBLAS's sgemm; returns whether the loop is in use. Called by the CPU backend before ``install``
     (NATIVE_PRODUCTS; one process only, so no rank has to agree with a timing)."""
-    global _products
+    global _products, products_timing
     from . import native_products
 
     _products = native_products.load() if on else None
+    products_timing = ""
     if _products is not None and timed and blas() is not None:
         wins, ratios = native_products.faster(_products, _sgemm_products)
-        log.info("native row products: %s sgemm's time at %s rows%s",
-                 " / ".join(f"{r:.2f}x" for r in ratios.values()), " / ".join(map(str, ratios)),
+        products_timing = (f"{' / '.join(f'{r:.2f}x' for r in ratios.values())} sgemm's time at "
+                           f"{' / '.join(map(str, ratios))} rows")
+        log.info("native row products: %s%s", products_timing,
                  "" if wins else "; slower here, OpenBLAS keeps the products")
         if not wins:
             _products = None
@@ -416,37 +402,58 @@ def native_products_on() -> bool:
     return _products is not None
 
 
+products_timing = ""        # the loop's time / sgemm's at 1 and 8 rows, when timed at load
+
+
+def products_in_use() -> Any:
+    """The products loop the host path uses now (None: sgemm), for ``use_products``."""
+    return _products
+
+
+def use_products(products: Any) -> None:
+    """Put back a loop ``products_in_use`` returned (an engine built again on the same model)."""
+    global _products
+    _products = products
+
+
 def install(model: Any) -> bool:
     """Give ``model`` the host path where it applies (an mlx-lm ``llama.Model`` of float32
     ``nn.Linear`` layers, plain RoPE, no sliding layers, on the CPU) and agrees with mlx-lm's
     forward on the loaded weights; False (nothing changed) otherwise. Its products go through
     whichever ``use_native_products`` chose for the process (checked here with that choice)."""
+    return qualify(model)[0]
+
+
+def qualify(model: Any) -> tuple[bool, str]:
+    """``install``, with what it found: (True, what the path runs on) or (False, why not)."""
     from mlx_lm.models import llama
 
-    if type(model) is not llama.Model or mx.default_device() != mx.cpu:
-        return False
+    if type(model) is not llama.Model:
+        return False, f"not an mlx-lm Llama ({type(model).__module__}.{type(model).__name__})"
+    if mx.default_device() != mx.cpu:
+        return False, "MLX computes on another device"
     if blas() is None:
         log.info("host forward: no optimised BLAS preloaded for MLX here (system/blas.py); not used")
-        return False
+        return False, "no optimised BLAS preloaded for MLX (BLAS_PRELOAD)"
     try:
         plan = Plan(model)
     except (ValueError, AttributeError, TypeError) as exc:
         log.info("host forward: not for this model (%s)", exc)
-        return False
-    _patch_llama()
+        return False, str(exc)
     try:
         ok = _agrees(model, plan)
     except Exception as exc:  # noqa: BLE001 - a path that cannot run is simply not used
         log.warning("host forward: not used (%s)", exc)
-        ok = False
-    if ok:
-        model.__dict__[_ATTR] = plan
-    return ok
+        return False, f"{type(exc).__name__}: {exc}"
+    if not ok:
+        return False, "disagrees with mlx-lm's forward at load"
+    model.__dict__[_ATTR] = plan
+    return True, f"float32 Llama, {len(plan.layers)} layers"
 
 
 def _agrees(model: Any, plan: Plan) -> bool:
-    """A 5-token prompt then a 2-row decode step, host path vs mlx-lm's forward: logits and the
-    KV written within float rounding."""
+    """A 5-token prompt then a 2-row decode step, host path (``forward``, which must take every
+    call) vs mlx-lm's forward (``model(...)``): logits and the KV written within float rounding."""
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
     vocab = plan.embed.shape[0]
@@ -456,11 +463,17 @@ def _agrees(model: Any, plan: Plan) -> bool:
     for host in (True, False):
         model.__dict__[_ATTR] = plan if host else None
         try:
+            def run(tokens: mx.array, cache: list) -> mx.array:
+                out = forward(model, tokens, cache) if host else model(tokens, cache=cache)
+                if out is None:
+                    raise ValueError("the host path declined a decode-sized call of its own check")
+                return out
+
             cache = [KVCache() for _ in plan.layers]
-            first = model(prompt, cache=cache)
+            first = run(prompt, cache)
             batch = [BatchKVCache([1, 0]) for _ in plan.layers]
-            two = model(rows, cache=batch)
-            step = model(mx.array([[4], [5]]) % vocab, cache=batch)
+            two = run(rows, batch)
+            step = run(mx.array([[4], [5]]) % vocab, batch)
             results.append((first, two, step, cache[0].keys[..., :5, :], batch[-1].values))
         finally:
             model.__dict__[_ATTR] = None

@@ -1,5 +1,5 @@
-"""Decode attention in one native call on MLX's CPU backend (models/native/decode_attention.c, built
-into the library of models/native/kernels.c).
+"""Decode attention in one native call on MLX's CPU backend (backends/cpu/native/decode_attention.c, built
+into the library of backends/cpu/native/kernels.c).
 
     attend = load()                       # None where it cannot be built here
     out = attend(queries, parts, scale)   # None: outside what the kernel takes -> MLX's path
@@ -15,10 +15,10 @@ slab row cut from a longer buffer, a prefix of batch 1 shared by every row) and 
 array; its inputs are evaluated first (the one synchronisation it adds per layer). It takes
 float32 queries / keys / values, up to 16 queries per row, masks that are None, "causal", or a
 bool / float32 array broadcastable to ``[B, Hq, L, T]``, per-row part visibility, no sinks;
-anything else returns None and the caller uses ``shared_attention``'s MLX ops, which compute
+anything else returns None and the caller uses the cascade's MLX ops (backends/cascade.py), which compute
 the same softmax (tests/test_native_attention.py holds them within float rounding).
 
-Built once per source and compiler flags with the system C compiler (models/native_build.py).
+Built once per source and compiler flags with the system C compiler (backends/cpu/native_build.py).
 No compiler, a failed build or a failed self-check against the MLX path: ``load()`` returns None
 and nothing changes.
 """
@@ -69,7 +69,7 @@ class _Part(ctypes.Structure):
 
 
 def build() -> Optional[Path]:
-    """The kernel's shared library, built if missing (models/native_build.py); None without a
+    """The kernel's shared library, built if missing (backends/cpu/native_build.py); None without a
     compiler or on a failure."""
     return native_build.build()
 
@@ -184,7 +184,7 @@ def load() -> Optional[Callable[..., Optional[mx.array]]]:
 
 
 def _agrees(attend: Callable[..., Optional[mx.array]]) -> bool:
-    from .shared_attention import Part, attend_parts_mlx
+    from ..cascade import Part, attend_parts_mlx
 
     key = mx.random.key(7)
     k1, k2, k3, k4, k5 = mx.random.split(key, 5)

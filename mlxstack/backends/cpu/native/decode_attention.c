@@ -1,11 +1,11 @@
 /* Decode attention on the CPU in one call: a few queries per row (a decode step, a speculative
    verification) against one or more parts of keys (a shared prefix held once, each row's own
-   tail), softmax over their concatenation. Built and bound by models/native_attention.py.
+   tail), softmax over their concatenation. Built and bound by backends/cpu/native_attention.py.
 
    Per (row, KV head): every key is read once for the head group's queries; scores go to a
    scratch row per query; one max, one exp pass (the Cephes 2**f polynomial MLX's CPU exp uses,
-   as models/fast_math.py), one pass over the values. A query that sees no key gives 0 (a free
-   slab row), as shared_attention.attend_parts does. Each row is computed on its own in a fixed
+   as backends/cpu/fast_math.py), one pass over the values. A query that sees no key gives 0 (a free
+   slab row), as backends/cascade.py's attend_parts does. Each row is computed on its own in a fixed
    order: its result does not depend on which other rows share the call. Part of native/kernels.c. */
 #include <math.h>
 #include <stdint.h>

@@ -1,7 +1,13 @@
-"""Building the native kernels (models/native/kernels.c: every kernel in one library, one helper
+"""Building the native kernels (backends/cpu/native/kernels.c: every kernel in one library, one helper
 thread for all) with the system compiler.
 
     path = build(SOURCE, "native kernels")   # None without a compiler or on a failure
+    path, why = build_ahead()                # `mlxstack build-native` / install_and_run.py: before any server
+
+Built ahead by ``mlxstack build-native`` (install_and_run.py runs it after installing the
+requirements), so a server finds the library and only binds and checks it; a server that finds
+none (a new source, compiler or CPU, or never built ahead) compiles it at load as a fallback
+(~1 s, logged). ``problem(what)`` says why a kernel is not in use, for the backend's report.
 
 Built once per source text, flags, compiler and CPU (``cc -O3 -march=native``: a library runs only
 on a CPU with the features of the one that built it -- a venv copied to another machine, a baked
@@ -27,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..system.secrets import PRIVATE_DIR, make_private_dir
+from ...system.secrets import PRIVATE_DIR, make_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -112,49 +118,89 @@ SOURCE = Path(__file__).with_name("native") / "kernels.c"
 LIBS = ("-lpthread",)
 
 
+_problems: dict[str, str] = {}     # what -> why it is not in use (``problem``)
+compiled_here = False             # whether this process compiled the library (it was not built ahead)
+
+
+def problem(what: str = "native kernels") -> str:
+    """Why ``what`` (a kernel's name, or "native kernels" for the library) is not in use in this
+    process: '' when nothing went wrong (or nothing was tried)."""
+    return _problems.get(what, "")
+
+
+def compiler() -> Optional[str]:
+    """The system C compiler the kernels are built with (``CC``, else ``cc``, else ``gcc``)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(source: Path = SOURCE, what: str = "native kernels", flags: tuple[str, ...] = FLAGS,
           libs: tuple[str, ...] = LIBS) -> Optional[Path]:
     """``source``'s shared library, built if missing; None (logged as ``what``) without a
     compiler or on a failure."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
+    global compiled_here
+    cc = compiler()
+    if not cc:
+        _problems[what] = "no C compiler (cc / gcc / CC)"
         return None
-    target = library_path(source, compiler, flags + libs)
+    target = library_path(source, cc, flags + libs)
     if not private_build_dir(target.parent):
+        _problems[what] = f"{target.parent} is not a private folder of this user's"
         return None
     if trusted_library(target):
+        _problems.pop(what, None)
         return target
     if os.path.lexists(target):
         log.warning("%s: %s is not this user's own file: built again over it", what, target)
+    else:
+        log.info("%s: not built ahead for this source, compiler and CPU (mlxstack build-native): "
+                 "compiling %s now", what, target.name)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source), *libs], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             log.warning("%s: build failed: %s", what, done.stderr.strip()[-500:])
+            _problems[what] = "the build failed (see the log)"
             return None
         os.replace(tmp, target)
         tmp = None
+        compiled_here = True
+        _problems.pop(what, None)
         return target
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("%s: cannot build (%s)", what, exc)
+        _problems[what] = f"cannot build ({exc})"
         return None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def build_ahead() -> tuple[Optional[Path], str]:
+    """(the library, '') built or found now -- before any server starts, so none compiles at load
+    -- or (None, why not). ``mlxstack build-native``; install_and_run.py runs it."""
+    path = build()
+    return path, "" if path is not None else problem()
+
+
 def load_checked(bind: Callable[[Path], Any], agrees: Callable[[Any], bool], what: str) -> Any:
     """The library built if needed, bound (``bind(path)``) and checked once (``agrees``): the bound
-    callable, or None on any failure (no compiler, a failed build or load, a disagreement)."""
+    callable, or None on any failure (no compiler, a failed build or load, a disagreement), with
+    the reason kept for ``problem(what)``."""
     path = build()
     if path is None:
+        _problems[what] = problem() or "no library"
         return None
     try:
         fn = bind(path)
-        return fn if agrees(fn) else None
+        if agrees(fn):
+            _problems.pop(what, None)
+            return fn
+        _problems[what] = "disagrees with its reference at load (see the log)"
+        return None
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot load is simply not used
         log.warning("%s: not used (%s)", what, exc)
+        _problems[what] = f"cannot load ({type(exc).__name__}: {exc})"
         return None
