@@ -202,7 +202,7 @@ class Request:
     batch_sizes: list[int] = field(default_factory=list)
     closed: list[int] | None = None   # the turn was closed in the KV already: what it holds after the prompt
     stored: bool = False              # finish() / store_turn() stored (or salvaged) the turn: never twice
-    spec: Any = None                  # engine/speculation.RowSpec: drafter + draft control (None: no drafts)
+    spec: Any = None                  # runner/spec/speculation.RowSpec: drafter + draft control (None: no drafts)
     calls: Any = None                 # parsing/call_gate.CallGate (None: the reply cannot call tools)
     stops: list[int] = field(default_factory=list)   # depths a prefill chunk ends at (others fork there)
     follows: Any = None               # (leader Request, depth): waits to take the leader's first tokens

@@ -4,7 +4,7 @@
 
 A slab whose rows share a prefix (cache/slab.py ``SlabKVCache.prefix``) relies on the
 model calling mlx-lm's ``scaled_dot_product_attention`` with the cache it updated
-(models/shared_attention.py routes that call through the cascade). A model that attends some other
+(backends/cascade.py routes that call through the cascade). A model that attends some other
 way would silently ignore the prefix, so this is checked once per engine with the real model: two
 sequences that share a prefix, stepped together with the prefix held once, must give the logits
 each gives on its own cache. Any difference or error: the prefix is never shared (rows hold

@@ -184,7 +184,7 @@ def _fast(s: Row) -> bool:
 
 
 def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
-    """One step of ``group`` (engine/batch.DecodeGroup) with drafts; returns the members that
+    """One step of ``group`` (runner/batch.DecodeGroup) with drafts; returns the members that
     finished (removed). Failures are handled as the plain step handles them."""
 
     eng = group.engine
