@@ -1,6 +1,7 @@
 """One place that builds the request engine for a loaded model (server and tests share it).
 
     engine = make_engine(load_model(settings), settings)   # engine.renderer, engine.state
+    core, line = make_core(engine, settings)                # the step loop the worker drives (or None)
 
 It is also where the backend is composed (``install_backend``): chosen for the loaded model
 (``select``, backends/__init__.py: the CPU backend where it applies, else MLX's own), installed (its
@@ -19,12 +20,15 @@ from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
+from .core import EngineCore
 from ..runner.forward import attach
 from ..runner.spec.draft_model import DraftModel
 from ..runner.spec.speculation import DRAFT_MODEL_MODES
 from .state import EngineState
 
 log = logging.getLogger("mlxstack.engine")
+
+DEFAULT_MAX_SEQUENCES = 8   # MAX_CONCURRENT_SEQUENCES=0
 
 
 def make_engine(loaded: Any, settings: Any) -> ChatEngine:
@@ -59,6 +63,26 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
              f"; a step of 1 + k drafts costs (rows x width: plain steps) {engine.speculation.costs.table}"
              if engine.speculation.costs.table else "")
     return engine
+
+
+def make_core(engine: ChatEngine, settings: Any) -> tuple[EngineCore | None, str]:
+    """The engine core for ``engine`` -- continuous batching (MAX_CONCURRENT_SEQUENCES > 1), one
+    slot (= 1), or None: VLMs run one request at a time on the worker itself -- and the line that
+    says how it schedules. Whether decode steps batch is decided once here, by a real batched
+    forward against single ones (runner/batch.py ``batching_support``)."""
+    from ..runner.batch import batching_support
+
+    n = settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
+    if engine.loaded.is_vlm:
+        return None, "scheduling: one request at a time (VLM)"
+    engine.by_reference_depth()   # decided at load (a model check), not in a first hit's TTFT
+    if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
+        return (EngineCore(engine, 1, settings.prefill_chunk_tokens, False),
+                "scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
+    batching, why = batching_support(engine)
+    return (EngineCore(engine, n, settings.prefill_chunk_tokens, batching),
+            f"scheduling: up to {n} sequences in flight, prefill chunks of {settings.prefill_chunk_tokens} tokens, "
+            f"decode {'batched' if batching else f'interleaved, unbatched ({why})'}")
 
 
 def install_backend(loaded: Any, settings: Any) -> Backend:

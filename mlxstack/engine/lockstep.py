@@ -155,6 +155,18 @@ class Lockstep:
         """Rank 0's monotonic time as of the current turn (every rank reads the same)."""
         return self._now
 
+    def bind(self, engine: Any, local_ranks: int) -> int:
+        """``engine`` on this rank joins the group: it reads rank 0's clock, and its cache budget
+        counts every rank's part of an entry -- the tightest rank's share times the ranks -- so
+        every rank evicts the same entries. Returns the per-rank share (bytes)."""
+        state = engine.state
+        engine.clock = self.clock
+        per_rank = self.agree_min(state.cache_budget // max(1, local_ranks))
+        state.cache_budget = per_rank * self.size
+        state.prompt_cache.config = replace(state.prompt_cache.config, max_bytes=state.cache_budget)
+        state.join_ranks(self)
+        return per_rank
+
     # ------------------------------------------------------------------ transport
     def share(self, record: Record | None) -> Record:
         """Rank 0's ``record`` on every rank, over the control channel (system/control_channel.py:

@@ -1,27 +1,39 @@
 """The application object: owns the worker, the loaded model, the engine and the routes."""
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
+from ..engine.chat import tokenizer_size
+from ..engine.factory import make_core, make_engine
+from ..engine.lockstep import Lockstep, portable_job
+from ..engine.request import ChatJob
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
+from ..models.loader import load_model
+from ..models.sharding import from_rank0
 from ..prompt.images import ImageLimits
 from ..runner.sampling_defaults import SamplingDefaults
+from ..system.control_channel import ControlChannel, from_env, listener
+from .anthropic_messages import handle_count_tokens, handle_messages
+from .chat_completions import handle_chat_completions
+from .features import install_features
 from .http_guard import Guard, bind_refusal
-
-if TYPE_CHECKING:
-    from .http_server import PooledHTTPServer
+from .http_server import PooledHTTPServer
+from .image_fetch import RemoteImageFetcher, is_public_address
+from .openai_responses import handle_responses
+from .server import Handler
+from .structured import Structured
+from .warm_prompts import load_warm_jobs
 
 log = logging.getLogger("mlxstack.app")
 
-DEFAULT_MAX_SEQUENCES = 8   # MAX_CONCURRENT_SEQUENCES=0
 
 class App:
     def __init__(self, settings: Settings) -> None:
@@ -45,39 +57,22 @@ class App:
         self.vocab_size: int | None = None  # logits width, known once the model is loaded
         self.sampling = SamplingDefaults.resolve(settings)   # + the model's generation_config.json at load
         self.structured: Any = None         # server/structured.py: grammars for this model's tokenizer
-        from .image_fetch import is_public_address
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
         self.files_ready: Callable[[], None] | None = None   # serve.py: start the other local ranks
         self.lockstep: Any = None           # engine/lockstep.py when DISTRIBUTED is on
 
     # ------------------------------------------------------------------ lifecycle
-    def _attach_scheduler(self, engine: Any) -> None:
-        """Chat jobs run by the continuous-batching scheduler (MAX_CONCURRENT_SEQUENCES > 1), or one
-        at a time. Whether decode steps batch is decided once here (and logged)."""
-        from ..runner.batch import batching_support
-        from ..engine.core import EngineCore
-
+    def _attach_core(self, engine: Any) -> None:
+        """Chat jobs run by the engine core (engine/factory.py ``make_core``), or one at a time on
+        the worker (VLMs)."""
         self.worker.run_chat = engine.run
         engine.progress = self.worker.beat   # between prefill chunks and tokens: the stall watchdog
-        n = self.settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
-        if engine.loaded.is_vlm:
-            log.info("scheduling: one request at a time (VLM)")
-            return
-        engine.by_reference_depth()   # decided at load (a model check), not in a first hit's TTFT
-        if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
-            self.worker.core = EngineCore(engine, 1, self.settings.prefill_chunk_tokens, False)
-            log.info("scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
-            return
-        batching, why = batching_support(engine)
-        self.worker.core = EngineCore(engine, n, self.settings.prefill_chunk_tokens, batching)
-        log.info("scheduling: up to %d sequences in flight, prefill chunks of %d tokens, decode %s", n,
-                 self.settings.prefill_chunk_tokens, "batched" if batching else f"interleaved, unbatched ({why})")
+        self.worker.core, line = make_core(engine, self.settings)
+        log.info("%s", line)
 
     def _queue_warm_prompts(self) -> None:
         """Prefill WARM_PROMPTS on the worker (after this load job; real requests queue behind)."""
-        from .warm_prompts import load_warm_jobs
-
         jobs = load_warm_jobs(self.settings.warm_prompts, self.settings, self.vocab_size)
 
         for i, job in enumerate(jobs):
@@ -91,8 +86,6 @@ class App:
         """Warm prompt ``index`` as a worker call; with several ranks it carries ``replica``, so
         every rank runs it at the same turn (each rank builds the same jobs from WARM_PROMPTS)."""
         if job is None:
-            from .warm_prompts import load_warm_jobs
-
             job = load_warm_jobs(self.settings.warm_prompts, self.settings, self.vocab_size)[index]
 
         def run() -> None:
@@ -122,9 +115,6 @@ class App:
         return self.worker.submit(lambda: self._load(progress))
 
     def _load(self, progress: Callable[[str], None] | None) -> None:
-        from ..engine.factory import make_engine
-        from ..models.loader import load_model
-
         try:
             loaded = load_model(self.settings, progress, files_ready=self.files_ready)
             engine = make_engine(loaded, self.settings)
@@ -144,7 +134,7 @@ class App:
             log.info("model %s ready (family=%s, context=%d, cache budget %.1f GiB, counters %s)",
                      self.model_id, self.family, loaded.context_length, state.cache_budget / 2**30,
                      state.counters.correctness())
-            self._attach_scheduler(engine)
+            self._attach_core(engine)
             if "group" in loaded.extra:
                 self._begin_lockstep(loaded.extra["group"], engine)
             if self.settings.warm_prompts and (self.lockstep is None or self.lockstep.leader):
@@ -162,25 +152,16 @@ class App:
             return len(self.engine.prepare(job).model_tokens)
 
         if self.lockstep is not None:
-            from ..engine.lockstep import portable_job
-
             count.replica = ("prepare", portable_job(job)[0])  # type: ignore[attr-defined]
         return count
 
     def _prepare_replica(self, values: dict) -> Callable[[], int]:
-        from ..engine.request import ChatJob
-
         job = ChatJob(**values, emit=lambda _t: None, on_prompt=lambda _p: None)
         return lambda: len(self.engine.prepare(job).model_tokens)
 
     def _begin_lockstep(self, group: Any, engine: Any) -> None:
         """Several ranks: every rank's engine reads rank 0's clock, keeps the tightest rank's cache
         budget, and takes its work from rank 0's records from the next worker turn on."""
-        import os
-
-        from ..engine.lockstep import Lockstep
-        from ..system.control_channel import from_env
-
         control = from_env(os.environ)
         if control is None:
             raise RuntimeError("DISTRIBUTED: this rank has no control channel (MLXSTACK_CONTROL); start it "
@@ -190,14 +171,7 @@ class App:
         lock = Lockstep(group, channel, compile_grammar,
                         replicas={"warm": self._warm_call, "prepare": self._prepare_replica})
         lock.mode = self.settings.distributed
-        state = engine.state
-        engine.clock = lock.clock
-        # the budget counts every rank's part of an entry: the tightest rank's share times the ranks
-        per_rank = lock.agree_min(state.cache_budget // max(1, self.settings.distributed_local_ranks))
-        budget = per_rank * lock.size
-        state.cache_budget = budget
-        state.prompt_cache.config = dataclasses.replace(state.prompt_cache.config, max_bytes=budget)
-        state.join_ranks(lock)
+        per_rank = lock.bind(engine, self.settings.distributed_local_ranks)
         self.lockstep = lock
         self.worker.lockstep = lock
         log.info("rank %d of %d in lockstep (%s parallel); KV cache budget %.2f GiB per rank", lock.rank, lock.size,
@@ -205,20 +179,14 @@ class App:
 
     def _structured(self, loaded: Any, engine: Any) -> Any:
         """The grammar compiler for this model (structured output, tool_choice): built once here."""
-        from .structured import Structured
-
         return Structured.for_model(loaded, engine, self.settings)
 
     def _install_features(self) -> None:
         """Optional layers (healing store, request logs, metrics) hook in here."""
-        from .features import install_features
-
         install_features(self)
 
     def image_fetcher(self) -> Any:
         """A fetcher for one request's remote images (its deadline starts now)."""
-        from .image_fetch import RemoteImageFetcher
-
         limits = self.image_limits
         return RemoteImageFetcher(limits.max_bytes, limits.remote_timeout, address_allowed=self.remote_image_policy)
 
@@ -247,10 +215,6 @@ class App:
         return routes
 
     def post_routes(self, h: Any) -> dict[str, Callable[[], None]]:
-        from .anthropic_messages import handle_count_tokens, handle_messages
-        from .chat_completions import handle_chat_completions
-        from .openai_responses import handle_responses
-
         return {"/v1/chat/completions": lambda: handle_chat_completions(h),
                 "/chat/completions": lambda: handle_chat_completions(h),
                 "/v1/responses": lambda: handle_responses(h), "/responses": lambda: handle_responses(h),
@@ -314,8 +278,6 @@ def model_vocab_size(loaded: Any) -> int | None:
     """The token ids a request may name (logit_bias): the logits width -- config ``vocab_size``
     (VLMs: ``text_config``) -- capped at the tokenizer's size. A padded width (Gemma 3: 262,208
     for a 262,145-token tokenizer) holds ids nothing can decode; the sampler never picks them."""
-    from ..engine.chat import tokenizer_size
-
     config = getattr(loaded, "config", None) or {}
     width = None
     for source in (config, config.get("text_config") or {}):
@@ -327,13 +289,10 @@ def model_vocab_size(loaded: Any) -> int | None:
     return min(width, tokens) if width and tokens else (width or tokens)
 
 
-def make_server(app: App, host: str, port: int, listen_fd: int | None = None) -> "PooledHTTPServer":
+def make_server(app: App, host: str, port: int, listen_fd: int | None = None) -> PooledHTTPServer:
     """Bind the MLX server (IPv4 or IPv6), or serve on an inherited listening socket
     (``listen_fd``: the launcher keeps the port open across restarts). Refuses a non-loopback
     host without MLX_API_KEY."""
-    from .http_server import PooledHTTPServer
-    from .server import Handler
-
     refusal = bind_refusal(host, app.settings.mlx_api_key)
     if refusal:
         raise SettingsError(refusal)
@@ -346,9 +305,6 @@ def open_control(group: Any, address: tuple[str, int], secret: bytes) -> Any:
     the others follow. Port 0 (DISTRIBUTED_HOSTS: mlx.launch starts rank 0 on its host) means rank 0
     listens first and the group then learns the port over MLX's own link (``from_rank0``) -- never
     a port picked free, released and bound later, which another user could take in between."""
-    from ..models.sharding import from_rank0
-    from ..system.control_channel import ControlChannel, listener
-
     server = None
     if address[1] == 0:
         server = listener(address[0]) if group.rank() == 0 else None
