@@ -220,7 +220,7 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
     assert hf.enabled(model)
     backend = backend_of(model)
     assert backend is not None and backend.name == "cpu"
-    plan = model.__dict__[hf._ATTR]
+    plan = hf._plan_of(model)
     shapes = []
     original = hf.forward
 
@@ -239,11 +239,11 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
         before = backend.host_calls
         on = replies("on")
         assert backend.host_calls > before
-        model.__dict__[hf._ATTR] = None
+        hf._set_plan(model, None)
         off = replies("off")
     finally:
         hf.forward = original
-        model.__dict__[hf._ATTR] = plan
+        hf._set_plan(model, plan)
     assert (4, 1) in shapes                      # 4 rows, one token each: the decode steps
     assert on == off and all(on)
 

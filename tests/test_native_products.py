@@ -151,7 +151,7 @@ def test_embedded_model_replies_are_the_same_with_the_loop_and_sgemm(embedded_mo
     eng = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0))
     model = eng.loaded.model
     assert hf.enabled(model) and hf.native_products_on()       # the CPU backend chose it (NATIVE_PRODUCTS=auto)
-    plan = model.__dict__[hf._ATTR]
+    plan = hf._plan_of(model)
     calls = []
     loop = hf._products
 
@@ -168,10 +168,10 @@ def test_embedded_model_replies_are_the_same_with_the_loop_and_sgemm(embedded_mo
         native = replies("native")
         hf._products = None
         sgemm = replies("sgemm")
-        model.__dict__[hf._ATTR] = None
+        hf._set_plan(model, None)
         mlx = replies("mlx")
     finally:
         hf._products = loop
-        model.__dict__[hf._ATTR] = plan
+        hf._set_plan(model, plan)
     assert 4 in calls                                            # the 4-row decode steps went through it
     assert native == sgemm == mlx and all(native)

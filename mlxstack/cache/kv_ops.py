@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from .layer_marks import mark
 from .prefixed_kv import PrefixedKVCache
 from .layer_kinds import (FP_HEAD, KINDS, QUANTIZED_KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key,
                           eval_state, kind_of, mark_layer, replayable, restore_layer)
@@ -68,7 +69,7 @@ class LiveCache:
             elif hasattr(layer, "to_quantized"):
                 q = layer.to_quantized(group_size=self.quant.group_size, bits=self.quant.bits)
                 if layer.keys is not None:   # what it held in full precision: stored entries keep it
-                    setattr(q, FP_HEAD, (layer.keys[..., :self.depth, :], layer.values[..., :self.depth, :]))
+                    mark(q, FP_HEAD, (layer.keys[..., :self.depth, :], layer.values[..., :self.depth, :]))
                 self.layers[i] = q
         self.quantized = True
 

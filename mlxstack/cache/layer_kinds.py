@@ -42,6 +42,7 @@ import mlx.core as mx
 
 from .kind_base import (FP_HEAD, UNBOUNDED, CacheKind, KVKind, KVQuant, LayerState, _fresh, _joined,
                         _plain_state, _rooted_state, rooted)
+from .layer_marks import marks_of, set_marks
 from .quantized_kinds import QuantizedKind, TurboQuantKind
 from .window_kinds import ChunkedKind, RotatingKind
 
@@ -276,7 +277,7 @@ def mark_layer(layer: Any) -> Any:
     decoding on caches that cannot be cut: restore, then replay the accepted tokens)."""
     if hasattr(layer, "caches"):                                   # CacheList
         return [mark_layer(c) for c in layer.caches]
-    return {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}, marks_of(layer)
 
 
 def restore_layer(layer: Any, mark: Any) -> None:
@@ -284,10 +285,12 @@ def restore_layer(layer: Any, mark: Any) -> None:
         for c, m in zip(layer.caches, mark):
             restore_layer(c, m)
         return
-    for k in [k for k in vars(layer) if k not in mark]:
+    fields, marks = mark
+    for k in [k for k in vars(layer) if k not in fields]:
         delattr(layer, k)
-    for k, v in mark.items():
+    for k, v in fields.items():
         setattr(layer, k, list(v) if isinstance(v, list) else v)
+    set_marks(layer, marks)
 
 
 def replayable(layer: Any) -> bool:

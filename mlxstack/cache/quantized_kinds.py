@@ -7,6 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .layer_marks import mark, marked
 from .kind_base import (FP_HEAD, KVKind, KVQuant, LayerState, _cut_tokens, _fresh, _kv_class, _plain_state, _room)
 
 
@@ -27,7 +28,7 @@ class QuantizedKind(KVKind):
         return None
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
-        head = getattr(layer, FP_HEAD, None) if layer.keys is not None else None
+        head = marked(layer, FP_HEAD) if layer.keys is not None else None
         n = 0 if head is None else int(head[0].shape[-2])
         if head is not None and depth <= n:   # below the switch: the full-precision head alone
             return _plain_state(_kv_class(type(layer)), head[0], head[1], depth)
@@ -52,7 +53,7 @@ class QuantizedKind(KVKind):
                 mx.concatenate([hq, tq[..., :depth - n, :]], axis=-2)
                 for hq, tq in zip(mx.quantize(h, group_size=group, bits=bits), t))
             c.keys, c.values = whole(hk, k), whole(hv, v)
-            setattr(c, FP_HEAD, (_fresh(hk), _fresh(hv)))
+            mark(c, FP_HEAD, (_fresh(hk), _fresh(hv)))
         else:
             c.keys, c.values = _cut_tokens(k, depth), _cut_tokens(v, depth)
         c.offset = depth

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .kind_base import (CacheKind, KVQuant, LayerState, _cut_tokens, _fresh)
+from .layer_marks import mark, marked
 
 
 class RotatingKind(CacheKind):
@@ -21,7 +22,7 @@ class RotatingKind(CacheKind):
     """
     name = "rotating"
     class_names = ("RotatingKVCache",)
-    CUT_MARK = "_mlxstack_cut"
+    CUT_MARK = "cut"   # cache/layer_marks.py: a rotated window cut back one token
 
     @staticmethod
     def _in_order(layer: Any) -> bool:
@@ -29,7 +30,7 @@ class RotatingKind(CacheKind):
 
     def _one_back(self, layer: Any) -> bool:
         return (layer.keep == 0 and layer.keys.shape[2] == layer.max_size and layer._idx >= 1
-                and layer.offset > layer.max_size and not getattr(layer, self.CUT_MARK, False))
+                and layer.offset > layer.max_size and not marked(layer, self.CUT_MARK, False))
 
     def floor(self, layer: Any, depth: int) -> int:
         if self._in_order(layer):
@@ -46,7 +47,7 @@ class RotatingKind(CacheKind):
         back = layer.offset - depth
         if back not in (0, 1) or (back == 1 and not self._one_back(layer)):
             raise ValueError(f"rotated sliding-window cache at {layer.offset} cannot be cut to {depth}")
-        cut = 1 if back == 1 or getattr(layer, self.CUT_MARK, False) else 0
+        cut = 1 if back == 1 or marked(layer, self.CUT_MARK, False) else 0
         return LayerState(self.name, type(layer), (_fresh(layer.keys), _fresh(layer.values)),
                           base + (("cut", cut), ("idx", int(layer._idx) - back)), depth, depth)
 
@@ -62,12 +63,12 @@ class RotatingKind(CacheKind):
             c.keys, c.values = _fresh(k), _fresh(v)
             c.offset, c._idx = state.depth, state.param("idx")
             if state.param("cut"):
-                setattr(c, self.CUT_MARK, True)
+                mark(c, self.CUT_MARK, True)
         return c
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
         if not self._in_order(layer):
-            setattr(layer, self.CUT_MARK, True)
+            mark(layer, self.CUT_MARK, True)
         layer._idx -= depth - target
         layer.offset = target
 

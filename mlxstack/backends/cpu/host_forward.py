@@ -33,6 +33,7 @@ preloaded for MLX (system/blas.py) it is not used.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -44,7 +45,21 @@ from .native_products import MAX_ROWS as _MAX_NATIVE_ROWS
 log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 16          # positions a row: decode-sized calls only (a prefill chunk stays in MLX)
-_ATTR = "_mlxstack_host"    # the plan, an attribute of the model instance (opt-in per instance)
+_plans: dict[int, tuple[Any, "Plan"]] = {}   # id(model) -> (weak reference, its plan): opt-in per instance
+
+
+def _plan_of(model: Any) -> Optional["Plan"]:
+    got = _plans.get(id(model))
+    return got[1] if got is not None and got[0]() is model else None
+
+
+def _set_plan(model: Any, plan: Optional["Plan"]) -> None:
+    """The model's plan, held beside it (nothing is written onto an mlx-lm object)."""
+    key = id(model)
+    if plan is None:
+        _plans.pop(key, None)
+    else:
+        _plans[key] = (weakref.ref(model, lambda _r, k=key: _plans.pop(k, None)), plan)
 
 
 def _weight(linear: Any) -> Optional[mx.array]:
@@ -246,14 +261,14 @@ def _float_cache(c: Any) -> bool:
 def _plan(model: Any, caches: list) -> Optional[Plan]:
     """The model's plan when every cache layer in ``caches`` (one list per row) is one the host
     path takes and the model still holds the weights the plan views; else None."""
-    plan: Optional[Plan] = model.__dict__.get(_ATTR) if hasattr(model, "__dict__") else None
+    plan = _plan_of(model)
     if plan is None or any(c is None or len(c) != len(plan.layers) for c in caches):
         return None
     if not all(_float_cache(layer) for c in caches for layer in c):
         return None
     if not plan.current(model):
         log.warning("host forward: the model's weights were replaced; mlx-lm's forward from now on")
-        model.__dict__[_ATTR] = None
+        _set_plan(model, None)
         return None
     return plan
 
@@ -369,12 +384,11 @@ def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> boo
 
 
 def uninstall(model: Any) -> None:
-    if hasattr(model, "__dict__"):
-        model.__dict__.pop(_ATTR, None)
+    _set_plan(model, None)
 
 
 def enabled(model: Any) -> bool:
-    return hasattr(model, "__dict__") and model.__dict__.get(_ATTR) is not None
+    return _plan_of(model) is not None
 
 
 def use_native_products(on: bool, timed: bool = False) -> bool:
@@ -447,7 +461,7 @@ def qualify(model: Any) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
     if not ok:
         return False, "disagrees with mlx-lm's forward at load"
-    model.__dict__[_ATTR] = plan
+    _set_plan(model, plan)
     return True, f"float32 Llama, {len(plan.layers)} layers"
 
 
@@ -461,7 +475,7 @@ def _agrees(model: Any, plan: Plan) -> bool:
     rows = mx.array([[2, 9, 4, 6], [8, 1, 2, 3]]) % vocab
     results = []
     for host in (True, False):
-        model.__dict__[_ATTR] = plan if host else None
+        _set_plan(model, plan if host else None)
         try:
             def run(tokens: mx.array, cache: list) -> mx.array:
                 out = forward(model, tokens, cache) if host else model(tokens, cache=cache)
@@ -476,7 +490,7 @@ def _agrees(model: Any, plan: Plan) -> bool:
             step = run(mx.array([[4], [5]]) % vocab, batch)
             results.append((first, two, step, cache[0].keys[..., :5, :], batch[-1].values))
         finally:
-            model.__dict__[_ATTR] = None
+            _set_plan(model, None)
     for a, b in zip(*results):
         scale = max(1.0, float(mx.abs(b).max().item()))
         if not mx.allclose(a, b, rtol=1e-3, atol=1e-4 * scale).item():

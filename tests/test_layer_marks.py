@@ -1,0 +1,39 @@
+"""Marks on mlx-lm cache layers live beside them (cache/layer_marks.py), never on them."""
+from __future__ import annotations
+
+import gc
+
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxstack.cache import layer_marks
+from mlxstack.cache.layer_kinds import mark_layer, restore_layer
+from mlxstack.cache.layer_marks import mark, marked, marks_of
+
+
+def test_a_mark_is_held_beside_the_layer_not_on_it():
+    layer = QuantizedKVCache()
+    before = dict(vars(layer))
+    mark(layer, "fp_head", ("k", "v"))
+    assert marked(layer, "fp_head") == ("k", "v") and marked(layer, "cut") is None
+    assert marked(layer, "cut", False) is False
+    assert vars(layer) == before                          # nothing written onto mlx-lm's object
+    assert marked(KVCache(), "fp_head") is None           # another layer has no marks
+
+
+def test_a_mark_goes_with_its_layer():
+    layer = RotatingKVCache(max_size=4)
+    mark(layer, "cut", True)
+    n = len(layer_marks._marks)
+    del layer
+    gc.collect()
+    assert len(layer_marks._marks) == n - 1
+
+
+def test_restoring_a_layer_puts_its_marks_back_too():
+    layer = RotatingKVCache(max_size=4)
+    mark(layer, "cut", False)
+    saved = mark_layer(layer)
+    mark(layer, "cut", True)
+    layer.offset = 7
+    restore_layer(layer, saved)
+    assert layer.offset == 0 and marks_of(layer) == {"cut": False}
