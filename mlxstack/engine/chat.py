@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..cache.kv_ops import LiveCache, capture, checkout
+from ..cache.kv_ops import LiveCache
 from ..cache.lifetimes import applied_lifetime, written_segments
 from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
 from ..config import faults
@@ -71,6 +71,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # step (engine/lockstep.py), so a deadline fires at the same step on every rank
         self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
+        state.kv.fresh = self.new_cache   # a miss checks out this model's empty caches
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
@@ -158,9 +159,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
 
         match, stable_msgs, from_disk, stored = self._find(prep, session.session_id, job)
         st.counters.bump("renders", prep.renders)
-        live = checkout(stored, match.depth, st.kv_quant, self.by_reference_depth()) if match.hit else self.new_cache()
-        if live.depth != match.depth:
-            raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
+        live = st.kv.checkout(match, stored, self.by_reference_depth() if match.hit else 0)
         st.counters.bump(f"hits_{match.match_type}" if match.hit else "misses")
         if match.hit:   # whose entry served it (CACHE_SESSION_PARTITIONING prefers the session's own)
             st.counters.bump("own_session_hits" if match.entry.session_id == session.session_id else "other_session_hits")
@@ -201,29 +200,19 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return applied_lifetime(asked, s.prompt_cache_ttl_seconds, s.cache_ttl_max_seconds)
 
     def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool, Any]:
-        """Lookup over both tiers -> (match, stable messages, from disk, the state to check out).
-        A hit on a disk-only entry is loaded (verified) and served from what was loaded, whether
-        or not RAM can keep it (an entry over the byte budget stays disk-only); a file that fails
-        verification is dropped and the lookup runs again."""
-        st = self.state
-        if not st.prompt_cache.enabled:
+        """Lookup over both tiers (cache/manager.py ``find``) -> (match, stable messages, from
+        disk, the state to check out)."""
+        if not self.state.prompt_cache.enabled:
             return MISS, 0, False, None
-        if st.disk is not None:
-            st.disk.sync(st.prompt_cache)
-        stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
-        for _ in range(4):
-            match = self._lookup(prep, session_id, stable_tokens)
-            match = self.validate_match(prep, match)
-            stored = match.entry.payload if match.hit else None
-            if not match.hit or stored is not None:
-                return match, stable_msgs, False, stored
-            stored = st.disk.load(match.entry) if st.disk is not None else None
-            if stored is not None:
-                st.prompt_cache.promote(match.entry.entry_id, stored, st.group_bytes(stored.nbytes))
-                return match, stable_msgs, True, stored
-            st.prompt_cache.remove(match.entry.entry_id, "disk_corrupt")
-            st.counters.bump("disk_load_failures")
-        return MISS, 0, False, None
+        stable: list[tuple[int, int]] = []
+
+        def lookup() -> MatchResult:
+            if not stable:        # once, after the disk tier's index is in step
+                stable.append(self.stable_prefix(prep, session_id, job))
+            return self.validate_match(prep, self._lookup(prep, session_id, stable[0][1]))
+
+        found = self.state.kv.find(lookup)
+        return found.match, (0 if found.gave_up else stable[0][0]), found.from_disk, found.stored
 
     # ---------------------------------------------------------------- tool_choice / JSON mode
     def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:
@@ -260,7 +249,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             if tool_open is not None:
                 bias[int(tool_open)] = -1e9
         outside = [t for t in bias if not 0 <= t < (self.token_count or t + 1)]
-        if outside:   # the HTTP layer answers 400 first (server/validation.py); this guards every caller
+        if outside:   # the HTTP layer answers 400 first (server/common/validation.py); this guards every caller
             raise ValueError(f"logit_bias token id {outside[0]} is outside the tokenizer's vocabulary "
                              f"(0..{self.token_count - 1})")
         return bias or None
@@ -279,7 +268,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         seq = self.start(job)
         should_stop = self._should_stop(seq)
         try:
-            logits = self.prefill(seq.live, seq.prep, seq.start, lambda live: seq.snapshots.append(capture(live)),
+            logits = self.prefill(seq.live, seq.prep, seq.start, lambda live: seq.snapshots.append(self.state.kv.snapshot(live)),
                                   [k - seq.start for k in seq.checkpoints], should_stop)
         except Aborted:
             logits = None
@@ -427,7 +416,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size)
             seq.pos = stop_at
             if stop_at in seq.checkpoints:
-                seq.snapshots.append(capture(seq.live))
+                seq.snapshots.append(self.state.kv.snapshot(seq.live))
         if seq.pos == n - 1 and defer_last:
             return True
         if seq.pos == n - 1:

@@ -40,10 +40,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Any
 
-from ..cache.kv_ops import LiveCache
-from ..cache.prefixed_kv import PrefixedKVCache
+from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
 from .chat import ChatEngine, ChatJob, Request
@@ -65,12 +63,11 @@ def _growth(seq: Request) -> int:
     return growth(seq.params.max_tokens, seq.produced)
 
 
-def fork(follower: Request, quant: Any) -> None:
-    """Give ``follower`` its leader's first ``depth`` tokens (references), as both's root
-    (scheduler/shared_prefill.py decided whom it follows and when)."""
+def fork(follower: Request, kv: KVManager) -> None:
+    """Give ``follower`` its leader's first ``depth`` tokens by reference (cache/manager.py
+    ``fork``; scheduler/shared_prefill.py decided whom it follows and when)."""
     leader, depth = follower.follows
-    roots = leader.live.share(depth)
-    follower.live = LiveCache([PrefixedKVCache(r) for r in roots], depth, quant, list(roots))
+    follower.live = kv.fork(leader.live, depth)
     follower.shared_prefill = depth - follower.start
     follower.start = depth
     follower.pos = depth
@@ -163,7 +160,7 @@ class EngineCore:
         if room is not None and room < 0:
             return False
         if room is not None:
-            self.engine.state.prompt_cache.fit(room, self._checked_out(seq))
+            self.engine.state.kv.fit(room, self._checked_out(seq))
         self._enter(seq)
         return True
 
@@ -224,7 +221,7 @@ class EngineCore:
                 seq.follows = None
             elif ready(seq):
                 try:
-                    fork(seq, self.engine.state.kv_quant)
+                    fork(seq, self.engine.state.kv)
                     self.shared_prefills += 1
                     self.engine.state.counters.bump("shared_prefill_tokens", seq.shared_prefill)
                 except Exception:  # noqa: BLE001 - it prefills on its own

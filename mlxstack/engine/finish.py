@@ -17,10 +17,8 @@ import logging
 import time
 from typing import Any
 
-from ..cache.kv_ops import capture
 from ..cache.lcp import lcp
 from ..cache.prompt_cache import POOL_KV, POOL_SNAPSHOT
-from ..config import faults
 from ..parsing.harmony import healing_patch
 from ..prompt.render import encode
 from ..runner.generate import feed
@@ -284,7 +282,7 @@ class TurnFinish:
         except BaseException:
             for entry_id in inserted:
                 try:   # its session record and disk copy go with it (EngineState._on_evict)
-                    self.state.prompt_cache.remove(entry_id, "store_failed")
+                    self.state.kv.remove(entry_id, "store_failed")
                 except Exception:  # noqa: BLE001 - best effort: the original error is what matters
                     log.exception("removing entry %s after a failed store failed", entry_id)
             raise
@@ -296,7 +294,7 @@ class TurnFinish:
         parent = match.entry.session_id if match.hit else None
         n_prompt = len(prep.model_tokens) if prompt_depth is None else prompt_depth
         all_model = prep.model_tokens[:n_prompt] + continuation
-        state = capture(seq.live)
+        state = st.kv.snapshot(seq.live)
         depth = state.depth
         extra = max(0, depth - n_prompt)
         key = (prep.key_tokens if n_prompt == len(prep.model_tokens) else self.key_prefix(prep, n_prompt)) \
@@ -305,22 +303,10 @@ class TurnFinish:
         # (the request's own; a breakpoint's where it can be cut back there)
         asked = [seq.job.cache_ttl] + [t for k, t in seq.prep.breakpoints if state.can_serve(k)]
         ttl = max(self.lifetime(a) for a in asked) if any(a is not None for a in asked) else None
-        entry = st.prompt_cache.insert(key, all_model[:depth], state, nbytes=st.group_bytes(state.nbytes), floor=state.floor,
-                                       pool=POOL_KV, session_id=session_id, ttl=ttl)
-        if entry is not None:
-            inserted.append(entry.entry_id)
-            faults.hit("store", seq.job.request_id)
-            st.sessions.record(session_id, entry.entry_id, entry.depth, parent=parent)
-            if st.disk is not None:
-                st.disk.write_through(entry)
+        st.kv.store(key, all_model[:depth], state, pool=POOL_KV, session_id=session_id, parent=parent, ttl=ttl,
+                    inserted=inserted, fault=seq.job.request_id)
         for snap in seq.snapshots:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
-            snap_entry = st.prompt_cache.insert(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth],
-                                                snap, nbytes=st.group_bytes(snap.nbytes), floor=snap.floor, pool=POOL_SNAPSHOT,
-                                                session_id=session_id, ttl=seq.lifetimes.get(snap.depth))
-            if snap_entry is not None:
-                inserted.append(snap_entry.entry_id)
-                st.sessions.record(session_id, snap_entry.entry_id, snap_entry.depth, parent=parent)
-                if st.disk is not None:
-                    st.disk.write_through(snap_entry)
+            st.kv.store(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth], snap, pool=POOL_SNAPSHOT,
+                        session_id=session_id, parent=parent, ttl=seq.lifetimes.get(snap.depth), inserted=inserted)

@@ -1,7 +1,7 @@
 """What one chat request is on its way through the engine: the job the HTTP layer hands over,
 the prepared prompt, the in-flight sequence (cache, prefill and decode state), the outcome.
 
-    job = ChatJob(...)                    # server/job_adapter.py builds it from a validated request
+    job = ChatJob(...)                    # server/common/job_adapter.py builds it from a validated request
     seq = engine.start(job)               # -> Request (engine/chat.py)
     outcome = engine.finish(seq)          # -> ChatOutcome
 """

@@ -22,6 +22,7 @@ from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
+from ..cache.manager import KVManager
 from ..runner.kv_bytes import resident_bytes
 from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
@@ -43,9 +44,6 @@ class EngineState:
         self.settings = settings
         self.counters = CacheCounters()
         self.live_kv_bytes = 0       # KV / state of the requests in flight (runner/kv_bytes.py; the scheduler sets it)
-        # an entry's bytes as the cache budget counts them: one process, its own; several ranks
-        # (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions
-        self.group_bytes: Callable[[int], int] = lambda n: n
         # several ranks: what differs per rank (its live KV bytes) must not steer a decision
         # every rank makes (the scheduler's admission by memory is off then)
         self.replicated = False
@@ -65,17 +63,20 @@ class EngineState:
             snapshot_ttl_seconds=settings.snapshot_ttl_seconds,
         )
         seed = namespace_seed(model_id, template_hash=template_hash(template_source))
-        self.disk = self._open_disk(disk_namespace_parts) if config.max_entries > 0 else None
+        disk = self._open_disk(disk_namespace_parts) if config.max_entries > 0 else None
         self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict,
-                                        on_spill=self.disk.spill if self.disk is not None else None)
-        if self.disk is not None:
-            n = self.disk.restore(self.prompt_cache)
-            log.info("disk tier %s: %d entries indexed (%.1f MiB), budget %.1f GiB", self.disk.tier.directory, n,
-                     self.disk.tier.stats()["bytes"] / 2**20, self.disk.tier.max_bytes / 2**30)
+                                        on_spill=disk.spill if disk is not None else None)
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds,
                                       max_bytes=settings.session_store_max_bytes)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
+        # the one set of verbs a request's KV goes through (cache/manager.py): lookup over both
+        # tiers, checkout, fork, snapshot, store
+        self.kv = KVManager(self.prompt_cache, disk, self.sessions, self.counters, kv_quant)
+        if disk is not None:
+            n = disk.restore(self.prompt_cache)
+            log.info("disk tier %s: %d entries indexed (%.1f MiB), budget %.1f GiB", disk.tier.directory, n,
+                     disk.tier.stats()["bytes"] / 2**20, disk.tier.max_bytes / 2**30)
         self.healing = (HealingStore(settings.healing_store_max_entries, self._healing_view,
                                      max_bytes=settings.healing_store_max_bytes) if settings.healing_store else None)
         self.healing_journal = None
@@ -93,6 +94,24 @@ class EngineState:
         self.fingerprints_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
+
+    @property
+    def disk(self) -> DiskBacking | None:
+        return self.kv.disk
+
+    @disk.setter
+    def disk(self, value: DiskBacking | None) -> None:
+        self.kv.disk = value
+
+    @property
+    def group_bytes(self) -> Callable[[int], int]:
+        """An entry's bytes as the cache budget counts them: one process, its own; several ranks
+        (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions."""
+        return self.kv.group_bytes
+
+    @group_bytes.setter
+    def group_bytes(self, value: Callable[[int], int]) -> None:
+        self.kv.group_bytes = value
 
     def fingerprint(self, key: str) -> Any:
         with self.fingerprints_lock:

@@ -188,7 +188,7 @@ class VLMChatEngine(ChatEngine):
                 log.warning("vlm retreat: entry %d would be reused to %d, inside image %d [%d, %d); evicting",
                             entry.entry_id, depth, k, start, end)
                 self.state.counters.bump("vlm_retreat")
-                self.state.prompt_cache.remove(entry.entry_id, "vlm_retreat")
+                self.state.kv.remove(entry.entry_id, "vlm_retreat")
                 return MISS
         if depth == match.depth:
             return match

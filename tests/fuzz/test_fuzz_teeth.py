@@ -18,7 +18,7 @@ from .replay import replay
 pytestmark = pytest.mark.slow  # a fuzzer run that must find the old fork bug (docs/testing.md#tiers)
 
 
-def _fork_before_the_fix(follower: Any, quant: Any) -> None:
+def _fork_before_the_fix(follower: Any, kv: Any) -> None:
     """engine/shared_prefill.py ``fork`` at 600fc6e (now engine/core.py) (the defect, kept here as the fuzzer's target)."""
     leader, depth = follower.follows
     roots, layers = [], []
@@ -33,7 +33,7 @@ def _fork_before_the_fix(follower: Any, quant: Any) -> None:
                 leader.live.layers[i] = PrefixedKVCache((rk, rv, depth))
         roots.append((rk, rv, depth))
         layers.append(PrefixedKVCache((rk, rv, depth)))
-    follower.live = LiveCache(layers, depth, quant, roots)
+    follower.live = LiveCache(layers, depth, kv.quant, roots)
     follower.shared_prefill = depth - follower.start
     follower.start = depth
     follower.pos = depth
