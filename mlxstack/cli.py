@@ -4,7 +4,7 @@
     mlxstack mlx-server                  one MLX server, no proxy (python -m mlxstack.serve)
     mlxstack test [--fast] [pytest args] the test suite with the optimised BLAS preloaded
                                          (mlxstack.launcher.test_runner; --fast: the fast tier)
-    mlxstack bench [guard args]          the benchmark guard (scripts/bench_guard.py)
+    mlxstack bench [guard args]          the benchmark guard (benchmarks/bench_guard.py)
     mlxstack env-example                 regenerate .env.example and docs/configuration.md
     mlxstack build-native                build the CPU backend's native kernels now, not at the
                                          server's first load (install_and_run.py runs it)
@@ -13,7 +13,7 @@ Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e
 ``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
 ``mlxstack bench --help`` is the guard's own help). ``python3 install_and_run.py`` stays the
 bootstrap that builds .venv; this module needs that .venv's Python 3.12 and a checkout (the
-scripts live beside the package, not inside it).
+benchmarks/ and tools/ folders live beside the package, not inside it).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ COMMANDS = {
     "serve": "start the stack: MLX server(s) behind the LiteLLM proxy (start_llm.py)",
     "mlx-server": "start one MLX server without the proxy (python -m mlxstack.serve)",
     "test": "run the tests with the optimised BLAS preloaded; --fast: -m \"not e2e and not slow\"",
-    "bench": "run the benchmark guard (scripts/bench_guard.py; ~10 min, not in CI)",
+    "bench": "run the benchmark guard (benchmarks/bench_guard.py; ~10 min, not in CI)",
     "env-example": "regenerate .env.example and docs/configuration.md from the settings",
     "build-native": "build the CPU backend's native kernels with the system C compiler now (else at load)",
 }
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chdir(REPO)                           # pytest.ini and tests/ are found from the checkout
         test_runner.main(rest)
     elif command == "bench":
-        _exec_python([_script("scripts/bench_guard.py"), *rest])
+        _exec_python([_script("benchmarks/bench_guard.py"), *rest])
     elif command == "env-example":
         if rest[:1] in (["-h"], ["--help"]):
             print(f"usage: mlxstack env-example\n\n{COMMANDS['env-example']}")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             print(f"mlxstack env-example: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
             return 2
-        _exec_python([_script("scripts/gen_env_example.py")])
+        _exec_python([_script("tools/gen_env_example.py")])
     elif command == "build-native":
         return build_native(rest)
     else:

@@ -458,14 +458,14 @@ def test_requests_that_come_back_together_are_gathered_into_one_prefill(dense):
 
 
 def test_bench_batch_kinds_rows_match_alone_at_full_size():
-    """scripts/bench_batch_kinds.py at the embedded model's width (576 hidden, 9/3 heads; 6 layers
+    """benchmarks/bench_batch_kinds.py at the embedded model's width (576 hidden, 9/3 heads; 6 layers
     here instead of 30, so gemma3's 5-sliding-1-global pattern and lfm2's conv + attention mix are
     both present) in four layouts: each row of a batched step equals its sequence stepped alone."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "bench_batch_kinds", Path(__file__).resolve().parents[1] / "scripts" / "bench_batch_kinds.py")
+        "bench_batch_kinds", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_batch_kinds.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     for kind in ("llama", "gemma3_text", "lfm2", "mamba2"):

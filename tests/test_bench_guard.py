@@ -1,4 +1,4 @@
-"""The benchmark guard's pure logic (scripts/guard/verdict.py): the pass / fail rule against a
+"""The benchmark guard's pure logic (benchmarks/guard/verdict.py): the pass / fail rule against a
 baseline, targets, identical replies, figures not run, the baseline update, the median of
 per-round ratios, the tables and the docs/benchmarks.md block between its markers. No model, no timing."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.guard import verdict as g
+from benchmarks.guard import verdict as g
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,5 +213,5 @@ def test_the_docs_page_holds_one_block_the_guard_can_rewrite():
 
 
 def test_the_guard_writes_the_docs_page_by_default():
-    source = (REPO / "scripts" / "bench_guard.py").read_text()
+    source = (REPO / "benchmarks" / "bench_guard.py").read_text()
     assert 'const=REPO / DOCS_PAGE' in source and '"--docs"' in source

@@ -8,7 +8,7 @@
 The mask travels as int32 words (32 tokens each, 1/8 of a bool mask) and is unpacked by MLX next to
 the logits. ``BatchMasks.fill`` computes the engaged rows' masks in parallel on llguidance's own
 thread pool (``LLExecutor``; the GIL is released). It is not on the decode path: on the 2-core dev
-box it was slower than masking row by row in each row's sampler (scripts/bench_structured.py:
+box it was slower than masking row by row in each row's sampler (benchmarks/bench_structured.py:
 157 vs 89 us per 8-row step), so runner/sampling.py masks one row at a time; the bench keeps
 measuring both.
 """

@@ -214,7 +214,7 @@ def rank_threads(settings: Any, current: int, cores: Optional[int] = None) -> in
     """OpenBLAS threads for one MLX process (pure): ``current``, capped at its share of the usable
     cores where several local ranks of a DISTRIBUTED group run on this machine -- each rank keeps
     its own busy-waiting pool: 3 ranks x 2 threads on 2 cores prefilled at 42 tok/s, 1 thread each
-    at 176 (scripts/bench_distributed.py --ranks 3)."""
+    at 176 (benchmarks/bench_distributed.py --ranks 3)."""
     cores = _cpu_count() if cores is None else cores
     ranks = int(getattr(settings, "distributed_local_ranks", 0) or 0)
     if str(getattr(settings, "distributed", "off")) == "off" or ranks < 2:

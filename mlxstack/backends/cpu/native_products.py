@@ -8,7 +8,7 @@ A decode step of 8 rows multiplies 8 vectors by every weight matrix of the model
 float32 weights read for ~1 GFLOP. OpenBLAS's sgemm packs the weight into its own layout on
 every call before multiplying (for a few rows that copy is most of the work) and reads it at
 ~7-10 GB/s here; this loop reads each weight row once, in place, on two threads, near the
-machine's memory bandwidth (scripts/bench_products.py: ~1.9x faster at 1 row, ~1.5x at 8, level
+machine's memory bandwidth (benchmarks/bench_products.py: ~1.9x faster at 1 row, ~1.5x at 8, level
 with sgemm at 64-128; past ``MAX_ROWS`` the host path keeps OpenBLAS).
 
 Each (row, output) dot product runs the same instructions whatever the other rows of the call
