@@ -351,7 +351,7 @@ def stage_bandwidth(ctx: Ctx) -> dict[str, dict]:
 # ----------------------------------------------------------------------------- stage: grammar
 def stage_grammar(ctx: Ctx) -> dict[str, dict]:
     from bench_structured import BENCH_PERSON, PEOPLE, make_job, run_jobs
-    from mlxstack.server.structured import Structured
+    from mlxstack.server.common.structured import Structured
     from mlxstack.engine.factory import make_engine
 
     t_stage = time.perf_counter()

@@ -238,7 +238,7 @@ def main() -> None:
 # ============================================================================ through the engine
 def build_engine():
     """The embedded model's engine + its grammar compiler, as the server builds them (greedy)."""
-    from mlxstack.server.structured import Structured
+    from mlxstack.server.common.structured import Structured
     from mlxstack.config.settings import load_settings
     from mlxstack.engine.factory import make_engine
     from mlxstack.models.loader import load_model
@@ -252,8 +252,8 @@ def build_engine():
 
 def make_job(engine, structured, messages, max_tokens, rid, **fields):
     """A ChatJob with the grammar its fields ask for, compiled as a request handler compiles it."""
-    from mlxstack.server.job_adapter import chat_job
-    from mlxstack.server.validation import parse_chat_request
+    from mlxstack.server.common.job_adapter import chat_job
+    from mlxstack.server.common.validation import parse_chat_request
 
     req = parse_chat_request({"messages": messages, "max_tokens": max_tokens, **fields}, engine.settings,
                              engine.token_count)

@@ -9,11 +9,11 @@ import urllib.request
 
 import pytest
 
-from mlxstack.server.anthropic_messages import (ContentBlocks, anthropic_tools, chat_tool_choice, decode_signature,
-                                             encode_signature, error_body, matched_stop_sequence, messages_to_chat,
-                                             reply_blocks, stop_reason, to_chat_body, usage_object)
-from mlxstack.server.errors import APIError
-from mlxstack.server.job_adapter import Usage
+from mlxstack.server.anthropic.messages import (ContentBlocks, anthropic_tools, chat_tool_choice, decode_signature,
+                                                encode_signature, error_body, matched_stop_sequence, messages_to_chat,
+                                                reply_blocks, stop_reason, to_chat_body, usage_object)
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.common.job_adapter import Usage
 from mlxstack.cache.lifetimes import Segment
 from mlxstack.config.settings import load_settings
 from mlxstack.launcher import litellm_config as lc

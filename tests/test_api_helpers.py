@@ -1,21 +1,21 @@
-"""The helpers the three API fronts share (server/usage.py, finish.py, opaque.py, chat_body.py, items.py,
-error_shapes.py, sse.event_frame, responses.ChatStream): pure, exact values."""
+"""The helpers the three API fronts share (server/common/usage.py, finish.py, opaque.py, chat_body.py, items.py,
+error_shapes.py; server/http/sse.py event_frame; server/openai/chat_reply.py ChatStream): pure, exact values."""
 from __future__ import annotations
 
 import json
 import logging
 from types import SimpleNamespace as NS
 
-from mlxstack.server.chat_body import copy_fields, function_tool, joined
-from mlxstack.server.error_shapes import answer_errors, internal_logged, messages_error, responses_error
-from mlxstack.server.errors import APIError
-from mlxstack.server.finish import (chat_finish_reason, matched_stop_sequence, messages_stop_reason, outcome_incomplete,
-                                 outcome_truncated, responses_status)
-from mlxstack.server.items import ReplyParts, ReplySplit, whole_reply_events
-from mlxstack.server.opaque import decode_opaque, encode_opaque
-from mlxstack.server.responses import ChatStream
-from mlxstack.server.sse import DONE, event_frame
-from mlxstack.server.usage import Usage, chat_usage, messages_usage, outcome_usage, responses_usage
+from mlxstack.server.common.chat_body import copy_fields, function_tool, joined
+from mlxstack.server.common.error_shapes import answer_errors, internal_logged, messages_error, responses_error
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.common.finish import (chat_finish_reason, matched_stop_sequence, messages_stop_reason,
+                                           outcome_incomplete, outcome_truncated, responses_status)
+from mlxstack.server.common.items import ReplyParts, ReplySplit, whole_reply_events
+from mlxstack.server.common.opaque import decode_opaque, encode_opaque
+from mlxstack.server.openai.chat_reply import ChatStream
+from mlxstack.server.http.sse import DONE, event_frame
+from mlxstack.server.common.usage import Usage, chat_usage, messages_usage, outcome_usage, responses_usage
 from mlxstack.cache.lifetimes import Segment, applied_lifetime, long_tokens, written_segments
 from mlxstack.engine.chat import GRAMMAR_DEAD_END
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from mlxstack.server.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
-from mlxstack.server.errors import APIError
-from mlxstack.server.responses_to_chat import backend_response_id, prompt_cache_options
+from mlxstack.server.common.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.openai.responses_to_chat import backend_response_id, prompt_cache_options
 from mlxstack.cache.diagnosis import (BLOCK, Diagnosis, common_prefix, describe, diagnose, fingerprint,
                                       with_tokens)
 from mlxstack.prompt.session_context import extract_session_context

@@ -429,7 +429,7 @@ def test_ids_past_the_tokenizer_are_never_sampled(dense, reference):
     sched = EngineCore(eng, 8, 64, batching=True)
     out = drive(sched, [fjob(f"r{i}", t) for i, t in enumerate(SHORT)])
     assert [o.raw_text for o in out.values()] == [reference(t)[0].raw_text for t in SHORT]
-    # a logit_bias naming such an id is refused (HTTP: 400 first, server/validation.py)
+    # a logit_bias naming such an id is refused (HTTP: 400 first, server/common/validation.py)
     bad = fjob("b", SHORT[0])
     bad.params = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={eng.token_count + 2: 5.0})
     with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
@@ -440,8 +440,8 @@ def test_logit_bias_is_validated_against_the_tokenizer_not_the_config():
     from types import SimpleNamespace
 
     from mlxstack.server.app import model_vocab_size
-    from mlxstack.server.errors import APIError
-    from mlxstack.server.validation import parse_chat_request
+    from mlxstack.server.http.errors import APIError
+    from mlxstack.server.common.validation import parse_chat_request
     from mlxstack.config.settings import load_settings
 
     class Tok:

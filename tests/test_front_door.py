@@ -202,8 +202,8 @@ def test_every_alias_litellm_serves_gets_the_same_checks():
       {"role": "tool", "tool_call_id": "c2", "content": "42"}], "messages[1].tool_call_id"),
 ])
 def test_bodies_the_openai_api_rejects_are_400_at_both_doors(messages, param):
-    from mlxstack.server.errors import APIError
-    from mlxstack.server.validation import parse_chat_request
+    from mlxstack.server.http.errors import APIError
+    from mlxstack.server.common.validation import parse_chat_request
     from mlxstack.config.settings import load_settings
 
     assert refused(CHAT, {"model": "m", "messages": messages}).body["error"]["param"] == param
@@ -213,7 +213,7 @@ def test_bodies_the_openai_api_rejects_are_400_at_both_doors(messages, param):
 
 
 def test_answered_tool_calls_pass_both_doors():
-    from mlxstack.server.validation import parse_chat_request
+    from mlxstack.server.common.validation import parse_chat_request
     from mlxstack.config.settings import load_settings
 
     call = lambda i: {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}  # noqa: E731

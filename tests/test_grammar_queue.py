@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxstack.server.errors import APIError
-from mlxstack.server.structured import Structured, client_of
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.common.structured import Structured, client_of
 from mlxstack.constraints import CompilerBusy, GrammarCompiler, SchemaError, json_spec
 from tests.test_constraints import Tok
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from mlxstack.server.errors import APIError
-from mlxstack.server.http_guard import (
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.http.guard import (
     Guard,
     bearer_token,
     bind_refusal,
@@ -26,8 +26,8 @@ from mlxstack.server.http_guard import (
     is_loopback_address,
     origin_allowed,
 )
-from mlxstack.server.http_server import DeadlineReader, busy_response, peer_closed
-from mlxstack.server.server import content_length
+from mlxstack.server.http.pooled_server import DeadlineReader, busy_response, peer_closed
+from mlxstack.server.http.handler import content_length
 from mlxstack.config.settings import SettingsError
 from tests.conftest import engine_settings, http_json
 

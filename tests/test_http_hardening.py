@@ -11,8 +11,8 @@ import socket
 import pytest
 from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
 
-from mlxstack.server.errors import APIError
-from mlxstack.server.sse import ChunkEncoder, chunk_dict, encode_frame
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.http.sse import ChunkEncoder, chunk_dict, encode_frame
 from tests.conftest import http_json
 
 pytestmark = pytest.mark.slow  # hostile HTTP against live servers on the embedded model (docs/testing.md#tiers)

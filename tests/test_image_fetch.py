@@ -1,4 +1,4 @@
-"""server/image_fetch.py: remote images under SSRF rules, against real local HTTP servers (issue 10, item 7).
+"""server/common/image_fetch.py: remote images under SSRF rules, against real local HTTP servers (issue 10, item 7).
 
 The production policy refuses loopback, so tests that need a successful fetch pass an
 ``address_allowed`` that admits exactly 127.0.0.1 (the test server); the default policy is tested
@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from mlxstack.server.image_fetch import (
+from mlxstack.server.common.image_fetch import (
     FETCH_FAILED,
     RemoteImageFetcher,
     is_public_address,

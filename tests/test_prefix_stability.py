@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxstack.server.responses import StreamAssembler, completion_body
+from mlxstack.server.openai.chat_reply import StreamAssembler, completion_body
 from mlxstack.runner import generate
 from mlxstack.parsing.reasoning import split_output
 from mlxstack.parsing.tool_calls import make_tool_call_id

@@ -227,7 +227,7 @@ def test_tool_choice_none_bans_the_call_token_and_returns_no_calls(tiny_dense_pa
     j, _ = job([{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=3)
     j.tool_choice = "none"
     assert eng._logit_bias(j) == {call_id: -1e9}
-    from mlxstack.server.responses import completion_body
+    from mlxstack.server.openai.chat_reply import completion_body
 
     o = eng.run(j)
     o.text = 'x <tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>'   # as if it slipped through

@@ -8,11 +8,11 @@ import urllib.request
 
 import pytest
 
-from mlxstack.server.errors import APIError
-from mlxstack.server.openai_responses import (OutputItems, ResponseStore, ToolNames, chat_tool_choice,
-                                           decode_reasoning_blob, encode_reasoning_blob, input_to_messages,
-                                           reply_items, responses_tools, to_chat_body, usage_object)
-from mlxstack.server.job_adapter import Usage
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.openai.responses import (OutputItems, ResponseStore, ToolNames, chat_tool_choice,
+                                              decode_reasoning_blob, encode_reasoning_blob, input_to_messages,
+                                              reply_items, responses_tools, to_chat_body, usage_object)
+from mlxstack.server.common.job_adapter import Usage
 from mlxstack.parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
 from mlxstack.parsing.tool_calls import ToolCall
 from tests.conftest import LiveServer, engine_settings, http_json, sse_events
@@ -384,7 +384,7 @@ def test_responses_through_litellm(stack):
 
 def test_response_store_is_bounded_in_bytes_too():
     # issue 23 #6: the count alone let 256 chained turns each keep a 64 MB body with its images
-    from mlxstack.server.openai_responses import conversation_bytes
+    from mlxstack.server.openai.responses import conversation_bytes
 
     turn = lambda i: [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:" + "A" * 900}}]},  # noqa: E731
                       {"role": "assistant", "content": f"reply {i}"}]

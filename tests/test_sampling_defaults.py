@@ -11,7 +11,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from mlxstack.server.validation import parse_chat_request
+from mlxstack.server.common.validation import parse_chat_request
 from mlxstack.config.settings import load_settings
 from mlxstack.runner.sampling import Sampler, SamplingParams
 from mlxstack.runner.sampling_defaults import SamplingDefaults, from_generation_config

@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxstack.server.sse import DONE, ChunkEncoder, chunk_dict
+from mlxstack.server.http.sse import DONE, ChunkEncoder, chunk_dict
 from mlxstack.parsing.tool_calls import ToolCall
 
 ID, CREATED, MODEL = "chatcmpl-abc", 1700000000, "mlx-community/Qwen3-0.6B-4bit"

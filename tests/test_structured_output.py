@@ -1,5 +1,5 @@
 """Structured output and guaranteed tool calls (#18) through the engine and the MLX server's three
-fronts, in process: grammars compiled by the api layer (server/structured.py) exactly as a request's
+fronts, in process: grammars compiled by the api layer (server/common/structured.py) exactly as a request's
 handler compiles them, decoded by the real engine and scheduler on the embedded SmolLM2 and tiny
 fixtures (Qwen XML and GLM templates on the dense fixture, harmony on the gpt_oss one).
 
@@ -16,8 +16,8 @@ import logging
 import jsonschema
 import pytest
 
-from mlxstack.server.structured import Structured
-from mlxstack.server.validation import parse_chat_request
+from mlxstack.server.common.structured import Structured
+from mlxstack.server.common.validation import parse_chat_request
 from mlxstack.engine.chat import GRAMMAR_DEAD_END
 from mlxstack.parsing.output import split_reply
 from mlxstack.runner.sampling import Sampler
@@ -473,7 +473,7 @@ def test_tools_the_front_door_carried_past_litellm_are_the_ones_enforced():
     import os
 
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")     # importing litellm: no network
-    from mlxstack.server import validation
+    from mlxstack.server.common import validation
     from mlxstack.config.settings import load_settings
     from mlxstack.routing import front_door
 

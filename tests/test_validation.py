@@ -1,4 +1,4 @@
-"""server/validation.py as pure functions: every field to its real domain, every refusal a 400 that
+"""server/common/validation.py as pure functions: every field to its real domain, every refusal a 400 that
 names the field (issue 10, items 8 and 9), plus property-based tests (hypothesis) that no body,
 however malformed, gets anything but a ChatRequest or an APIError(400)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
 
-from mlxstack.server.errors import APIError
-from mlxstack.server.validation import (
+from mlxstack.server.http.errors import APIError
+from mlxstack.server.common.validation import (
     MAX_JSON_DEPTH,
     find_lone_surrogate,
     json_depth_exceeds,

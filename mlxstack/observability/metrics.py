@@ -1,6 +1,6 @@
 """Prometheus metrics for the MLX server: ``GET /metrics`` (text format 0.0.4).
 
-    metrics = install_metrics(app)     # once the model is loaded (server/features.py does it)
+    metrics = install_metrics(app)     # once the model is loaded (server/common/features.py does it)
     curl -s localhost:8080/metrics | grep mlxstack_
 
 Two sources, no double bookkeeping:

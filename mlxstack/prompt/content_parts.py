@@ -1,5 +1,5 @@
 """Which content parts a chat message may carry, and the words for one it may not (pure): the MLX
-server's validation (server/validation.py) and the front door of 4000 (routing/front_door.py) answer
+server's validation (server/common/validation.py) and the front door of 4000 (routing/front_door.py) answer
 an unknown part type alike, with 400 naming ``messages[i].content[j].type``."""
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Accepted parts (kept bound to their message, in order):
 - Responses-style ``{"type": "input_image", "image_url": "data:..."}``.
 
 Only ``data:`` URLs are decoded here. ``http(s)`` URLs are refused unless
-``ALLOW_REMOTE_IMAGE_URLS=true``, and then the HTTP layer (server/image_fetch.py) fetches them on
+``ALLOW_REMOTE_IMAGE_URLS=true``, and then the HTTP layer (server/common/image_fetch.py) fetches them on
 the request's own thread and passes the bytes on as ``data:`` URLs, so this module does no
 network I/O and a slow image host never blocks the inference worker. ``file://`` URLs and bare
 paths are always refused: an API request must never read the server's disk.

@@ -3,7 +3,7 @@
     renderer = ChatRenderer(tokenizer, preserve_thinking=True)
     text = renderer.render(messages, tools=tools, enable_thinking=True)
 
-Messages arrive validated (server/validation.py). Before the template sees them:
+Messages arrive validated (server/common/validation.py). Before the template sees them:
 - ``developer`` becomes ``system`` (PI sends its system prompt as developer);
 - list content is joined to text for text models (an image part is a TemplateError: 400);
   the VLM renderer (engine/vlm_chat.py) overrides ``render_content`` to keep image parts;

@@ -3,7 +3,7 @@
 OpenAI answers a chat request whose ``tool`` message does not follow an assistant message with
 ``tool_calls`` (or names a call id that message did not make) with 400; LiteLLM's transforms and
 chat templates take it silently and the model sees a result for a call it never made. The front
-door of 4000 (routing/front_door.py) and the MLX server's validation (server/validation.py) both ask
+door of 4000 (routing/front_door.py) and the MLX server's validation (server/common/validation.py) both ask
 this function, so the answer is the same through 4000 and 8080.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ the SDKs raise AuthenticationError / BadRequestError.
 Structured output (issue 18) needs two more repairs, both measured on 1.106.2: LiteLLM's hosted_vllm
 transform deletes ``strict`` and ``additionalProperties: false`` from chat tool schemas (a property
 named "strict" too), so the pre-call hook copies the client's tools to ``mlxstack_tools``, which
-LiteLLM forwards untouched and the MLX server prefers (server/validation.py); and LiteLLM wraps the
+LiteLLM forwards untouched and the MLX server prefers (server/common/validation.py); and LiteLLM wraps the
 MLX server's 400s (a schema that cannot be enforced, naming its JSON pointer in ``param``) in its own
 message with ``param: null``, so a wrapped 400 on the chat and Responses paths is answered with the
 MLX server's own body.
@@ -409,7 +409,7 @@ def install(app: Any) -> bool:
 
 
 # ------------------------------------------------------------------ structured output through LiteLLM
-ORIGINAL_TOOLS_FIELD = "mlxstack_tools"      # = server/validation.py ORIGINAL_TOOLS_FIELD (tests keep them equal)
+ORIGINAL_TOOLS_FIELD = "mlxstack_tools"   # = server/common/validation.py ORIGINAL_TOOLS_FIELD (tests keep them equal)
 
 
 def keep_original_tools(data: Any) -> Any:

@@ -21,16 +21,16 @@ from ..models.sharding import from_rank0
 from ..prompt.images import ImageLimits
 from ..runner.sampling_defaults import SamplingDefaults
 from ..system.control_channel import ControlChannel, from_env, listener
-from .anthropic_messages import handle_count_tokens, handle_messages
-from .chat_completions import handle_chat_completions
-from .features import install_features
-from .http_guard import Guard, bind_refusal
-from .http_server import PooledHTTPServer
-from .image_fetch import RemoteImageFetcher, is_public_address
-from .openai_responses import handle_responses
-from .server import Handler
-from .structured import Structured
-from .warm_prompts import load_warm_jobs
+from .anthropic.messages import handle_count_tokens, handle_messages
+from .common.features import install_features
+from .common.image_fetch import RemoteImageFetcher, is_public_address
+from .common.structured import Structured
+from .common.warm_prompts import load_warm_jobs
+from .http.guard import Guard, bind_refusal
+from .http.handler import Handler
+from .http.pooled_server import PooledHTTPServer
+from .openai.chat import handle_chat_completions
+from .openai.responses import handle_responses
 
 log = logging.getLogger("mlxstack.app")
 
@@ -56,7 +56,7 @@ class App:
         self.image_limits = ImageLimits.from_settings(settings)
         self.vocab_size: int | None = None  # logits width, known once the model is loaded
         self.sampling = SamplingDefaults.resolve(settings)   # + the model's generation_config.json at load
-        self.structured: Any = None         # server/structured.py: grammars for this model's tokenizer
+        self.structured: Any = None         # server/common/structured.py: grammars for this model's tokenizer
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
         self.files_ready: Callable[[], None] | None = None   # serve.py: start the other local ranks

@@ -1,6 +1,6 @@
 """The live cache dashboard: ``GET /dashboard`` and the static files beside this module.
 
-    install_dashboard(app)      # server/features.py does this once the model is loaded
+    install_dashboard(app)      # server/common/features.py does this once the model is loaded
     open http://127.0.0.1:8080/dashboard
 
 The page (index.html + dashboard.js/.css, no build step) polls ``/v1/cache/stats`` every 2 s and

@@ -18,11 +18,11 @@ import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
-from ..engine.chat import ClientGone, ContextLengthExceeded
-from ..engine.worker import WorkerDied
+from ...engine.chat import ClientGone, ContextLengthExceeded
+from ...engine.worker import WorkerDied
 from .errors import APIError, bad_request, internal, not_found, unavailable
-from .http_server import DeadlineReader
-from ..prompt.images import ImageError
+from .pooled_server import DeadlineReader
+from ...prompt.images import ImageError
 
 log = logging.getLogger("mlxstack.http")
 

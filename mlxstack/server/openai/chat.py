@@ -2,16 +2,16 @@
 
     body --chat_request--> ChatRequest (validation, model name, images, grammar)
          --JobRun--> the ChatJob on the inference worker
-         --responses.py--> chat.completion JSON, or chat.completion.chunk SSE frames and [DONE]
+         --chat_reply.py--> chat.completion JSON, or chat.completion.chunk SSE frames and [DONE]
 """
 from __future__ import annotations
 
 import uuid
 from typing import Any
 
-from .job_adapter import JobRun, chat_request, require_ready
-from .responses import ChatStream, completion_body
-from .validation import parse_json
+from ..common.job_adapter import JobRun, chat_request, require_ready
+from .chat_reply import ChatStream, completion_body
+from ..common.validation import parse_json
 
 
 def handle_chat_completions(h: Any) -> None:

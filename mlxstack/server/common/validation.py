@@ -16,13 +16,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.settings import Settings
-from ..prompt.images import image_parts, is_image_part
-from ..prompt.content_parts import TEXT_PART_TYPES, unsupported_part
-from ..prompt.thinking import resolve_enable_thinking
-from ..prompt.tool_results import orphan_tool_result
-from ..runner.sampling_defaults import SamplingDefaults
-from .errors import APIError, bad_request
+from ...config.settings import Settings
+from ...prompt.images import image_parts, is_image_part
+from ...prompt.content_parts import TEXT_PART_TYPES, unsupported_part
+from ...prompt.thinking import resolve_enable_thinking
+from ...prompt.tool_results import orphan_tool_result
+from ...runner.sampling_defaults import SamplingDefaults
+from ..http.errors import APIError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_JSON_DEPTH = 64
@@ -63,7 +63,7 @@ class ChatRequest:
     tool_choice: str | dict | None = None
     response_format: dict | None = None
     parallel_tool_calls: bool = True
-    grammar: Any = None        # constraints.CompiledGrammar (server/structured.py), set on the handler thread
+    grammar: Any = None        # constraints.CompiledGrammar (server/common/structured.py), set on the handler thread
     # where each sampling value came from (runner/sampling_defaults.py): request log, stats
     sampling_origin: dict[str, str] = field(default_factory=dict)
     repetition_scope: str = "reply"

@@ -14,8 +14,8 @@ import logging
 import threading
 from typing import Any
 
-from ..parsing.output import split_reply
-from ..prompt.sized_lru import SizedLRU
+from ...parsing.output import split_reply
+from ...prompt.sized_lru import SizedLRU
 
 log = logging.getLogger("mlxstack.responses")
 

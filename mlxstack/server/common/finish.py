@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.chat import GRAMMAR_DEAD_END
+from ...engine.chat import GRAMMAR_DEAD_END
 
 CUT = ("length", "cancelled")   # the reply was cut, not finished
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache.lifetimes import Segment, long_tokens, marked_tokens
+from ...cache.lifetimes import Segment, long_tokens, marked_tokens
 
 
 @dataclass(frozen=True)

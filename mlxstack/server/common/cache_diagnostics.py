@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cache.diagnosis import HIT, MISS, NONE, NOT_FOUND, Diagnosis, describe
-from .errors import bad_request
+from ...cache.diagnosis import HIT, MISS, NONE, NOT_FOUND, Diagnosis, describe
+from ..http.errors import bad_request
 
 DIAGNOSIS_BETA = "cache-diagnosis-2026-04-07"
 

@@ -26,21 +26,21 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ..parsing.reasoning import CONTENT, REASONING
-from .error_shapes import responses_error
-from .errors import APIError, bad_request
-from .finish import responses_status as reply_status
-from .items import ReplyParts, ReplySplit, whole_reply_events
-from .cache_diagnostics import openai_diagnostics
-from .job_adapter import Diagnosis, JobRun, chat_request, require_ready
+from ...parsing.reasoning import CONTENT, REASONING
+from ..common.error_shapes import responses_error
+from ..http.errors import APIError, bad_request
+from ..common.finish import responses_status as reply_status
+from ..common.items import ReplyParts, ReplySplit, whole_reply_events
+from ..common.cache_diagnostics import openai_diagnostics
+from ..common.job_adapter import Diagnosis, JobRun, chat_request, require_ready
 from .response_store import ResponseStore, assistant_message, conversation_bytes, response_store  # noqa: F401
 from .responses_to_chat import (ResponsesCall, ToolNames, chat_tool_choice, decode_reasoning_blob,  # noqa: F401
                                 encode_reasoning_blob, input_to_messages, responses_tools, to_chat_body)
-from .sse import event_frame
-from .structured import RESPONSES_FIELDS
-from .usage import outcome_usage
-from .usage import responses_usage as usage_object
-from .validation import parse_json
+from ..http.sse import event_frame
+from ..common.structured import RESPONSES_FIELDS
+from ..common.usage import outcome_usage
+from ..common.usage import responses_usage as usage_object
+from ..common.validation import parse_json
 
 
 # ============================================================================ output items

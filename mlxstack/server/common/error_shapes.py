@@ -1,7 +1,7 @@
 """An APIError in each front's words, and the one way an unexpected failure becomes one.
 
 OpenAI's body (chat completions, Responses before a stream starts) is ``APIError.body()``
-(errors.py). The others:
+(http/errors.py). The others:
 
     messages_error(err)      # Anthropic: {"type": "error", "error": {"type", "message"}}
     responses_error(err)     # a failed response's ``error``: {"code", "message"}
@@ -15,7 +15,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
-from .errors import APIError, internal
+from ..http.errors import APIError, internal
 
 # Anthropic error ``type`` per status; any other 5xx is "api_error", any other 4xx "invalid_request_error"
 MESSAGES_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

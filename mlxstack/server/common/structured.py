@@ -30,9 +30,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..constraints import CompilerBusy, GrammarCompiler, GrammarTooComplex, SchemaError, SpecError, \
+from ...constraints import CompilerBusy, GrammarCompiler, GrammarTooComplex, SchemaError, SpecError, \
     compiler_options, spec_for_request, tool_format_for
-from .errors import APIError, rate_limited, unavailable
+from ..http.errors import APIError, rate_limited, unavailable
 
 log = logging.getLogger("mlxstack.structured")
 

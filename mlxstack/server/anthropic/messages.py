@@ -25,12 +25,12 @@ effort`` without ``thinking`` shapes the answer, not reasoning, so it does not s
 
 Reply: ``thinking`` / ``text`` / ``tool_use`` blocks in generation order; ``thinking.display:
 "omitted"`` streams thinking blocks without their text (the signature carries it back, so the next
-turn renders the same tokens). Usage (server/usage.py): ``cache_read_input_tokens`` = tokens reused
+turn renders the same tokens). Usage (server/common/usage.py): ``cache_read_input_tokens`` = tokens reused
 from the KV cache, ``cache_creation_input_tokens`` = tokens this request stored (with
 ``cache_creation`` by lifetime; with breakpoints: up to the last one), ``input_tokens`` = the rest, ``output_tokens``; in a stream the
 input side is on ``message_start`` already. ``diagnostics: {previous_message_id}`` (beta
 ``cache-diagnosis-2026-04-07``; null on a first turn to opt in) answers ``diagnostics.
-cache_miss_reason`` (server/cache_diagnostics.py), on ``message_start`` in a stream.
+cache_miss_reason`` (server/common/cache_diagnostics.py), on ``message_start`` in a stream.
 Errors are Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``; a prompt over the
 window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on).
 """
@@ -40,23 +40,24 @@ import json
 import uuid
 from typing import Any
 
-from ..engine.request import CacheBreakpoint
-from ..parsing.reasoning import REASONING
-from .chat_body import copy_fields, function_tool, joined
-from .error_shapes import answer_errors
-from .error_shapes import messages_error as error_body
-from .errors import APIError, bad_request
-from .finish import matched_stop_sequence
-from .finish import messages_stop_reason as stop_reason
-from .items import ReplyParts, ReplySplit, whole_reply_events
-from .cache_diagnostics import anthropic_diagnostics, anthropic_request
-from .job_adapter import Diagnosis, JobRun, chat_job, chat_request, request_headers, require_ready, submit_on_worker
-from .opaque import decode_opaque, encode_opaque
-from .sse import event_frame
-from .structured import MESSAGES_FIELDS
-from .usage import outcome_usage, report_usage
-from .usage import messages_usage as usage_object
-from .validation import parse_json
+from ...engine.request import CacheBreakpoint
+from ...parsing.reasoning import REASONING
+from ..common.chat_body import copy_fields, function_tool, joined
+from ..common.error_shapes import answer_errors
+from ..common.error_shapes import messages_error as error_body
+from ..http.errors import APIError, bad_request
+from ..common.finish import matched_stop_sequence
+from ..common.finish import messages_stop_reason as stop_reason
+from ..common.items import ReplyParts, ReplySplit, whole_reply_events
+from ..common.cache_diagnostics import anthropic_diagnostics, anthropic_request
+from ..common.job_adapter import (Diagnosis, JobRun, chat_job, chat_request, request_headers, require_ready,
+                                  submit_on_worker)
+from ..common.opaque import decode_opaque, encode_opaque
+from ..http.sse import event_frame
+from ..common.structured import MESSAGES_FIELDS
+from ..common.usage import outcome_usage, report_usage
+from ..common.usage import messages_usage as usage_object
+from ..common.validation import parse_json
 
 SIGNATURE_PREFIX = "mlxstack.thinking.v1:"
 MESSAGE_ROLES = ("user", "assistant", "system")

@@ -31,7 +31,8 @@ import time
 from typing import Any, Callable, Sequence
 from urllib.parse import urljoin, urlsplit
 
-from ..prompt.images import ImageError, ImageLimits, check_images, data_url_for, image_part_url, image_parts, is_remote_url
+from ...prompt.images import (ImageError, ImageLimits, check_images, data_url_for, image_part_url, image_parts,
+                              is_remote_url)
 
 log = logging.getLogger("mlxstack.images")
 

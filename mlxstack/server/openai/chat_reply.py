@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..parsing.output import reply_splitter, split_reply
-from ..parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
-from .errors import APIError
-from .finish import chat_finish_reason
-from .sse import DONE, ChunkEncoder, encode_frame
-from .usage import chat_usage, outcome_usage
+from ...parsing.output import reply_splitter, split_reply
+from ...parsing.reasoning import CONTENT, REASONING, TOOL_CALLS
+from ..http.errors import APIError
+from ..common.finish import chat_finish_reason
+from ..http.sse import DONE, ChunkEncoder, encode_frame
+from ..common.usage import chat_usage, outcome_usage
 
 
 def logprobs_body(outcome: Any) -> dict | None:

@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..config.settings import REPO_ROOT
-from ..engine.chat import ChatJob
-from .errors import APIError
+from ...config.settings import REPO_ROOT
+from ...engine.chat import ChatJob
+from ..http.errors import APIError
 from .job_adapter import chat_job
 from .validation import parse_chat_request
 

@@ -10,9 +10,9 @@ from typing import Any
 
 def install_features(app: Any) -> None:
     """Called once the model is loaded, on the inference thread."""
-    from ..observability.dashboard import install_dashboard
-    from ..observability.metrics import install_metrics
-    from ..observability.request_log import install_request_log
+    from ...observability.dashboard import install_dashboard
+    from ...observability.metrics import install_metrics
+    from ...observability.request_log import install_request_log
 
     install_metrics(app)
     install_request_log(app)

@@ -4,7 +4,7 @@ The reply splitter (parsing/output.py) cuts generated text into events: reasonin
 calls. ``ReplyParts`` turns those events into parts and into the stream events that build them,
 the same way for every front: consecutive pieces of one kind extend the open part, a change of
 kind closes it, and each tool call is a part of its own. A front says only how a part starts,
-grows and ends (openai_responses.OutputItems, anthropic_messages.ContentBlocks).
+grows and ends (openai/responses.py OutputItems, anthropic/messages.py ContentBlocks).
 
     parts.push_events(whole_reply_events(text, thinking_started=..., tools=..., family=..., salt=...))
     parts.close()                                      # a whole reply, in one pass
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..parsing.output import reply_splitter
-from ..parsing.reasoning import TOOL_CALLS
+from ...parsing.output import reply_splitter
+from ...parsing.reasoning import TOOL_CALLS
 
 
 class ReplyParts:

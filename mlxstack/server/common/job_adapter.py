@@ -20,13 +20,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from ..engine.chat import ChatJob, PromptReady
-from ..engine.worker import QueueFull
-from ..prompt.images import ImageError
-from ..runner.generate import SamplingParams
+from ...engine.chat import ChatJob, PromptReady
+from ...engine.worker import QueueFull
+from ...prompt.images import ImageError
+from ...runner.generate import SamplingParams
 from .cache_diagnostics import cache_header
 from .error_shapes import internal_logged
-from .errors import APIError, not_found, unavailable
+from ..http.errors import APIError, not_found, unavailable
 from .structured import CHAT_FIELDS, Fields
 from .usage import Usage, outcome_usage  # noqa: F401 - re-exported: every front's usage starts here
 from .validation import ChatRequest, model_matches, parse_chat_request, reject_images
@@ -64,7 +64,7 @@ def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS)
 
 def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> None:
     """``req.grammar`` from its response_format / tools / tool_choice, compiled here on the handler
-    thread (server/structured.py); APIError(400) for a schema that cannot be enforced."""
+    thread (server/common/structured.py); APIError(400) for a schema that cannot be enforced."""
     structured = getattr(app, "structured", None)
     if structured is not None:
         req.grammar = structured.grammar_for(req, fields)
@@ -160,7 +160,7 @@ class JobRun:
     """One ChatJob on the inference worker, seen from its HTTP handler thread."""
 
     def __init__(self, handler: Any, job_factory: Callable[["JobRun"], ChatJob], stream: bool) -> None:
-        from .http_server import peer_closed
+        from ..http.pooled_server import peer_closed
 
         self.app = handler.app
         self.cancelled = threading.Event()

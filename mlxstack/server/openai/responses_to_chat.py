@@ -1,4 +1,4 @@
-"""Responses API request -> the chat-completions body it means (pure; openai_responses.py is the front).
+"""Responses API request -> the chat-completions body it means (pure; responses.py is the front).
 
 ``input`` as a string or items -- ``message`` (roles user, system, developer, assistant; parts
 input_text / output_text / input_image), ``function_call``, ``function_call_output``,
@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.request import CacheBreakpoint
-from .chat_body import copy_fields, function_tool, joined
-from .errors import bad_request
-from .opaque import decode_opaque, encode_opaque
+from ...engine.request import CacheBreakpoint
+from ..common.chat_body import copy_fields, function_tool, joined
+from ..http.errors import bad_request
+from ..common.opaque import decode_opaque, encode_opaque
 
 REASONING_BLOB_PREFIX = "mlxstack.reasoning.v1:"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
