@@ -20,7 +20,7 @@ from ..models.loader import load_model
 from ..models.sharding import from_rank0
 from ..prompt.images import ImageLimits
 from ..runner.sampling_defaults import SamplingDefaults
-from ..system.control_channel import ControlChannel, from_env, listener
+from ..system import control_channel
 from .anthropic.messages import handle_count_tokens, handle_messages
 from .common.features import install_features
 from .common.image_fetch import RemoteImageFetcher, is_public_address
@@ -162,7 +162,7 @@ class App:
     def _begin_lockstep(self, group: Any, engine: Any) -> None:
         """Several ranks: every rank's engine reads rank 0's clock, keeps the tightest rank's cache
         budget, and takes its work from rank 0's records from the next worker turn on."""
-        control = from_env(os.environ)
+        control = control_channel.from_env(os.environ)
         if control is None:
             raise RuntimeError("DISTRIBUTED: this rank has no control channel (MLXSTACK_CONTROL); start it "
                                "through start_llm.py / mlxstack.serve")
@@ -307,8 +307,8 @@ def open_control(group: Any, address: tuple[str, int], secret: bytes) -> Any:
     a port picked free, released and bound later, which another user could take in between."""
     server = None
     if address[1] == 0:
-        server = listener(address[0]) if group.rank() == 0 else None
+        server = control_channel.listener(address[0]) if group.rank() == 0 else None
         address = (address[0], from_rank0(group, server.getsockname()[1] if server is not None else 0))
     if group.rank() == 0:
-        return ControlChannel.lead(address, secret, followers=group.size() - 1, server=server)
-    return ControlChannel.follow(address, secret, rank=group.rank())
+        return control_channel.ControlChannel.lead(address, secret, followers=group.size() - 1, server=server)
+    return control_channel.ControlChannel.follow(address, secret, rank=group.rank())
