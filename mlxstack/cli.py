@@ -71,12 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "bench":
         _exec_python([_script("benchmarks/bench_guard.py"), *rest])
     elif command == "env-example":
-        if rest[:1] in (["-h"], ["--help"]):
-            print(f"usage: mlxstack env-example\n\n{COMMANDS['env-example']}")
-            return 0
-        if rest:
-            print(f"mlxstack env-example: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
-            return 2
+        refused = _no_arguments("env-example", rest)
+        if refused is not None:
+            return refused
         _exec_python([_script("tools/gen_env_example.py")])
     elif command == "build-native":
         return build_native(rest)
@@ -86,17 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _no_arguments(command: str, rest: list[str]) -> int | None:
+    """For a subcommand that takes no arguments: its usage (0) on -h / --help, 2 on anything
+    else, None when there is nothing to refuse."""
+    if rest[:1] in (["-h"], ["--help"]):
+        print(f"usage: mlxstack {command}\n\n{COMMANDS[command]}")
+        return 0
+    if rest:
+        print(f"mlxstack {command}: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
+        return 2
+    return None
+
+
 def build_native(rest: list[str]) -> int:
     """Build (or find) the native kernels' library where a server of this environment looks for it
     (backends/cpu/native_build.py: per source, compiler and CPU, in ``<venv>/mlxstack-native/``), so
     no server compiles at load. 0: built or already there; 1: it cannot be built here (the server
     then runs the MLX path for those kernels, and says so in its backend report)."""
-    if rest[:1] in (["-h"], ["--help"]):
-        print(f"usage: mlxstack build-native\n\n{COMMANDS['build-native']}")
-        return 0
-    if rest:
-        print(f"mlxstack build-native: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
-        return 2
+    refused = _no_arguments("build-native", rest)
+    if refused is not None:
+        return refused
     from .backends.cpu import native_build
 
     path, why = native_build.build_ahead()

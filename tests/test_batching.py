@@ -16,9 +16,8 @@ from concurrent.futures import Future
 import pytest
 
 from mlxstack.runner.batch import batching_support
-from mlxstack.runner.batch_prefill import choose_short
 from mlxstack.engine.core import EngineCore
-from mlxstack.scheduler.policy import next_round_robin
+from mlxstack.scheduler.policy import choose_short, next_round_robin
 from mlxstack.runner.sampling import SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings
 from tests.test_engine import job

@@ -35,25 +35,6 @@ from .rows import Row
 from .forward import feed_rows, forward
 
 
-def remaining(seq: Row) -> int:
-    """Prompt tokens ``seq`` still has to feed (pure)."""
-    return len(seq.prep.model_tokens) - (seq.start if seq.pos < 0 else seq.pos)
-
-
-def choose_short(lengths: list[int], budget: int) -> list[int]:
-    """Indices (in order) of the waiting prompts to prefill together: each remainder at least 1
-    token, and the padded batch (members x longest remainder) within ``budget`` tokens (pure)."""
-    chosen: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if n < 1:
-            continue
-        if (len(chosen) + 1) * max(longest, n) <= budget:
-            chosen.append(i)
-            longest = max(longest, n)
-    return chosen
-
-
 def right_padded(rows: list[list[int]], width: int) -> mx.array:
     return mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)
 
