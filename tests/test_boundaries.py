@@ -114,7 +114,7 @@ def _forward_callers(run) -> dict[str, int]:
     def profile(frame, event, _arg):
         if event != "call" or frame.f_code.co_name != "__call__":
             return
-        if not frame.f_code.co_qualname.startswith(("Model.", "LanguageModel.")):
+        if not frame.f_code.co_qualname.startswith(("Model.", "LanguageModel.", "VisionModel.")):
             return
         if not frame.f_globals.get("__name__", "").startswith(("mlx_lm.models.", "mlx_vlm.models.")):
             return
@@ -149,3 +149,23 @@ def test_a_model_forward_runs_only_through_the_runner_on_mixed_agent_traffic(kin
     assert totals.requests >= 6, totals.line()
     assert set(callers) == {"mlxstack.runner.forward"}, callers
     assert callers["mlxstack.runner.forward"] >= totals.requests
+
+
+@pytest.mark.slow
+def test_a_vision_language_models_forwards_run_only_in_the_runner(tiny_vlm_path):
+    """An image turn, then text-only turns that reuse it: the language model (prefill with the
+    image's embeddings, decode steps) and the vision tower are called from runner/ alone."""
+    from tests.conftest import build_engine, engine_settings
+    from tests.test_vlm import SYSTEM, image_url, job, user
+
+    engine = build_engine(engine_settings(tiny_vlm_path, healing_store=False))
+
+    def turns() -> None:
+        messages = [SYSTEM, user("Describe it.", image_url(0), style="input_image")]
+        for text in ("Tell me more.", "And one more thing?"):
+            out = engine.run(job(messages, 6))
+            messages = messages + [{"role": "assistant", "content": out.raw_text}, {"role": "user", "content": text}]
+
+    callers = _forward_callers(turns)
+    assert callers and all(c.startswith("mlxstack.runner.") for c in callers), callers
+    assert callers.get("mlxstack.runner.vlm", 0) >= 2 + 6       # two prefills, their decode steps
