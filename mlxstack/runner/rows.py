@@ -7,10 +7,28 @@ held by the group's owner.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 Row = Any     # engine/request.py Request: one request in flight
-Owner = Any   # engine/chat.py ChatEngine: state, settings, the loaded model, consume / stop callbacks
+
+
+class Owner(Protocol):
+    """What the decode group and the speculative step use of the engine that owns the rows
+    (engine/chat.py ChatEngine) -- the whole seam: nothing else of the engine is reached from
+    runner/."""
+    state: Any          # .layout (cache kinds), .kv_quant, .replicated (several ranks)
+    settings: Any       # SHARED_PREFIX_MIN_TOKENS
+    loaded: Any         # .model, .is_vlm, .extra (a rank group)
+    speculation: Any    # drafters, step costs, the draft model
+
+    @property
+    def decode_model(self) -> Any: ...
+
+    def new_cache(self) -> Any: ...
+
+    def consume(self, row: Row, token: int) -> bool: ...
+
+    def _should_stop(self, row: Row) -> Callable[[], bool]: ...
 
 
 class GroupReset(RuntimeError):
