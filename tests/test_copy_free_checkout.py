@@ -33,7 +33,7 @@ def checkouts(monkeypatch):
         seen.append({type(layer).__name__ for layer in live.layers})
         return live
 
-    monkeypatch.setattr("mlxstack.engine.chat.checkout", spy)
+    monkeypatch.setattr("mlxstack.cache.manager.checkout", spy)
     return seen
 
 
