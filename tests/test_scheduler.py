@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from mlxstack.scheduler.admission import committed_bytes, need_bytes, room
+from mlxstack.scheduler.admission import applies, committed_bytes, need_bytes, room
 from mlxstack.scheduler.plan import Scheduler, StepPlan, left
 from mlxstack.scheduler.policy import GROWTH, choose_short, growth, remaining
 
@@ -126,7 +126,8 @@ def test_policy_and_admission_arithmetic():
     assert choose_short([20, 0, 25, 400, 35], 100) == [0, 2]
     assert need_bytes(per_token=10, per_seq=7, uncached=50, growth=256) == 10 * 306 + 7
     assert committed_bytes(held=1000, per_token=10, ahead_tokens=5) == 1050
-    assert room(budget=5000, committed=3000, need=2500, others_in_flight=True, replicated=False) == -500
-    assert room(0, 3000, 2500, True, False) is None                 # no budget
-    assert room(5000, 3000, 2500, False, False) is None             # alone: always runs
-    assert room(5000, 3000, 2500, True, True) is None               # several ranks decide alike
+    assert room(budget=5000, committed=3000, need=2500) == -500
+    assert applies(5000, others_in_flight=True, replicated=False) is True
+    assert applies(0, True, False) is False                         # no budget
+    assert applies(5000, False, False) is False                     # alone: always runs
+    assert applies(5000, True, True) is False                       # several ranks decide alike

@@ -204,15 +204,9 @@ class ChatEngine(PromptAssembly, TurnFinish):
         disk, the state to check out)."""
         if not self.state.prompt_cache.enabled:
             return MISS, 0, False, None
-        stable: list[tuple[int, int]] = []
-
-        def lookup() -> MatchResult:
-            if not stable:        # once, after the disk tier's index is in step
-                stable.append(self.stable_prefix(prep, session_id, job))
-            return self.validate_match(prep, self._lookup(prep, session_id, stable[0][1]))
-
-        found = self.state.kv.find(lookup)
-        return found.match, (0 if found.gave_up else stable[0][0]), found.from_disk, found.stored
+        stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
+        found = self.state.kv.find(lambda: self.validate_match(prep, self._lookup(prep, session_id, stable_tokens)))
+        return found.match, (0 if found.gave_up else stable_msgs), found.from_disk, found.stored
 
     # ---------------------------------------------------------------- tool_choice / JSON mode
     def _reply_prefix(self, job: ChatJob, thinking_started: bool) -> str:

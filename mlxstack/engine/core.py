@@ -46,7 +46,7 @@ from ..runner.batch import DecodeGroup, GroupReset
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
 from .chat import ChatEngine, ChatJob, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
-from ..scheduler.admission import committed_bytes, need_bytes, room
+from ..scheduler.admission import applies, committed_bytes, need_bytes, room
 from ..scheduler.plan import Scheduler, StepPlan, left
 from ..scheduler.policy import growth
 from ..scheduler.shared_prefill import plan_follow, ready
@@ -148,10 +148,9 @@ class EngineCore:
         would pass the budget); None when admission by memory does not apply -- no budget, several
         ranks, or nothing else in flight (alone, a request always runs)."""
         state = self.engine.state
-        others = bool(self.prefilling or len(self.group))
-        if not state.cache_budget or state.replicated or not others:
-            return None
-        return room(state.cache_budget, self.committed_bytes(), self.need_bytes(seq), others, state.replicated)
+        if not applies(state.cache_budget, bool(self.prefilling or len(self.group)), state.replicated):
+            return None          # measured only when it decides: need_bytes measures bytes per token once
+        return room(state.cache_budget, self.committed_bytes(), self.need_bytes(seq))
 
     def _admit_or_park(self, seq: Request) -> bool:
         """``seq`` starts prefilling (the RAM cache tier first gives up what the budget no longer

@@ -17,7 +17,7 @@ when not built yet). Errors are OpenAI-shaped (``{"error": {"message", "type", "
 and Anthropic-shaped on ``/v1/messages`` (``{"type": "error", "error": {"type", "message"}}``), so
 the SDKs raise AuthenticationError / BadRequestError.
 
-Structured output (issue 18) needs two more repairs, both measured on 1.106.2: LiteLLM's hosted_vllm
+Structured output (JSON schemas, strict tools) needs two more repairs, both measured on 1.106.2: LiteLLM's hosted_vllm
 transform deletes ``strict`` and ``additionalProperties: false`` from chat tool schemas (a property
 named "strict" too), so the pre-call hook copies the client's tools to ``mlxstack_tools``, which
 LiteLLM forwards untouched and the MLX server prefers (server/common/validation.py); and LiteLLM wraps the

@@ -18,11 +18,14 @@ def committed_bytes(held: int, per_token: int, ahead_tokens: int) -> int:
     return held + per_token * ahead_tokens
 
 
-def room(budget: int, committed: int, need: int, others_in_flight: bool, replicated: bool) -> int | None:
+def applies(budget: int, others_in_flight: bool, replicated: bool) -> bool:
+    """Whether admission by memory decides at all: not without a budget, not with several ranks
+    (their live bytes differ and they must decide alike), not for a request alone (it always
+    runs)."""
+    return bool(budget) and not replicated and others_in_flight
+
+
+def room(budget: int, committed: int, need: int) -> int:
     """Bytes the budget leaves once the request is in flight beside the others (negative: it
-    would pass the budget); None when admission by memory does not apply -- no budget, several
-    ranks (their live bytes differ and they must decide alike), or nothing else in flight (alone,
-    a request always runs)."""
-    if not budget or replicated or not others_in_flight:
-        return None
+    would pass the budget)."""
     return budget - committed - need
