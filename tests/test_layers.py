@@ -20,7 +20,7 @@ ALLOWED = {
     "runner": {"scheduler", "backends", "constraints", "models", "cache", "prompt", "config"},
     "scheduler": {"cache"},
     "constraints": {"parsing", "config"},
-    "backends": {"models", "config", "system"},
+    "backends": {"models", "cache", "config", "system"},
     "models": {"config", "system"},
     "cache": {"config"},
     "prompt": {"parsing", "config"},

@@ -24,7 +24,7 @@ class KVQuant:
 
 
 UNBOUNDED = 1 << 30             # room() of a layer any forward can be cut back from
-FP_HEAD = "fp_head"   # cache/layer_marks.py, on a live QuantizedKVCache: (keys, values) it held in
+FP_HEAD = "fp_head"   # cache/marks.py, on a live QuantizedKVCache: (keys, values) it held in
 #                      full precision when it switched (the tokens below the start)
 
 

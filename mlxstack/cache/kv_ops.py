@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .layer_marks import mark
+from .marks import mark
 from .prefixed_kv import PrefixedKVCache
 from .layer_kinds import (FP_HEAD, KINDS, QUANTIZED_KINDS, UNBOUNDED, KVQuant, LayerState, class_from_key, class_key,
                           eval_state, kind_of, mark_layer, replayable, restore_layer)

@@ -42,7 +42,7 @@ import mlx.core as mx
 
 from .kind_base import (FP_HEAD, UNBOUNDED, CacheKind, KVKind, KVQuant, LayerState, _fresh, _joined,
                         _plain_state, _rooted_state, rooted)
-from .layer_marks import marks_of, set_marks
+from .marks import marks_of, set_marks
 from .quantized_kinds import QuantizedKind, TurboQuantKind
 from .window_kinds import ChunkedKind, RotatingKind
 

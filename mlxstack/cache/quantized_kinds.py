@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .layer_marks import mark, marked
+from .marks import mark, marked
 from .kind_base import (FP_HEAD, KVKind, KVQuant, LayerState, _cut_tokens, _fresh, _kv_class, _plain_state, _room)
 
 

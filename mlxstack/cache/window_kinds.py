@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from .kind_base import (CacheKind, KVQuant, LayerState, _cut_tokens, _fresh)
-from .layer_marks import mark, marked
+from .marks import mark, marked
 
 
 class RotatingKind(CacheKind):
@@ -22,7 +22,7 @@ class RotatingKind(CacheKind):
     """
     name = "rotating"
     class_names = ("RotatingKVCache",)
-    CUT_MARK = "cut"   # cache/layer_marks.py: a rotated window cut back one token
+    CUT_MARK = "cut"   # cache/marks.py: a rotated window cut back one token
 
     @staticmethod
     def _in_order(layer: Any) -> bool:

@@ -12,26 +12,19 @@ backend is found by the model object it was attached to, so another model in the
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
-_attached: dict[int, tuple[weakref.ref, Any]] = {}
+from ..cache.marks import mark, marked
 
 
 def attach(model: Any, backend: Any) -> None:
-    """``backend`` serves ``model``'s forwards from now on (None: the model's own ``__call__``)."""
-    key = id(model)
-    if backend is None:
-        _attached.pop(key, None)
-        return
-    _attached[key] = (weakref.ref(model, lambda _r, k=key: _attached.pop(k, None)), backend)
+    """``backend`` serves ``model``'s forwards from now on (None: the model's own ``__call__``);
+    held beside the model (cache/marks.py), never written onto it."""
+    mark(model, "backend", backend)
 
 
 def backend_of(model: Any) -> Any:
-    got = _attached.get(id(model))
-    if got is None or got[0]() is not model:
-        return None
-    return got[1]
+    return marked(model, "backend")
 
 
 def forward(model: Any, inputs: Any, cache: Any, **kwargs: Any) -> Any:

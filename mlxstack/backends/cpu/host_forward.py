@@ -33,33 +33,26 @@ preloaded for MLX (system/blas.py) it is not used.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...cache.marks import mark, marked
 from .native_products import MAX_ROWS as _MAX_NATIVE_ROWS
 
 log = logging.getLogger(__name__)
 
 MAX_POSITIONS = 16          # positions a row: decode-sized calls only (a prefill chunk stays in MLX)
-_plans: dict[int, tuple[Any, "Plan"]] = {}   # id(model) -> (weak reference, its plan): opt-in per instance
-
-
 def _plan_of(model: Any) -> Optional["Plan"]:
-    got = _plans.get(id(model))
-    return got[1] if got is not None and got[0]() is model else None
+    return marked(model, "host_plan")
 
 
 def _set_plan(model: Any, plan: Optional["Plan"]) -> None:
-    """The model's plan, held beside it (nothing is written onto an mlx-lm object)."""
-    key = id(model)
-    if plan is None:
-        _plans.pop(key, None)
-    else:
-        _plans[key] = (weakref.ref(model, lambda _r, k=key: _plans.pop(k, None)), plan)
+    """The model's plan (None: the host path is off for it), held beside the model (cache/marks.py):
+    opt-in per instance, nothing written onto an mlx-lm object."""
+    mark(model, "host_plan", plan)
 
 
 def _weight(linear: Any) -> Optional[mx.array]:

@@ -1,13 +1,13 @@
-"""Marks on mlx-lm cache layers live beside them (cache/layer_marks.py), never on them."""
+"""Marks on mlx-lm cache layers live beside them (cache/marks.py), never on them."""
 from __future__ import annotations
 
 import gc
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxstack.cache import layer_marks
+from mlxstack.cache import marks
 from mlxstack.cache.layer_kinds import mark_layer, restore_layer
-from mlxstack.cache.layer_marks import mark, marked, marks_of
+from mlxstack.cache.marks import mark, marked, marks_of
 
 
 def test_a_mark_is_held_beside_the_layer_not_on_it():
@@ -23,10 +23,10 @@ def test_a_mark_is_held_beside_the_layer_not_on_it():
 def test_a_mark_goes_with_its_layer():
     layer = RotatingKVCache(max_size=4)
     mark(layer, "cut", True)
-    n = len(layer_marks._marks)
+    n = len(marks._marks)
     del layer
     gc.collect()
-    assert len(layer_marks._marks) == n - 1
+    assert len(marks._marks) == n - 1
 
 
 def test_restoring_a_layer_puts_its_marks_back_too():
