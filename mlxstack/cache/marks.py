@@ -25,12 +25,19 @@ def _held(obj: Any) -> dict[str, Any] | None:
     return got[1] if got is not None and got[0]() is obj else None
 
 
+def _drop(ident: int, ref: weakref.ref) -> None:
+    """A freed object's marks leave -- only its own entry, never a newer object's under the same id."""
+    got = _marks.get(ident)
+    if got is not None and got[0] is ref:
+        del _marks[ident]
+
+
 def mark(obj: Any, key: str, value: Any) -> None:
     held = _held(obj)
     if held is None:
         ident = id(obj)
         held = {}
-        _marks[ident] = (weakref.ref(obj, lambda _r, k=ident: _marks.pop(k, None)), held)
+        _marks[ident] = (weakref.ref(obj, lambda ref, k=ident: _drop(k, ref)), held)
     held[key] = value
 
 
