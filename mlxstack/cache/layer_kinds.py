@@ -44,6 +44,7 @@ from .kind_base import (FP_HEAD, UNBOUNDED, CacheKind, KVKind, KVQuant, LayerSta
                         _plain_state, _rooted_state, rooted)
 from .marks import marks_of, set_marks
 from .quantized_kinds import QuantizedKind, TurboQuantKind
+from .state_codes import checked, restore
 from .window_kinds import ChunkedKind, RotatingKind
 
 __all__ = ["FP_HEAD", "UNBOUNDED", "KINDS", "QUANTIZED_KINDS", "KVQuant", "LayerState", "CacheKind", "CacheLayout",
@@ -53,7 +54,8 @@ __all__ = ["FP_HEAD", "UNBOUNDED", "KINDS", "QUANTIZED_KINDS", "KVQuant", "Layer
 
 class ArraysKind(CacheKind):
     """``ArraysCache`` (SSM / conv / gated-delta state): the state after exactly ``depth``
-    tokens; it cannot be cut back, so it serves its exact depth only."""
+    tokens; it cannot be cut back, so it serves its exact depth only. A stored state may hold
+    TurboQuant codes of its arrays (RECURRENT_STATE_BITS, coded at store: cache/state_codes.py)."""
     name = "arrays"
     class_names = ("ArraysCache", "MambaCache")
 
@@ -69,12 +71,15 @@ class ArraysKind(CacheKind):
 
     def checkout(self, state: LayerState, depth: int) -> Any:
         c = state.cls(state.param("size"))
-        c.cache = [_fresh(a) for a in state.arrays]
+        c.cache = restore(state)          # new objects; a stored state's codes decoded (RECURRENT_STATE_BITS)
         return c
 
     def cut(self, layer: Any, depth: int, target: int) -> None:
         if target != depth:
             raise ValueError(f"recurrent state at {depth} cannot be cut to {target}")
+
+    def load(self, arrays: dict[str, Any], meta: dict, cls: type) -> LayerState:
+        return checked(super().load(arrays, meta, cls))
 
 
 class ListKind(CacheKind):

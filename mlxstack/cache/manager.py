@@ -19,15 +19,17 @@ engine uses to them. Several ranks (engine/lockstep.py) count an entry's bytes o
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 from ..config import faults
 from .counters import CacheCounters
 from .kv_ops import KVState, LiveCache, capture, checkout
-from .layer_kinds import KVQuant
+from .layer_kinds import KVQuant, eval_state
 from .prefixed_kv import PrefixedKVCache
 from .prompt_cache import MISS, CacheEntry, MatchResult, PromptCache
 from .sessions import SessionIndex
+from .state_codes import StateCodes, acceptable
 
 LOOKUP_RETRIES = 4   # disk entries that fail verification are dropped and the lookup runs again
 
@@ -41,12 +43,14 @@ class Found(NamedTuple):
 
 class KVManager:
     def __init__(self, index: PromptCache, disk: Any, sessions: SessionIndex, counters: CacheCounters,
-                 quant: KVQuant | None, fresh: Callable[[], LiveCache] | None = None) -> None:
+                 quant: KVQuant | None, fresh: Callable[[], LiveCache] | None = None,
+                 codes: StateCodes | None = None) -> None:
         self.index = index
         self.disk = disk               # cache/disk/backing.py DiskBacking, or None
         self.sessions = sessions
         self.counters = counters
         self.quant = quant
+        self.codes = codes             # RECURRENT_STATE_BITS: stored recurrent states coded (lossy), or None
         self.fresh = fresh             # a new, empty LiveCache for the model (set by the engine)
         self.group_bytes: Callable[[int], int] = lambda n: n
 
@@ -64,6 +68,8 @@ class KVManager:
             if not match.hit or stored is not None:
                 return Found(match, False, stored)
             stored = self.disk.load(match.entry) if self.disk is not None else None
+            if stored is not None and not acceptable(self.codes, stored.layers):
+                stored = None          # recurrent codes another setting wrote: refused, a miss
             if stored is not None:
                 self.index.promote(match.entry.entry_id, stored, self.group_bytes(stored.nbytes))
                 return Found(match, True, stored)
@@ -101,7 +107,13 @@ class KVManager:
         """Insert ``state`` under ``key`` (the index may decline: None), record it in its session
         and write it through to disk. The entry's id goes into ``inserted`` as soon as it exists,
         so a caller storing several can remove them all when a later step fails (all or nothing);
-        ``fault`` names the request at the test fault point between insert and record."""
+        ``fault`` names the request at the test fault point between insert and record. With
+        RECURRENT_STATE_BITS the entry keeps its recurrent layers coded (cache/state_codes.py: lossy,
+        what is stored only -- the request that took ``state`` computed with the exact one)."""
+        if self.codes is not None:
+            state = replace(state, layers=(layers := self.codes.code_layers(state.layers)),
+                            nbytes=sum(s.nbytes for s in layers))
+            eval_state(layers)         # the codes materialised: the float arrays' graph is not kept
         entry = self.index.insert(key, tokens, state, nbytes=self.group_bytes(state.nbytes), floor=state.floor,
                                   pool=pool, session_id=session_id, ttl=ttl)
         if entry is None:
