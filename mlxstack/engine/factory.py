@@ -16,6 +16,7 @@ from typing import Any
 
 from ..backends import Backend, select
 from ..cache.layer_kinds import CacheLayout, KVQuant, probe_layout
+from ..cache.state_codes import StateCodes
 from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
@@ -50,9 +51,10 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     else:
         log.info("cache layout: %s", layout.describe())
     quant = kv_quant_policy(loaded, settings, layout)
+    codes = state_codes_policy(loaded, settings, layout)
     state = EngineState(settings, loaded.model_id, renderer.template_source, layout,
-                        disk_namespace_parts=disk_namespace_parts(loaded, renderer, layout, settings, quant),
-                        kv_quant=quant)
+                        disk_namespace_parts=disk_namespace_parts(loaded, renderer, layout, settings, quant, codes),
+                        kv_quant=quant, state_codes=codes)
     if loaded.is_vlm:
         engine = engine_cls(loaded, renderer, state, settings)
     else:
@@ -155,11 +157,22 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
     return quant
 
 
+def state_codes_policy(loaded: Any, settings: Any, layout: CacheLayout) -> StateCodes | None:
+    """RECURRENT_STATE_BITS for this model (cache/state_codes.py), or None: off, or no recurrent
+    layer to code. Logged once: it is the one cache setting that is lossy."""
+    codes = StateCodes.of(settings.recurrent_state_bits, layout.kinds)
+    if codes is not None:
+        log.info("RECURRENT_STATE_BITS=%d: %s stores its recurrent states as TurboQuant codes (lossy: a warm "
+                    "turn may differ from a cold run)", codes.bits, loaded.model_id)
+    return codes
+
+
 def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settings: Any,
-                         quant: KVQuant | None = None) -> dict | None:
+                         quant: KVQuant | None = None, codes: StateCodes | None = None) -> dict | None:
     """Everything that makes stored KV incompatible: model content (every weight byte, model
     code versions, every file that changes the computation: models/fingerprint.py) and numerics,
-    chat template, cache-kind layout, KV quantisation. A change in any of them opens another disk
+    chat template, cache-kind layout, KV quantisation, recurrent-state codes (named only when on:
+    an exact server's namespace is what it always was). A change in any of them opens another disk
     namespace. None when there is no disk tier (the weights are then not hashed)."""
     from ..cache.disk.config import resolve_disk_cache_dir
     from ..cache.hashing import template_hash
@@ -175,6 +188,8 @@ def disk_namespace_parts(loaded: Any, renderer: Any, layout: CacheLayout, settin
     parts = {"model": fp, "template": template_hash(renderer.template_source), "layout": list(layout.kinds),
              "kv_quant": ([quant.bits, quant.group_size, quant.start, quant.scheme]
                           + ([quant.seed] if quant.scheme == "turboquant" else []) if quant else "off")}
+    if codes is not None:
+        parts["recurrent_state"] = [codes.bits, codes.seed]
     group = loaded.extra.get("group") if getattr(loaded, "extra", None) else None
     if group is not None:     # each rank keeps its own part of every entry: a namespace per rank and layout
         parts["ranks"] = f"{settings.distributed}-{group.rank()}-of-{group.size()}"

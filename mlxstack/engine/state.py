@@ -28,6 +28,7 @@ from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
 from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
+from ..cache.state_codes import StateCodes
 from ..config.settings import Settings
 from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.healing import HealingStore
@@ -40,7 +41,7 @@ log = logging.getLogger("mlxstack.request")
 class EngineState:
     def __init__(self, settings: Settings, model_id: str, template_source: str = "",
                  layout: CacheLayout | None = None, disk_namespace_parts: dict | None = None,
-                 kv_quant: KVQuant | None = None) -> None:
+                 kv_quant: KVQuant | None = None, state_codes: StateCodes | None = None) -> None:
         self.settings = settings
         self.counters = CacheCounters()
         self.live_kv_bytes = 0       # KV / state of the requests in flight (runner/kv_bytes.py; the scheduler sets it)
@@ -72,7 +73,7 @@ class EngineState:
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
         # the one set of verbs a request's KV goes through (cache/manager.py): lookup over both
         # tiers, checkout, fork, snapshot, store
-        self.kv = KVManager(self.prompt_cache, disk, self.sessions, self.counters, kv_quant)
+        self.kv = KVManager(self.prompt_cache, disk, self.sessions, self.counters, kv_quant, codes=state_codes)
         if disk is not None:
             n = disk.restore(self.prompt_cache)
             log.info("disk tier %s: %d entries indexed (%.1f MiB), budget %.1f GiB", disk.tier.directory, n,
@@ -262,6 +263,8 @@ class EngineState:
                           "group_size": self.kv_quant.group_size, "start": self.kv_quant.start,
                           **({"seed": self.kv_quant.seed} if self.kv_quant.scheme == "turboquant" else {})}
                          if self.kv_quant else None),
+            # RECURRENT_STATE_BITS: stored recurrent states as TurboQuant codes (lossy), None = exact
+            "recurrent_state_codes": self.kv.codes.describe() if self.kv.codes else None,
             "unsupported_cache_classes": list(self.layout.unknown),
             "entries": len(entries),
             "snapshot_entries": sum(1 for e in entries if e.pool == "snapshot"),

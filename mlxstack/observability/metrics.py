@@ -159,6 +159,10 @@ class EngineCollector(Collector):
         bytes_family.add_metric([str(quant.get("scheme", "off")), str(quant.get("bits", 0))],
                                 stats.get("quantized_bytes", 0) or 0)
         yield bytes_family
+        codes = stats.get("recurrent_state_codes") or {}
+        yield GaugeMetricFamily("mlxstack_cache_recurrent_state_bits",
+                                "Bits of the TurboQuant codes stored recurrent states are kept as "
+                                "(RECURRENT_STATE_BITS: lossy); 0 = exact.", value=codes.get("bits", 0))
         disk = stats.get("disk")
         if disk:
             for key, doc in (("entries", "Entries on the disk tier."), ("bytes", "Bytes on the disk tier."),
