@@ -10,9 +10,12 @@ model (and a tiny fixture model with head_dim 64 when given).
 2. memory: bytes per cached token, and sessions of 4k tokens that fit in a 1 GiB
    PROMPT_CACHE_MAX_BYTES;
 3. restart-warm: a ~4k-token session's next turn after a restart (disk tier) vs cold, TTFT;
-4. decode: tok/s at 1 and 8 rows (8 requests at once through the real scheduler) vs full precision.
+4. decode: tok/s at 1 and 8 rows (8 requests at once through the real scheduler) vs full precision;
+5. recurrent (not in the default parts): RECURRENT_STATE_BITS -- recurrent states stored as codes vs
+   exact on the tiny recurrent fixture models: next-token KL, top-1 and greedy agreement, bytes of
+   a stored state, snapshots per GiB (benchmarks/recurrent_codes.py).
 
-    .venv/bin/python benchmarks/bench_kv_quant.py [--parts quality memory restart decode] [--tiny PATH]
+    .venv/bin/python benchmarks/bench_kv_quant.py [--parts quality memory restart decode recurrent] [--tiny PATH]
 """
 from __future__ import annotations
 
@@ -194,7 +197,7 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES) -> list[di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["quality", "memory", "restart", "decode"],
-                    choices=["quality", "memory", "restart", "decode"])
+                    choices=["quality", "memory", "restart", "decode", "recurrent"])
     ap.add_argument("--tiny", help="also a tiny model folder with head_dim 64 (quality and memory)")
     ap.add_argument("--schemes", nargs="+", default=RUN_SCHEMES,
                     help="restart and decode: full, uniformN, turboquantN (the first is the baseline)")
@@ -230,6 +233,12 @@ def main() -> int:
         if "decode" in args.parts:
             print("## decode tok/s at 1 and 8 rows (~800-token prompts, 48 tokens), vs full precision\n")
             print(table(decode(loaded, schemes=args.schemes)) + "\n")
+        if "recurrent" in args.parts:
+            from recurrent_codes import recurrent
+
+            print("## recurrent states stored as codes (RECURRENT_STATE_BITS) vs exact, tiny random-weight fixtures "
+                  "(10 prompts)\n")
+            print(table(recurrent(work, loaded.path, prompts, settings)) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
