@@ -42,10 +42,9 @@ import mlx.core as mx
 from .kind_base import LayerState, _fresh
 from .turboquant import BITS, SEED, SchemeError, rotation_block, scheme
 
-__all__ = ["MIN_VALUES", "SETTING_BITS", "StateCodes", "acceptable", "checked", "codable", "code_layer", "codings",
+__all__ = ["MIN_VALUES", "StateCodes", "acceptable", "checked", "codable", "code_layer", "codings",
            "restore"]
 
-SETTING_BITS = (4, 8)        # the widths RECURRENT_STATE_BITS offers (measured: docs/cache.md)
 MIN_VALUES = 64              # arrays with fewer values stay exact (tiny: nothing worth saving)
 CODE_BITS, CODE_SEED = "code_bits", "code_seed"     # params of a coded recurrent layer state
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16)     # a coded slot's dtype, by index (param "dtype<i>")
