@@ -9,6 +9,9 @@ the setting stores and a hit restores), and the last token is fed to both:
   agreement, beside the exact distribution's mean entropy (a scale for the KL) and, as the noise
   floor, the exact state of the same prompt prefilled in other chunks (other float rounding);
 - greedy: how many of the N prompts keep the same 16 greedy tokens after the restore;
+- a session: the prompt fed as 5 turns, each turn's end stored and restored by the next (coded
+  every time: the errors of successive restores add up where the state does not forget them), the
+  KL after the last one (exact: the same turns never coded -- other chunks, the noise floor);
 - bytes: one stored entry (the whole state at the prompt's depth: attention KV included on the
   hybrids) and its recurrent layers alone, full vs coded, and how many such snapshots fit in one
   1 GiB budget.
@@ -25,6 +28,7 @@ from typing import Any
 FIXTURES = ("mamba2", "lfm2", "hybrid")
 WIDTHS = (2, 3, 4, 8)
 GREEDY = 16
+CHAIN = 5           # a session's turns: each one's end stored (coded) and restored by the next
 
 
 def _builders() -> dict[str, Any]:
@@ -62,13 +66,35 @@ def measure(model: Any, prompts: list[list[int]], label: str, budget: int = 1 <<
         feed(model, live, p[:-1], step)
         return capture(live)
 
-    def compare(states: list[KVState], bits: Any) -> dict:
+    def coded(s: KVState, codes: Any) -> KVState:
+        """``s`` as a server with ``codes`` stores it (None: exact)."""
+        if codes is None:
+            return s
+        layers = codes.code_layers(s.layers)
+        eval_state(layers)
+        return KVState(layers, s.depth, s.floor, sum(x.nbytes for x in layers))
+
+    def chained(p: list[int], codes: Any) -> KVState:
+        """The prompt fed as CHAIN turns, each one's state stored (coded) and restored before the next."""
+        live, cut = LiveCache(make_prompt_cache(model), 0, None), len(p) - 1
+        for i in range(CHAIN):
+            feed(model, live, p[cut * i // CHAIN:cut * (i + 1) // CHAIN], 256)
+            state = coded(capture(live), codes)
+            live = checkout(state, state.depth)
+        return state
+
+    def kl(got: list) -> list[float]:
+        return [float(mx.sum(mx.exp(r) * (r - g)).item()) for (r, _), (g, _) in zip(refs, got)]
+
+    def compare(states: list[KVState], bits: Any, codes: Any = None) -> dict:
         got = [after(s, p[-1]) for s, p in zip(states, prompts)]
-        kls = [float(mx.sum(mx.exp(r) * (r - g)).item()) for (r, _), (g, _) in zip(refs, got)]
+        kls = kl(got)
+        chain = kl([after(chained(p, codes), p[-1]) for p in prompts]) if bits != "exact, chunks of 64" else [0.0]
         agree = sum(int(mx.argmax(r).item() == mx.argmax(g).item()) for (r, _), (g, _) in zip(refs, got))
         same = sum(int(a == b) for (_, a), (_, b) in zip(refs, got))
         nbytes = statistics.mean(s.nbytes for s in states)
         return {"model": label, "bits": bits, "kl_mean": f"{statistics.mean(kls):.2e}", "kl_max": f"{max(kls):.2e}",
+                f"kl_mean_{CHAIN}_restores": f"{statistics.mean(chain):.2e}" if len(chain) > 1 else "-",
                 "entropy": entropy, "top1_agree": f"{agree}/{len(prompts)}",
                 f"greedy{GREEDY}_same": f"{same}/{len(prompts)}", "entry_bytes": int(nbytes),
                 "recurrent_bytes": int(statistics.mean(_recurrent_bytes(s.layers) for s in states)),
@@ -85,12 +111,7 @@ def measure(model: Any, prompts: list[list[int]], label: str, budget: int = 1 <<
             compare([stored_after(p, 64) for p in prompts], "exact, chunks of 64")]
     for bits in WIDTHS:
         codes = StateCodes(bits)
-        coded = []
-        for s in stored:
-            layers = codes.code_layers(s.layers)
-            eval_state(layers)
-            coded.append(KVState(layers, s.depth, s.floor, sum(x.nbytes for x in layers)))
-        rows.append(compare(coded, bits))
+        rows.append(compare([coded(s, codes) for s in stored], bits, codes))
     return rows
 
 
