@@ -158,10 +158,25 @@ def kv_quant_policy(loaded: Any, settings: Any, layout: CacheLayout) -> KVQuant 
 
 
 def state_codes_policy(loaded: Any, settings: Any, layout: CacheLayout) -> StateCodes | None:
-    """RECURRENT_STATE_BITS for this model (cache/state_codes.py), or None: off, or no recurrent
-    layer to code. Logged once: it is the one cache setting that is lossy."""
-    codes = StateCodes.of(settings.recurrent_state_bits, layout.kinds)
+    """RECURRENT_STATE_BITS for this model (cache/state_codes.py), or None: off, no recurrent layer
+    to code, or no prefix caching (a layout with an unknown class). Logged once: it is the one cache
+    setting that is lossy."""
+    codes = StateCodes.of(settings.recurrent_state_bits, layout.kinds) if layout.supported else None
     if codes is not None:
+        # one token through a fresh cache, its state coded: every codebook this model's states need
+        # is built now (seconds at 8 bits), not on the inference thread at the first store
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..cache.kv_ops import LiveCache, capture
+        from ..cache.layer_kinds import eval_state
+        from ..runner.forward import forward
+
+        model = loaded.model.language_model if loaded.is_vlm else loaded.model
+        live = LiveCache(make_prompt_cache(model), 0)
+        mx.eval(forward(model, mx.array([[1]], dtype=mx.int32), live.layers))
+        live.advance(1)
+        eval_state(codes.code_layers(capture(live).layers))
         log.info("RECURRENT_STATE_BITS=%d: %s stores its recurrent states as TurboQuant codes (lossy: a warm "
                     "turn may differ from a cold run)", codes.bits, loaded.model_id)
     return codes
