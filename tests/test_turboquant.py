@@ -201,10 +201,16 @@ def test_turboquant_entries_survive_the_disk_tier_and_another_seed_never_reads_t
 
 # ------------------------------------------------------------------ batched decode (slab rows)
 def _lone_step(live: LiveCache, k: mx.array, v: mx.array) -> None:
-    """One forward's K / V into a lone sequence, as the engine feeds it (quantised before)."""
+    """One forward's K / V into a lone sequence, as the engine feeds it: quantised before, and a
+    forward across QUANTIZED_KV_START cut there (runner/generate.py feed)."""
+    n, cut = k.shape[2], live.quant_room()
+    if 0 < cut < n:
+        _lone_step(live, k[..., :cut, :], v[..., :cut, :])
+        _lone_step(live, k[..., cut:, :], v[..., cut:, :])
+        return
     live.maybe_quantize()
     live.layers[0].update_and_fetch(k, v)
-    live.advance(k.shape[2])
+    live.advance(n)
 
 
 def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
@@ -249,8 +255,9 @@ def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
             slab.settle([0, 1, 2])
     slab = slab.rebuilt(4, [2, 0, 1])                    # rows move: 2 -> 0, 0 -> 1, 1 -> 2
     order = [2, 0, 1]
-    joiner = LiveCache([KVCache()], 0, quant)
-    _lone_step(joiner, *kv(30))
+    joiner = LiveCache([KVCache()], 0, quant)          # 30 tokens in full precision (an old entry)
+    joiner.layers[0].update_and_fetch(*kv(30))
+    joiner.advance(30)
     place_own_layers([slab], 3, joiner.layers)
     lones, order = lones + [joiner], order + [3]
     k, v = kv(1, rows=4)
@@ -268,9 +275,10 @@ def test_slab_rows_code_what_lone_layers_code_and_hand_back_the_same_codes():
             assert got.fp_head == want.fp_head
             for a, b in zip(got.coded(n), want.coded(n)):
                 assert mx.array_equal(a, b).item(), (row, i)
-    # the rule of a lone layer: quantised before a forward at or past the start, never inside one --
-    # 17 + 1 + 1 = 19, then three drafts cross 20 uncoded: the head is 22; the joiner's 30 in one go
-    assert [lones[i].layers[0].fp_head for i in (0, 1, 3)] == [20, 22, 30]
+    # coding starts at exactly the start: 17 + 1 + 1 = 19, then three positions cross 20 -- coded
+    # from 20 on, in the slab's one forward as in the lone run's two chunks; a layer already past the
+    # start without codes (the joiner: a full-precision checkout of 30) from where it is
+    assert [lones[i].layers[0].fp_head for i in (0, 1, 3)] == [20, 20, 30]
     assert type(lones[2].layers[0]) is KVCache                                  # never reached the start
 
 

@@ -51,6 +51,7 @@ class SlabKVCache(BatchKVCache):
         self._rows_mask: mx.array | None = None
         # KV_QUANT_SCHEME=turboquant: each row's coding (cache/turboquant_rows.py); None: plain floats
         self.codes: RowCodes | None = None
+        self._right: list[int] | None = None    # right padding of the forward being prepared
 
     @classmethod
     def empty(cls, rows: int, quant: Any = None) -> "SlabKVCache":
@@ -100,9 +101,19 @@ class SlabKVCache(BatchKVCache):
             self.offset = self.offset - mx.array(delta, dtype=self.offset.dtype)
         self._ends = None
 
+    def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        # a right-padded forward (a batched prefill): each row's codes cover its own positions only
+        self._right = [int(p) for p in right_padding] if right_padding is not None and max(right_padding) > 0 else None
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._right = None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.codes is not None:
-            keys, values = self.codes.update(keys, values)
+            n, right = keys.shape[2], self._right
+            keys, values = self.codes.update(keys, values, None if right is None else [n - p for p in right])
         if not self.ragged:
             return super().update_and_fetch(keys, values)
         n = keys.shape[2]
@@ -193,9 +204,12 @@ class SlabKVCache(BatchKVCache):
         self._put(*self._planned(row, keys, values, length, root, min_shared))
 
     def _planned(self, row: int, keys: mx.array | None, values: mx.array | None, length: int,
-                 root: tuple[mx.array, mx.array, int] | None, min_shared: int | None) -> tuple:
+                 root: tuple[mx.array, mx.array, int] | None, min_shared: int | None, empty: bool = False) -> tuple:
         """What ``place`` writes: (row, keys, values, length, total, shares); the slab's prefix
-        is chosen here (``_share``), nothing is written."""
+        is chosen here (``_share``), nothing is written. ``empty``: a row may hold nothing yet (a
+        batched prefill of a cold prompt; only ``fill`` builds such a slab)."""
+        if empty and (length < 1 or keys is None):
+            return row, None, None, 0, 0, False
         if length < 1 or keys is None:
             raise ValueError("a decoding sequence holds at least its prompt")
         skip = self._share(root, min_shared)
@@ -241,12 +255,17 @@ class SlabKVCache(BatchKVCache):
         writes = sorted(writes, key=lambda w: w[0])
         idx = max(w[3] for w in writes)
         cap = ((idx + self.step) // self.step) * self.step
+        like = next((w for w in writes if w[1] is not None), None)     # rows holding nothing yet: zeros
 
-        def padded(a: mx.array, length: int) -> mx.array:
+        def padded(a: mx.array | None, length: int, other: int) -> mx.array:
+            if a is None:
+                shape = like[other].shape
+                return mx.zeros((1, shape[1], cap, shape[3]), dtype=like[other].dtype)
             return mx.pad(a[..., :length, :], [(0, 0), (0, 0), (idx - length, cap - idx), (0, 0)])
 
-        self.keys = mx.concatenate([padded(w[1], w[3]) for w in writes], axis=0)
-        self.values = mx.concatenate([padded(w[2], w[3]) for w in writes], axis=0)
+        if like is not None:
+            self.keys = mx.concatenate([padded(w[1], w[3], 1) for w in writes], axis=0)
+            self.values = mx.concatenate([padded(w[2], w[3], 2) for w in writes], axis=0)
         self._idx = idx
         self.left_padding = mx.array([idx - w[3] for w in writes], dtype=mx.int32)
         self.offset = mx.array([w[4] for w in writes], dtype=mx.int32)
@@ -380,11 +399,19 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
                     planned = slab._planned(row, whole.keys, whole.values, whole.offset, root, min_shared)
             writes.append(planned or slab._planned(row, k, v, batch._idx - pads[i], root, min_shared))
         slab.fill(writes)          # an empty slab whose every row joins: built at once, else row by row
+        if slab.codes is not None:
+            for row, i in zip(rows, members):
+                if getattr(batch, "codes", None) is not None:
+                    slab.codes.adopted(row, batch.codes, i)     # coded in the batched prefill
+                else:
+                    raise RuntimeError("bug: a TurboQuant slab joined from an uncoded batched prefill")
 
 
-def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: int | None) -> tuple:
+def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: int | None,
+                 empty: bool = False) -> tuple:
     """What placing one sequence's own layer ``own`` (a KVCache or PrefixedKVCache) in ``row``
-    writes (``SlabKVCache._planned``): a prefixed layer whose prefix is the slab's as a tail."""
+    writes (``SlabKVCache._planned``): a prefixed layer whose prefix is the slab's as a tail.
+    ``empty``: the layer may hold nothing yet (``stack_layers`` for a batched prefill)."""
     if isinstance(own, PrefixedKVCache):
         if own.n_prefix:
             tk, tv = own.tail()
@@ -394,7 +421,8 @@ def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: i
             if planned is not None:
                 return planned
         own = own.whole()
-    return slab._planned(row, own.keys, own.values, own.offset if own.keys is not None else 0, root, min_shared)
+    return slab._planned(row, own.keys, own.values, own.offset if own.keys is not None else 0, root, min_shared,
+                         empty)
 
 
 def place_own_layers(slab_layers: list[SlabKVCache], row: int, own_layers: list[KVCache],
@@ -427,7 +455,7 @@ def stack_layers(rows: list[list[Any]], roots: list[list[Any]] | None = None,
     out = [SlabKVCache.empty(len(rows), quant) if i in kv else merge_layer([layers[i] for layers in rows])
            for i in range(len(rows[0]))]
     for i in kv:
-        out[i].fill([_own_planned(out[i], r, layers[i], roots[r][i] if roots else None, min_shared)
+        out[i].fill([_own_planned(out[i], r, layers[i], roots[r][i] if roots else None, min_shared, True)
                      for r, layers in enumerate(rows)])
         for r, layers in enumerate(rows):
             out[i].adopt_codes(r, layers[i])

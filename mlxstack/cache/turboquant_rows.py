@@ -9,13 +9,18 @@ decoded vector, and the codes are kept for the row's stored entry.
     rows = RowCodes(rows=8, bits=4, seed=SEED, start=0)
     rows.placed(r, depth, own)           # a sequence joins row r (its own layer's codes, if coded)
     keys, values = rows.update(k, v)     # every row's next positions: coded rows get decoded vectors
+    rows.update(k, v, lengths=[5, 3])    # a right-padded forward (a batched prefill): row 1 holds 3 of 5
     rows.rewind(r, n)                    # rejected drafts: the row's last n codes go
     layer = rows.take(r, kv)             # the row leaves: a TurboQuantKVCache when it was coded
 
-The same rule as a lone layer (``LiveCache.maybe_quantize`` before each forward): a row whose depth
-has reached ``start`` before a forward is coded from that depth on; a forward that crosses
-``start`` is not coded (the lone path quantises only before a forward). Decoding is exact
-(cache/turboquant.py), so a row's vectors are what its codes decode to, batched or alone.
+The same rule as a cold run alone: coding starts at exactly QUANTIZED_KV_START (a lone prefill cuts
+its chunk there, ``runner/generate.py``; a lone or batched speculative step never drafts across it,
+``runner/spec/speculation.py``). So a forward that crosses ``start`` codes the row's positions from
+``start`` on and leaves those before it in full precision -- what the lone run's two chunks
+compute. A row whose depth is already past ``start`` without codes (a full-precision entry checked
+out past it: ``LiveCache.maybe_quantize``'s case) is coded from that depth on, as the lone layer is.
+Decoding is exact (cache/turboquant.py), so a row's vectors are what its codes decode to, batched
+or alone.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ class RowCodes:
         self.head: list[int | None] = [None] * rows
         self.depth: list[int] = [0] * rows
         # per row: its positions from the head on, as chunks ((key codes, value codes, key f,
-        # value f), r, n) -- the first n positions of row r of those arrays (a forward's, shared)
+        # value f), r, lo, hi) -- positions lo..hi-1 of row r of those arrays (a forward's, shared)
         self.log: list[list[tuple]] = [[] for _ in range(rows)]
 
     # ------------------------------------------------------------------ membership
@@ -50,18 +55,22 @@ class RowCodes:
             if m > 0:
                 book = scheme(self.bits, own.keys.shape[-1], self.seed)
                 ck, cv, fk, fv = own.coded(own.offset)
-                self.log[row] = [((book.unpack(ck), book.unpack(cv), fk, fv), 0, m)]
+                self.log[row] = [((book.unpack(ck), book.unpack(cv), fk, fv), 0, 0, m)]
             else:
                 self.log[row] = []
         else:
             self.head[row] = None
             self.log[row] = []
 
+    def adopted(self, row: int, other: "RowCodes", src: int) -> None:
+        """Row ``src`` of ``other`` (a batched prefill's layer) now holds ``row``, codes and all."""
+        self.head[row], self.depth[row], self.log[row] = other.head[src], other.depth[src], list(other.log[src])
+
     def remapped(self, rows: int, keep: list[int]) -> "RowCodes":
         """The same rows' records in a batch of ``rows`` rows (row ``keep[i]`` becomes row i)."""
         new = RowCodes(rows, self.bits, self.seed, self.start)
         for i, r in enumerate(keep):
-            new.head[i], new.depth[i], new.log[i] = self.head[r], self.depth[r], list(self.log[r])
+            new.adopted(i, self, r)
         return new
 
     def snapshot(self) -> tuple:
@@ -72,27 +81,35 @@ class RowCodes:
         self.head, self.depth, self.log = list(head), list(depth), [list(chunks) for chunks in log]
 
     # ------------------------------------------------------------------ a forward
-    def update(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """``keys`` / ``values`` ``[rows, heads, n, dim]`` as the slab stores them: coded rows' vectors
-        replaced by their decoded forms (their codes logged), the others as they are."""
+    def update(self, keys: mx.array, values: mx.array,
+               lengths: list[int] | None = None) -> tuple[mx.array, mx.array]:
+        """``keys`` / ``values`` ``[rows, heads, n, dim]`` as the slab stores them: coded positions
+        replaced by their decoded forms (their codes logged), the others as they are. ``lengths``:
+        the positions each row really holds (a right-padded forward); every row all ``n`` if None."""
         n = keys.shape[2]
+        lengths = [n] * len(self.head) if lengths is None else [int(x) for x in lengths]
+        first: list[int | None] = []          # per row: the forward's first coded position, or None
         for r, h in enumerate(self.head):
-            if h is None and self.depth[r] >= self.start:
-                self.head[r] = self.depth[r]
-        coded = [h is not None for h in self.head]
-        self.depth = [d + n for d in self.depth]
-        if not any(coded):
+            d = self.depth[r]
+            if h is None and d >= self.start:
+                h = self.head[r] = d                   # past the start without codes: from here on
+            elif h is None and d + lengths[r] > self.start:
+                h = self.head[r] = self.start          # this forward crosses the start: from it on
+            first.append(None if h is None else max(h - d, 0))
+        self.depth = [d + m for d, m in zip(self.depth, lengths)]
+        if all(f is None for f in first):
             return keys, values
         book = scheme(self.bits, keys.shape[-1], self.seed)
         (ck, fk, k), (cv, fv, v) = book.code_pair(keys, values)
         step = (ck, cv, fk, fv)            # every row's codes (unpacked): sliced out and packed when it leaves
-        for r, on in enumerate(coded):
-            if on:
-                self._append(r, (step, r, n))
+        for r, f in enumerate(first):
+            if f is not None and f < lengths[r]:
+                self._append(r, (step, r, f, lengths[r]))
         k, v = k.astype(keys.dtype), v.astype(values.dtype)
-        if all(coded):
+        if all(f == 0 for f in first):
             return k, v
-        mask = mx.array(coded).reshape(-1, 1, 1, 1)
+        lo = mx.array([n if f is None else f for f in first], dtype=mx.int32).reshape(-1, 1, 1, 1)
+        mask = mx.arange(n, dtype=mx.int32).reshape(1, 1, n, 1) >= lo
         return mx.where(mask, k, keys), mx.where(mask, v, values)
 
     def _append(self, row: int, chunk: tuple) -> None:
@@ -104,12 +121,13 @@ class RowCodes:
     @staticmethod
     def _joined(chunks: list[tuple]) -> tuple:
         """One chunk of the four arrays holding ``chunks``' positions in order (a chunk is (arrays,
-        row, n): the first n positions of row ``row`` of those arrays)."""
-        if len(chunks) == 1 and chunks[0][1] == 0 and chunks[0][0][0].shape[0] == 1 \
-                and chunks[0][0][0].shape[2] == chunks[0][2]:
+        row, lo, hi): positions lo..hi-1 of row ``row`` of those arrays)."""
+        if len(chunks) == 1 and chunks[0][1] == 0 and chunks[0][2] == 0 and chunks[0][0][0].shape[0] == 1 \
+                and chunks[0][0][0].shape[2] == chunks[0][3]:
             return chunks[0]
-        parts = [mx.concatenate([arrays[i][r:r + 1, :, :n] for arrays, r, n in chunks], axis=2) for i in range(4)]
-        return (tuple(parts), 0, sum(n for _, _, n in chunks))
+        parts = [mx.concatenate([arrays[i][r:r + 1, :, lo:hi] for arrays, r, lo, hi in chunks], axis=2)
+                 for i in range(4)]
+        return (tuple(parts), 0, 0, sum(hi - lo for _, _, lo, hi in chunks))
 
     def rewind(self, row: int, n: int) -> None:
         """The row's last ``n`` positions are taken back (rejected drafts)."""
@@ -119,13 +137,16 @@ class RowCodes:
             return
         keep = self.depth[row] - head
         if keep < 0:
+            if self.depth[row] < self.start:      # back before the start: the row is not coded yet
+                self.head[row], self.log[row] = None, []
+                return
             raise ValueError(f"cannot rewind row {row} below its TurboQuant head {head}")
         out, total = [], 0
-        for arrays, r, n in self.log[row]:
+        for arrays, r, lo, hi in self.log[row]:
             if total >= keep:
                 break
-            out.append((arrays, r, min(n, keep - total)))
-            total += out[-1][2]
+            out.append((arrays, r, lo, min(hi, lo + keep - total)))
+            total += out[-1][3] - lo
         self.log[row] = out
 
     # ------------------------------------------------------------------ leaving
@@ -139,7 +160,7 @@ class RowCodes:
         layer.keys, layer.values, layer.offset = kv.keys, kv.values, kv.offset
         m = kv.offset - head
         if m > 0:
-            (ck, cv, fk, fv), _, total = self._joined(self.log[row])
+            (ck, cv, fk, fv), _, _, total = self._joined(self.log[row])
             if total != m:
                 raise RuntimeError(f"bug: row {row} logged {total} coded positions, holds {m}")
             book = scheme(self.bits, kv.keys.shape[-1], self.seed)

@@ -394,8 +394,9 @@ class EngineCore:
             for s in seqs:
                 self._fail(s, exc)
             return
-        def own(i: int) -> None:   # sequence i takes its row back as its own layers
+        def own(i: int) -> None:   # sequence i takes its row back as its own layers (coded ones too)
             seqs[i].live.layers = [layer.extract(i) for layer in layers]
+            seqs[i].live.recount()
 
         now = time.perf_counter()
         joining: list[int] = []

@@ -62,10 +62,10 @@ class DecodeGroup:
         # plain-KV models: several short prefills in one forward, turns closed together
         self.dense = batching and all(k == "kv" for k in engine.state.layout.kinds)
         quant = engine.state.kv_quant
-        # KV_QUANT_SCHEME=turboquant: slab rows coded as a lone TurboQuantKVCache is (decode only:
-        # a batched prefill could cross QUANTIZED_KV_START inside one forward, a lone one never does)
+        # KV_QUANT_SCHEME=turboquant: slab rows coded as a lone TurboQuantKVCache is -- from exactly
+        # QUANTIZED_KV_START, also inside a batched prefill's forward (cache/turboquant_rows.py)
         self.quant = quant if batching and quant is not None and quant.scheme == "turboquant" else None
-        self.prefills_together = self.dense and quant is None
+        self.prefills_together = self.dense and (quant is None or self.quant is not None)
         self.seqs: list[Row] = []
         self.slab: list[Any] | None = None    # per layer, while len(seqs) > 1: a SlabKVCache (KV
         #                                       layers) or mlx-lm's batched form (other kinds)

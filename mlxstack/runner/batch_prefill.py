@@ -61,19 +61,38 @@ def holds_prefixed(lives: list[Any]) -> bool:
     return any(isinstance(layer, PrefixedKVCache) for lv in lives for layer in lv.layers)
 
 
+def _turboquant(lives: list[Any]) -> Any:
+    """The KV_QUANT_SCHEME=turboquant policy these LiveCaches follow, or None."""
+    quant = lives[0].quant
+    return quant if quant is not None and quant.scheme == "turboquant" else None
+
+
 def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
     """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
     ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
-    once (cache/slab.py; attended by cascade), else mlx-lm BatchKVCache copies of each."""
+    once (cache/slab.py; attended by cascade), else mlx-lm BatchKVCache copies of each. TurboQuant
+    rows always go on slab layers, which code each row as its own layer would
+    (cache/turboquant_rows.py); a row past the start is switched first, as a lone feed does."""
     prefixed = holds_prefixed(lives)
-    if prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
+    quant = _turboquant(lives)
+    if quant is not None:
+        for lv in lives:
+            lv.maybe_quantize()
+    if quant is not None or prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
             and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
         from ..cache.slab import stack_layers
 
-        return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives], min_shared)
+        return stack_layers([lv.layers for lv in lives], [lv.roots for lv in lives], min_shared, quant)
     from mlx_lm.models.cache import BatchKVCache
 
     return [BatchKVCache.merge([lv.layers[i] for lv in lives]) for i in range(len(lives[0].layers))]
+
+
+def _crosses(lives: list[Any], rows: list[list[int]]) -> bool:
+    """Whether feeding ``rows`` crosses some LiveCache's KV quantisation start (only a slab's
+    coding splits a forward there; the host path feeds each row's layers as they are)."""
+    return any(lv.quant is not None and not lv.quantized and lv.depth < lv.quant.start < lv.depth + len(r)
+               for lv, r in zip(lives, rows))
 
 
 def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> None:
@@ -82,9 +101,13 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
     (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
     nothing is merged into a batch and split again."""
     with mx.stream(generation_stream()):
-        if feed_rows(model, [lv.layers for lv in lives], rows):
+        if _turboquant(lives) is not None:
+            for lv in lives:
+                lv.maybe_quantize()
+        if not _crosses(lives, rows) and feed_rows(model, [lv.layers for lv in lives], rows):
             for lv, r in zip(lives, rows):
                 lv.advance(len(r))
+                lv.maybe_quantize()
             return
         layers = _merged(lives, min_shared)
         _forward_padded(model, layers, rows)
@@ -93,6 +116,7 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
     for lv, r, row in zip(lives, rows, own):   # all or nothing: a failure above advanced none of them
         lv.layers = row
         lv.advance(len(r))
+        lv.recount()
 
 
 def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None) -> list[Any]:

@@ -165,7 +165,10 @@ def _row_limit(group: Any, s: Row, budget: int) -> int:
     (a cache that can be put back as it was -- recurrent state, a rotated window -- takes any
     number: what it did not keep is replayed), never across the KV quantisation start."""
     left = s.params.max_tokens - s.produced - 1        # the token after the drafts counts too
-    if group.slab is not None:
+    if group.slab is not None:         # a slab row codes from exactly the start: a forward may reach it
+        quant = s.live.quant
+        if quant is not None and s.live.depth < quant.start:
+            left = min(left, quant.start - s.live.depth - 1)
         return max(0, min(budget, left))
     live = s.live
     room = live.room() - 1
