@@ -18,14 +18,17 @@ PROMPTS = [[{"role": "user", "content": f"list {i} things about {topic}" + " ple
            for i, topic in enumerate(["rivers", "rust", "tea", "maps"])]
 
 
-def _coded(eng) -> list[tuple[int, int]]:
-    """(depth, fp_head) of every stored entry's first layer, in depth order."""
-    out = []
+def _coded(eng, start: int) -> set[int]:
+    """The full-precision heads of every stored entry deeper than ``start`` (each must be coded)."""
+    heads = set()
     for e in eng.state.prompt_cache.entries():
         layer = e.payload.layers[0]
-        assert layer.kind == "turboquant"
-        out.append((e.depth, dict(layer.params)["fp_head"]))
-    return sorted(out)
+        if e.depth > start:
+            assert layer.kind == "turboquant", (e.depth, layer.kind)
+            heads.add(dict(layer.params)["fp_head"])
+        else:
+            assert layer.kind == "kv", (e.depth, layer.kind)
+    return heads
 
 
 @pytest.mark.parametrize("start", [0, 23])
@@ -45,8 +48,7 @@ def test_turboquant_prompts_prefill_and_close_together_as_each_alone(tiny_dense_
     lengths = [o.prompt_tokens for o in outs]
     if start:
         assert min(lengths) < start < max(lengths)           # the start falls inside some prompts
-    heads = {h for d, h in _coded(eng) if d > start}
-    assert heads == {start}
+    assert _coded(eng, start) == {start}
     follow = PROMPTS[2] + [{"role": "assistant", "content": outs[2].text}, {"role": "user", "content": "more"}]
     warm = eng.run(job(follow, max_tokens=10, session="tq2")[0])
     cold = alone.run(job(follow, max_tokens=10, session="c2")[0])
@@ -68,3 +70,29 @@ def test_a_batched_row_never_drafts_across_the_start():
     lone = row(25)
     group.slab = None
     assert _row_limit(group, lone, 8) == 4 == lone.live.room() - 1
+
+
+@pytest.mark.parametrize("start", [0, 100, "tail", 1000])
+def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_hd64_path, start):
+    """Three requests under one long system prompt: the first prefills it, the others take a copy
+    of its KV (floats and codes: cache/manager.py fork) -- with the start at 0, inside the shared
+    prompt, in the followers' own remainders ("tail": crossed in their batched prefill) and past
+    the prompts -- and each reply equals a lone cold run's; every stored entry past the start is
+    coded from exactly it."""
+    from tests.test_shared_prefix import _messages, _run
+
+    if start == "tail":
+        probe = tq_engine(tiny_dense_hd64_path, "4", 0, cache=False)
+        start = probe.run(job(_messages(1), max_tokens=1, session="p")[0]).prompt_tokens - 5
+    eng = tq_engine(tiny_dense_hd64_path, "4", start)
+    outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=8, session=f"s{i}")[0] for i in range(3)])
+    assert sched.group.min_shared is None and not any(shares)          # no prefix held once: copies
+    assert sched.shared_prefills == 2
+    shared = eng.state.counters.snapshot()["shared_prefill_tokens"]
+    n = outs[0].prompt_tokens
+    assert [o.cached_tokens for o in outs[1:]] == [shared // 2] * 2 and n - 20 <= shared // 2 < n
+    assert start != 100 or 0 < start < shared // 2                      # the start inside the shared prompt
+    alone = tq_engine(tiny_dense_hd64_path, "4", start, cache=False)
+    solo = [alone.run(job(_messages(i), max_tokens=8, session=f"a{i}")[0]) for i in range(3)]
+    assert [o.raw_text for o in outs] == [o.raw_text for o in solo]
+    assert _coded(eng, start) == ({start} if start < n else set())

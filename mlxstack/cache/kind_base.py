@@ -115,6 +115,7 @@ class CacheKind:
     always_trimmable = False   # every reachable state has floor 0 (no checkpoints needed)
     replayable = True          # a forward only rebinds or writes past what ``mark`` keeps (restore + replay)
     hands_out_prefix = False   # ``first`` answers: its first tokens can be held by reference elsewhere
+    copies_prefix = False      # its first tokens can be handed out as a copy (capture, then checkout)
     class_modules: tuple[str, ...] = ("mlx_lm", "mlx_vlm")   # packages / modules its classes come from
 
     def matches(self, layer: Any) -> bool:

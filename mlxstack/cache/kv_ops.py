@@ -90,8 +90,10 @@ class LiveCache:
         self.roots = [r if r is None or r[2] <= depth else (r[0], r[1], depth) for r in self.roots]
 
     def can_share(self) -> bool:
-        """Every layer can hand out its first tokens as a root (``share``), now or once fed."""
-        return all(getattr(kind_of(layer), "hands_out_prefix", False) for layer in self.layers)
+        """Every layer can hand out its first tokens -- as a root (``share``) or, for a coded layer,
+        as a copy (``KVManager.fork``) -- now or once fed."""
+        return all(getattr(kind_of(layer), "hands_out_prefix", False) or getattr(kind_of(layer), "copies_prefix", False)
+                   for layer in self.layers)
 
     def share(self, depth: int) -> list[tuple[Any, Any, int]]:
         """Every layer's first ``depth`` tokens as a root ``(keys, values, depth)`` that other

@@ -94,7 +94,12 @@ class KVManager:
 
     def fork(self, leader: LiveCache, depth: int) -> LiveCache:
         """A follower's caches holding ``leader``'s first ``depth`` tokens by reference -- the
-        same arrays become both's root (the leader's next append copies its buffer once)."""
+        same arrays become both's root (the leader's next append copies its buffer once). Under KV
+        quantisation a copy instead (its state at ``depth``, checked out): a layer below the start
+        must become coded exactly where the follower's own run reaches it, which a prefix held by
+        reference never does, and a coded layer's floats come with its codes."""
+        if leader.quant is not None:
+            return checkout(capture(leader, depth), depth, self.quant)
         roots = leader.share(depth)
         return LiveCache([PrefixedKVCache(r) for r in roots], depth, self.quant, list(roots))
 

@@ -81,7 +81,8 @@ class TurboQuantKind(KVKind):
     class_names = ("TurboQuantKVCache",)
     class_modules = ("mlxstack.cache.turboquant",)
     always_trimmable = False
-    hands_out_prefix = False
+    hands_out_prefix = False     # floats and codes: a follower gets a copy (KVManager.fork)
+    copies_prefix = True
 
     def floor(self, layer: Any, depth: int) -> int:
         return layer.fp_head

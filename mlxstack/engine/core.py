@@ -201,8 +201,8 @@ class EngineCore:
 
     def _enter(self, seq: Request) -> None:
         """``seq`` starts prefilling."""
-        if self.group.prefills_together and self.group.min_shared is not None:
-            plan = plan_follow(seq, self.prefilling, self.group.min_shared)
+        if self.group.prefills_together and self.group.follow_min is not None:
+            plan = plan_follow(seq, self.prefilling, self.group.follow_min)
             if plan is not None:
                 seq.follows = plan
                 plan[0].stops.append(plan[1])
