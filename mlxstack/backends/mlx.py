@@ -3,13 +3,15 @@
 Every forward is the model's own ``__call__`` (``forward_rows`` None, ``feed_rows`` False). Its
 install routes mlx-lm's attention through the cascade (backends/cascade.py): a prefix held once
 for several rows is attended by every backend, on Metal as on a CPU. Hooks a CPU backend put in
-earlier in this process (a fast exp, the native kernel, ``swiglu``) are taken out again.
+earlier in this process (a fast exp, the native kernel, ``swiglu``, TurboQuant's host coder) are
+taken out again.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
+from ..cache import turboquant
 from .cascade import install, installed, use_exp, use_native
 from .base import Backend, BackendReport
 
@@ -28,6 +30,7 @@ class MlxBackend(Backend):
         else:
             use_exp(None)
             use_native(None)
+        turboquant.use_coder(None)      # TurboQuant coded by MLX's graph
         features = {"cascade_attention": f"on ({installed()} model modules)"}
         if self.cpu:
             features["cpu_backend"] = self.cpu

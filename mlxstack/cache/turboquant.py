@@ -30,20 +30,34 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
 __all__ = ["BITS", "SEED", "GRID", "TurboQuantKVCache", "Scheme", "scheme", "codebook", "rotation_block",
-           "bytes_per_vector", "SchemeError"]
+           "bytes_per_vector", "SchemeError", "use_coder"]
 
 BITS = (2, 3, 4, 8)
 SEED = 0x7B5EED            # the rotation's signs (recorded in states and the disk namespace)
 GRID = 2.0 ** -12           # centroids are multiples of this: decoding sums small integers, exactly
 MAX_BLOCK = 256
 LUT_BINS = 1 << 16           # encode's table of fine bins (see Scheme._nearest)
+
+
+# a backend's coder for ``Scheme.code_pair`` (backends/cpu/turboquant_host.py), or None: MLX's graph
+_coder: Callable[["Scheme", mx.array, mx.array], tuple | None] | None = None
+
+
+def use_coder(coder: Callable[["Scheme", mx.array, mx.array], tuple | None] | None) -> None:
+    """Install a backend's ``code_pair`` (None: MLX's). Its contract: ``code_unpacked``'s rule --
+    codes may differ only where a coordinate lies within rounding of a boundary -- and decoded
+    vectors that are exactly ``decode(pack(codes), f)`` (what a stored entry gives back); it
+    answers None for a call it does not take. Its choice may depend on the number of positions
+    only, so a row is coded alike batched and alone."""
+    global _coder
+    _coder = coder
 
 
 class SchemeError(ValueError):
@@ -175,6 +189,10 @@ class Scheme:
         the same for values): one compiled graph; the same as two calls."""
         if keys.shape != values.shape:
             return self.code_unpacked(keys), self.code_unpacked(values)
+        if _coder is not None:
+            done = _coder(self, keys, values)
+            if done is not None:
+                return done
         codes, f, out = self._pair(keys, values)
         return (codes[0], f[0], out[0]), (codes[1], f[1], out[1])
 

@@ -13,7 +13,9 @@ CPU_KERNELS, NATIVE_ATTENTION, HOST_FORWARD, NATIVE_PRODUCTS; CPU_BACKEND=off tu
 - ``host_forward``: decode-sized forwards of float32 Llama-family models on numpy views of their
   weights (host_forward.py), served by ``forward_rows`` / ``feed_rows`` -- nothing patched on the
   model's class;
-- ``native_products``: the host path's weight products in a native loop (native_products.py).
+- ``native_products``: the host path's weight products in a native loop (native_products.py);
+- ``turboquant_coder``: with KV_QUANT_SCHEME=turboquant and the host path on, decode-sized K / V
+  coded in numpy (turboquant_host.py) instead of a graph of small MLX ops.
 
 With several ranks (``DISTRIBUTED``) the kernels are agreed by a collective (every rank installs),
 the native call is left out of pipeline stages, and the host path is not used.
@@ -28,7 +30,9 @@ import mlx.core as mx
 
 from ..cascade import installed as cascade_modules
 from ..base import Backend, BackendReport
+from ...cache import turboquant
 from . import host_forward, native_build, native_products
+from .turboquant_host import HostCoder
 from .kernels import agreed_modes, install_cpu_kernels, native_attention_on
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ class CpuBackend(Backend):
         self._model: Callable[[], Any] = lambda: None    # the loaded model it was installed for (weak)
         self._modes = ("off", "off")                     # (kernels, native) as installed
         self._products: Optional[Callable[..., Any]] = None
+        self._tq: Optional[HostCoder] = None             # TurboQuant's decode-sized coder, when installed
 
     # ------------------------------------------------------------------ the interface
     def applies(self, model: Any, device: Any) -> tuple[bool, str]:
@@ -86,6 +91,12 @@ class CpuBackend(Backend):
                     "cpu_kernels": self._kernels_said(on, settings, group, device),
                     "native_attention": self._native_said(on, native, settings, group, device)}
         features.update(self._host(loaded, settings, on, group))
+        self._tq = None
+        if features["host_forward"].startswith("on") and getattr(settings, "kv_quant_scheme", "") == "turboquant" \
+                and str(getattr(settings, "kv_bits", "off")) != "off":
+            self._tq = HostCoder()
+            features["turboquant_coder"] = "host (decode-sized calls in numpy)"
+        turboquant.use_coder(self._tq)
         self._modes = (kernels, native)
         self._products = host_forward.products_in_use()
         self._model = weakref.ref(loaded.model)
@@ -98,6 +109,7 @@ class CpuBackend(Backend):
         kernels, native = self._modes
         install_cpu_kernels(kernels, native=native)
         host_forward.use_products(self._products)
+        turboquant.use_coder(self._tq)
 
     @staticmethod
     def _kernels_said(on: bool, settings: Any, group: Any, device: Any) -> str:
