@@ -15,7 +15,8 @@ from mlxstack.runner.forward import backend_of
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.test_host_forward import tiny_llama
 
-FEATURES = {"cascade_attention", "cpu_kernels", "native_attention", "host_forward", "native_products"}
+FEATURES = {"cascade_attention", "cpu_kernels", "native_attention", "host_forward", "native_products",
+            "turboquant_coder"}
 
 
 def test_the_report_is_one_line_and_a_dict():
@@ -59,6 +60,7 @@ def test_off_takes_the_cpu_hooks_out_and_auto_reuses_the_installed_backend(tiny_
     assert first.name == "cpu" and backend_of(loaded.model) is first and loaded.extra["backend"] is first
     assert set(first.report.features) == FEATURES
     assert first.report.features["host_forward"] == "off: not an mlx-lm Llama (mlx_lm.models.qwen3.Model)"
+    assert first.report.features["turboquant_coder"] == "off: needs host_forward on"
     mod = __import__(type(loaded.model).__module__, fromlist=["x"])
     kernels_on = first.report.features["cpu_kernels"].startswith("on")
     try:

@@ -75,7 +75,7 @@ def test_host_coded_rows_batched_reply_as_each_request_alone(embedded_model_path
     backend = backend_of(eng.loaded.model)
     if type(eng.loaded.model) is not llama.Model or not backend.report.features.get("host_forward", "").startswith("on"):
         pytest.skip(f"no host path here: {backend.report.line()}")
-    assert backend.report.features["turboquant_coder"] == "host (decode-sized calls in numpy)"
+    assert backend.report.features["turboquant_coder"] == "on (KV_QUANT_SCHEME=turboquant: decode-sized calls in numpy)"
     coder = tq._coder
     assert isinstance(coder, HostCoder)
     prompts = [[{"role": "user", "content": f"Name {i + 2} {topic}."}] for i, topic in enumerate(["rivers", "teas", "maps", "birds"])]

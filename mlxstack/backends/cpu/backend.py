@@ -91,11 +91,11 @@ class CpuBackend(Backend):
                     "cpu_kernels": self._kernels_said(on, settings, group, device),
                     "native_attention": self._native_said(on, native, settings, group, device)}
         features.update(self._host(loaded, settings, on, group))
-        self._tq = None
-        if features["host_forward"].startswith("on") and getattr(settings, "kv_quant_scheme", "") == "turboquant" \
-                and str(getattr(settings, "kv_bits", "off")) != "off":
-            self._tq = HostCoder()
-            features["turboquant_coder"] = "host (decode-sized calls in numpy)"
+        # with the host path, TurboQuant's decode-sized coding too (whatever this engine's KV_BITS:
+        # the coder is the process's, and every engine on this backend codes alike)
+        self._tq = HostCoder() if features["host_forward"].startswith("on") else None
+        features["turboquant_coder"] = ("on (KV_QUANT_SCHEME=turboquant: decode-sized calls in numpy)"
+                                        if self._tq is not None else "off: needs host_forward on")
         turboquant.use_coder(self._tq)
         self._modes = (kernels, native)
         self._products = host_forward.products_in_use()
