@@ -96,3 +96,40 @@ def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(ti
     solo = [alone.run(job(_messages(i), max_tokens=8, session=f"a{i}")[0]) for i in range(3)]
     assert [o.raw_text for o in outs] == [o.raw_text for o in solo]
     assert _coded(eng, start) == ({start} if start < n else set())
+
+
+def codes_of(snap: tuple, row: int) -> list:
+    """The arrays of row ``row``'s first (joined) chunk in a RowCodes snapshot."""
+    return list(snap[2][row][0][0])
+
+
+def test_bytes_in_flight_count_a_forwards_codes_once_however_many_rows_hold_them():
+    """The gauge's walk (runner/kv_bytes.py) over a coded slab: each array of the rows' codes once --
+    a forward's codes are shared by every row's chunk of it, and a short log keeps the walk cheap."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxstack.cache.slab import SlabKVCache
+    from mlxstack.cache.turboquant_rows import CONSOLIDATE
+    from mlxstack.runner.kv_bytes import resident_arrays
+
+    slab = SlabKVCache.empty(4, KVQuant(4, 64, 0, "turboquant", tq.SEED))
+    rng = np.random.default_rng(5)
+    for _ in range(CONSOLIDATE + 3):
+        k = mx.array(rng.standard_normal((4, 2, 1, 64)).astype(np.float32))
+        slab.update_and_fetch(k, k)
+    codes = slab.codes
+    assert all(len(chunks) == 4 for chunks in codes.log)     # joined once at CONSOLIDATE, three since
+    arrays = {id(a): a for chunks in codes.log for chunk in chunks for a in chunk[0]}
+    assert len(arrays) == 4 * 4 + 4 * 3                       # each row's joined chunk + three shared forwards
+    seen = resident_arrays([slab])
+    assert seen[id(codes)] == codes.nbytes == sum(a.nbytes for a in arrays.values())
+    assert set(seen) == {id(codes), id(slab.keys), id(slab.values), id(slab.offset), id(slab.left_padding)}
+    snap = codes.snapshot()
+    slab.rewind(1, 1)                                         # a chunk cut short: the same arrays
+    slab.settle([0, 1, 2, 3])
+    assert codes.nbytes == sum(a.nbytes for a in arrays.values())
+    codes.placed(2, 0)                                        # row 2 leaves: its joined chunk goes
+    assert codes.nbytes == sum(a.nbytes for i, a in arrays.items() if all(i != id(x) for x in codes_of(snap, 2)))
+    codes.restore(snap)
+    assert codes.nbytes == sum(a.nbytes for a in arrays.values())

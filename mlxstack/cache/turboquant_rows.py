@@ -31,7 +31,8 @@ from mlx_lm.models.cache import KVCache
 
 from .turboquant import TurboQuantKVCache, scheme
 
-CONSOLIDATE = 256     # a row's log is joined into one chunk once it holds this many
+CONSOLIDATE = 128     # a row's log is joined into one chunk once it holds this many (a short log
+#                       keeps the walk over it -- bytes in flight, a leave -- cheap every step)
 
 
 class RowCodes:
@@ -44,6 +45,33 @@ class RowCodes:
         # per row: its positions from the head on, as chunks ((key codes, value codes, key f,
         # value f), r, lo, hi) -- positions lo..hi-1 of row r of those arrays (a forward's, shared)
         self.log: list[list[tuple]] = [[] for _ in range(rows)]
+        # the distinct arrays the logs hold (id -> [arrays, chunks holding them]) and their bytes,
+        # kept as chunks come and go: the gauge of bytes in flight reads ``nbytes`` every step
+        self._refs: dict[int, list] = {}
+        self.nbytes = 0
+
+    # ------------------------------------------------------------------ the logs' arrays
+    def _ref(self, chunks: list[tuple]) -> None:
+        for chunk in chunks:
+            got = self._refs.get(id(chunk[0]))
+            if got is None:
+                self._refs[id(chunk[0])] = [chunk[0], 1]
+                self.nbytes += sum(a.nbytes for a in chunk[0])
+            else:
+                got[1] += 1
+
+    def _unref(self, chunks: list[tuple]) -> None:
+        for chunk in chunks:
+            got = self._refs[id(chunk[0])]
+            got[1] -= 1
+            if not got[1]:
+                del self._refs[id(chunk[0])]
+                self.nbytes -= sum(a.nbytes for a in chunk[0])
+
+    def _set_log(self, row: int, chunks: list[tuple]) -> None:
+        self._unref(self.log[row])
+        self.log[row] = chunks
+        self._ref(chunks)
 
     # ------------------------------------------------------------------ membership
     def placed(self, row: int, depth: int, own: Any = None) -> None:
@@ -55,16 +83,17 @@ class RowCodes:
             if m > 0:
                 book = scheme(self.bits, own.keys.shape[-1], self.seed)
                 ck, cv, fk, fv = own.coded(own.offset)
-                self.log[row] = [((book.unpack(ck), book.unpack(cv), fk, fv), 0, 0, m)]
+                self._set_log(row, [((book.unpack(ck), book.unpack(cv), fk, fv), 0, 0, m)])
             else:
-                self.log[row] = []
+                self._set_log(row, [])
         else:
             self.head[row] = None
-            self.log[row] = []
+            self._set_log(row, [])
 
     def adopted(self, row: int, other: "RowCodes", src: int) -> None:
         """Row ``src`` of ``other`` (a batched prefill's layer) now holds ``row``, codes and all."""
-        self.head[row], self.depth[row], self.log[row] = other.head[src], other.depth[src], list(other.log[src])
+        self.head[row], self.depth[row] = other.head[src], other.depth[src]
+        self._set_log(row, list(other.log[src]))
 
     def remapped(self, rows: int, keep: list[int]) -> "RowCodes":
         """The same rows' records in a batch of ``rows`` rows (row ``keep[i]`` becomes row i)."""
@@ -76,9 +105,18 @@ class RowCodes:
     def snapshot(self) -> tuple:
         return list(self.head), list(self.depth), [list(chunks) for chunks in self.log]
 
+    def resident_arrays(self, seen: dict[int, int]) -> None:
+        """The logs' arrays as one entry of ``seen`` (id -> bytes; runner/kv_bytes.py): they are
+        this object's alone (a row handed back gets codes joined and packed anew), each counted
+        once however many rows' chunks share a forward's arrays."""
+        seen[id(self)] = self.nbytes
+
     def restore(self, snap: tuple) -> None:
         head, depth, log = snap
         self.head, self.depth, self.log = list(head), list(depth), [list(chunks) for chunks in log]
+        self._refs, self.nbytes = {}, 0
+        for chunks in self.log:
+            self._ref(chunks)
 
     # ------------------------------------------------------------------ a forward
     def update(self, keys: mx.array, values: mx.array,
@@ -105,7 +143,8 @@ class RowCodes:
         for r, f in enumerate(first):
             if f is not None and f < lengths[r]:
                 self._append(r, (step, r, f, lengths[r]))
-        k, v = k.astype(keys.dtype), v.astype(values.dtype)
+        if k.dtype != keys.dtype:
+            k, v = k.astype(keys.dtype), v.astype(values.dtype)
         if all(f == 0 for f in first):
             return k, v
         lo = mx.array([n if f is None else f for f in first], dtype=mx.int32).reshape(-1, 1, 1, 1)
@@ -115,8 +154,9 @@ class RowCodes:
     def _append(self, row: int, chunk: tuple) -> None:
         log = self.log[row]
         log.append(chunk)
+        self._ref([chunk])
         if len(log) >= CONSOLIDATE:
-            self.log[row] = [self._joined(log)]
+            self._set_log(row, [self._joined(log)])
 
     @staticmethod
     def _joined(chunks: list[tuple]) -> tuple:
@@ -138,7 +178,8 @@ class RowCodes:
         keep = self.depth[row] - head
         if keep < 0:
             if self.depth[row] < self.start:      # back before the start: the row is not coded yet
-                self.head[row], self.log[row] = None, []
+                self.head[row] = None
+                self._set_log(row, [])
                 return
             raise ValueError(f"cannot rewind row {row} below its TurboQuant head {head}")
         out, total = [], 0
@@ -147,7 +188,7 @@ class RowCodes:
                 break
             out.append((arrays, r, lo, min(hi, lo + keep - total)))
             total += out[-1][3] - lo
-        self.log[row] = out
+        self._set_log(row, out)
 
     # ------------------------------------------------------------------ leaving
     def take(self, row: int, kv: Any) -> Any:

@@ -45,6 +45,8 @@ def _collect(obj: Any, seen: dict[int, int], depth: int = 0) -> None:
         return
     if isinstance(obj, mx.array):
         seen[id(obj)] = obj.nbytes
+    elif hasattr(type(obj), "resident_arrays"):      # an object that lists its own (TurboQuant row codes)
+        obj.resident_arrays(seen)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
             _collect(x, seen, depth + 1)
