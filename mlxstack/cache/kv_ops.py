@@ -92,8 +92,8 @@ class LiveCache:
     def can_share(self) -> bool:
         """Every layer can hand out its first tokens -- as a root (``share``) or, for a coded layer,
         as a copy (``KVManager.fork``) -- now or once fed."""
-        return all(getattr(kind_of(layer), "hands_out_prefix", False) or getattr(kind_of(layer), "copies_prefix", False)
-                   for layer in self.layers)
+        kinds = [kind_of(layer) for layer in self.layers]
+        return all(getattr(k, "hands_out_prefix", False) or getattr(k, "copies_prefix", False) for k in kinds)
 
     def share(self, depth: int) -> list[tuple[Any, Any, int]]:
         """Every layer's first ``depth`` tokens as a root ``(keys, values, depth)`` that other

@@ -208,9 +208,9 @@ class SlabKVCache(BatchKVCache):
         """What ``place`` writes: (row, keys, values, length, total, shares); the slab's prefix
         is chosen here (``_share``), nothing is written. ``empty``: a row may hold nothing yet (a
         batched prefill of a cold prompt; only ``fill`` builds such a slab)."""
-        if empty and (length < 1 or keys is None):
-            return row, None, None, 0, 0, False
         if length < 1 or keys is None:
+            if empty:
+                return row, None, None, 0, 0, False
             raise ValueError("a decoding sequence holds at least its prompt")
         skip = self._share(root, min_shared)
         if skip > length:
@@ -255,17 +255,16 @@ class SlabKVCache(BatchKVCache):
         writes = sorted(writes, key=lambda w: w[0])
         idx = max(w[3] for w in writes)
         cap = ((idx + self.step) // self.step) * self.step
-        like = next((w for w in writes if w[1] is not None), None)     # rows holding nothing yet: zeros
+        like = next((w for w in writes if w[1] is not None), None)     # a row holding something
 
-        def padded(a: mx.array | None, length: int, other: int) -> mx.array:
-            if a is None:
-                shape = like[other].shape
-                return mx.zeros((1, shape[1], cap, shape[3]), dtype=like[other].dtype)
+        def padded(a: mx.array | None, length: int, template: mx.array) -> mx.array:
+            if a is None:                  # a row holding nothing yet: zeros shaped as another row's
+                return mx.zeros((1, template.shape[1], cap, template.shape[3]), dtype=template.dtype)
             return mx.pad(a[..., :length, :], [(0, 0), (0, 0), (idx - length, cap - idx), (0, 0)])
 
         if like is not None:
-            self.keys = mx.concatenate([padded(w[1], w[3], 1) for w in writes], axis=0)
-            self.values = mx.concatenate([padded(w[2], w[3], 2) for w in writes], axis=0)
+            self.keys = mx.concatenate([padded(w[1], w[3], like[1]) for w in writes], axis=0)
+            self.values = mx.concatenate([padded(w[2], w[3], like[2]) for w in writes], axis=0)
         self._idx = idx
         self.left_padding = mx.array([idx - w[3] for w in writes], dtype=mx.int32)
         self.offset = mx.array([w[4] for w in writes], dtype=mx.int32)
@@ -399,12 +398,11 @@ def place_batch_rows(slab_layers: list[SlabKVCache], rows: list[int], batch_laye
                     planned = slab._planned(row, whole.keys, whole.values, whole.offset, root, min_shared)
             writes.append(planned or slab._planned(row, k, v, batch._idx - pads[i], root, min_shared))
         slab.fill(writes)          # an empty slab whose every row joins: built at once, else row by row
-        if slab.codes is not None:
+        if slab.codes is not None:                 # the rows were coded in the batched prefill
+            if getattr(batch, "codes", None) is None:
+                raise RuntimeError("bug: a TurboQuant slab joined from an uncoded batched prefill")
             for row, i in zip(rows, members):
-                if getattr(batch, "codes", None) is not None:
-                    slab.codes.adopted(row, batch.codes, i)     # coded in the batched prefill
-                else:
-                    raise RuntimeError("bug: a TurboQuant slab joined from an uncoded batched prefill")
+                slab.codes.adopted(row, batch.codes, i)
 
 
 def _own_planned(slab: SlabKVCache, row: int, own: Any, root: Any, min_shared: int | None,

@@ -67,17 +67,22 @@ def _turboquant(lives: list[Any]) -> Any:
     return quant if quant is not None and quant.scheme == "turboquant" else None
 
 
+def _switched(lives: list[Any]) -> None:
+    """TurboQuant rows already at or past the start switch to coded layers before they are fed, as
+    a lone feed does (``LiveCache.maybe_quantize``): both doors below call it first."""
+    if _turboquant(lives) is not None:
+        for lv in lives:
+            lv.maybe_quantize()
+
+
 def _merged(lives: list[Any], min_shared: int | None = None) -> list[Any]:
     """One batched layer per layer holding every LiveCache's KV (left-padded, in order): with
     ``min_shared``, slab layers in which rows sharing a root of at least that many tokens hold it
     once (cache/slab.py; attended by cascade), else mlx-lm BatchKVCache copies of each. TurboQuant
-    rows always go on slab layers, which code each row as its own layer would
-    (cache/turboquant_rows.py); a row past the start is switched first, as a lone feed does."""
+    rows (``_switched`` first) always go on slab layers, which code each row as its own layer would
+    (cache/turboquant_rows.py)."""
     prefixed = holds_prefixed(lives)
     quant = _turboquant(lives)
-    if quant is not None:
-        for lv in lives:
-            lv.maybe_quantize()
     if quant is not None or prefixed or min_shared is not None and all(lv.depth > 0 for lv in lives) \
             and any(r is not None and r[2] >= min_shared for lv in lives for r in lv.roots):
         from ..cache.slab import stack_layers
@@ -101,9 +106,7 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
     (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
     nothing is merged into a batch and split again."""
     with mx.stream(generation_stream()):
-        if _turboquant(lives) is not None:
-            for lv in lives:
-                lv.maybe_quantize()
+        _switched(lives)
         if not _crosses(lives, rows) and feed_rows(model, [lv.layers for lv in lives], rows):
             for lv, r in zip(lives, rows):
                 lv.advance(len(r))
@@ -126,6 +129,7 @@ def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None)
         if s.pos < 0:
             s.pos = s.start
     faults.hit("prefill_batch", ",".join(s.job.request_id for s in seqs))
+    _switched([s.live for s in seqs])
     layers = _merged([s.live for s in seqs], min_shared)
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
     with mx.stream(generation_stream()):
