@@ -16,6 +16,7 @@ model (and a tiny fixture model with head_dim 64 when given).
    a stored state, snapshots per GiB (benchmarks/recurrent_codes.py).
 
     .venv/bin/python benchmarks/bench_kv_quant.py [--parts quality memory restart decode recurrent] [--tiny PATH]
+        [--schemes full turboquant4 ...] [--rounds N]
 """
 from __future__ import annotations
 
@@ -198,6 +199,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["quality", "memory", "restart", "decode"],
                     choices=["quality", "memory", "restart", "decode", "recurrent"])
+    ap.add_argument("--rounds", type=int, default=3, help="decode: interleaved rounds (medians; a noisy machine wants more)")
     ap.add_argument("--tiny", help="also a tiny model folder with head_dim 64 (quality and memory)")
     ap.add_argument("--schemes", nargs="+", default=RUN_SCHEMES,
                     help="restart and decode: full, uniformN, turboquantN (the first is the baseline)")
@@ -232,7 +234,7 @@ def main() -> int:
             print(table(restart(loaded, work, schemes=args.schemes)) + "\n")
         if "decode" in args.parts:
             print("## decode tok/s at 1 and 8 rows (~800-token prompts, 48 tokens), vs full precision\n")
-            print(table(decode(loaded, schemes=args.schemes)) + "\n")
+            print(table(decode(loaded, rounds=args.rounds, schemes=args.schemes)) + "\n")
         if "recurrent" in args.parts:
             from recurrent_codes import recurrent
 

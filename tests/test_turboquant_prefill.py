@@ -5,6 +5,7 @@ replies, and stores, what it does alone (cache/turboquant_rows.py)."""
 from __future__ import annotations
 
 import pytest
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxstack.cache import turboquant as tq
@@ -75,10 +76,11 @@ def test_a_batched_row_never_drafts_across_the_start():
 @pytest.mark.parametrize("start", [0, 100, "tail", 1000])
 def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_hd64_path, start):
     """Three requests under one long system prompt: the first prefills it, the others take a copy
-    of its KV (floats and codes: cache/manager.py fork) -- with the start at 0, inside the shared
-    prompt, in the followers' own remainders ("tail": crossed in their batched prefill) and past
-    the prompts -- and each reply equals a lone cold run's; every stored entry past the start is
-    coded from exactly it."""
+    of its KV (floats and codes: cache/manager.py fork) and its roots, so the decode slab holds the
+    common floats once for all three (each row its own codes) -- with the start at 0, inside the
+    shared prompt, in the followers' own remainders ("tail": crossed in their batched prefill) and
+    past the prompts -- and each reply equals a lone cold run's; every stored entry past the start
+    is coded from exactly it."""
     from tests.test_shared_prefix import _messages, _run
 
     if start == "tail":
@@ -86,7 +88,7 @@ def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(ti
         start = probe.run(job(_messages(1), max_tokens=1, session="p")[0]).prompt_tokens - 5
     eng = tq_engine(tiny_dense_hd64_path, "4", start)
     outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=8, session=f"s{i}")[0] for i in range(3)])
-    assert sched.group.min_shared is None and not any(shares)          # no prefix held once: copies
+    assert sched.group.min_shared == 256 and max(shares) == 3           # every row held the prefix once
     assert sched.shared_prefills == 2
     shared = eng.state.counters.snapshot()["shared_prefill_tokens"]
     n = outs[0].prompt_tokens
@@ -133,3 +135,48 @@ def test_bytes_in_flight_count_a_forwards_codes_once_however_many_rows_hold_them
     assert codes.nbytes == sum(a.nbytes for i, a in arrays.items() if all(i != id(x) for x in codes_of(snap, 2)))
     codes.restore(snap)
     assert codes.nbytes == sum(a.nbytes for a in arrays.values())
+
+
+def test_a_prefix_held_once_under_turboquant_but_not_under_uniform(tiny_dense_hd64_path):
+    """Cascade attention is a property of the model's attention over floats: TurboQuant rows attend
+    floats (their decoded vectors), so the check passes under it; uniform KV quantisation (mlx-lm's
+    quantised layout, no slab) keeps rows whole."""
+    from mlxstack.runner.shared_prefix import shared_prefix_ok
+    from tests.conftest import build_engine, engine_settings
+
+    assert shared_prefix_ok(tq_engine(tiny_dense_hd64_path, "4", 0))
+    assert not shared_prefix_ok(build_engine(engine_settings(tiny_dense_hd64_path, kv_bits="4", quantized_kv_start=0)))
+
+
+def test_a_coded_row_sharing_the_slab_prefix_leaves_as_one_turboquant_layer(tiny_dense_hd64_path):
+    """Two followers' layers on a TurboQuant slab holding their leader's floats once: each row's
+    columns are its tail only, and taking a row gives one TurboQuant layer -- the floats whole (the
+    prefix in front), the codes of every position from its head -- equal to the layer it joined
+    with, floats and codes, after the same step."""
+    from mlxstack.cache.slab import SlabKVCache
+    from mlxstack.runner.generate import feed
+
+    eng = tq_engine(tiny_dense_hd64_path, "4", 0)
+    model = eng.loaded.model
+    leader = eng.new_cache()
+    feed(model, leader, list(range(100, 140)), 16)
+    lives = []
+    for tail in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        live = eng.state.kv.fork(leader, 40)                          # a copy, with the leader's roots
+        assert live.roots[0] is not None and live.roots[0][0] is leader.roots[0][0]
+        feed(model, live, tail, 16)
+        lives.append(live)
+    assert type(leader.layers[0]) is tq.TurboQuantKVCache           # still a coded layer (never prefixed)
+    quant = leader.quant
+    slab = SlabKVCache.empty(2, quant)
+    for r, live in enumerate(lives):
+        own = live.layers[0]
+        slab.place(r, own.keys, own.values, own.offset, live.roots[0], 16)
+        slab.adopt_codes(r, own)
+    assert slab.shares == [True, True] and slab.prefix[2] == 40 and slab._idx == 5
+    for r, live in enumerate(lives):
+        got, own = slab.take(r), live.layers[0]
+        assert type(got) is tq.TurboQuantKVCache and got.offset == own.offset and got.fp_head == own.fp_head == 0
+        assert mx.array_equal(got.keys[..., :got.offset, :], own.keys[..., :own.offset, :]).item()
+        for a, b in zip(got.coded(got.offset), own.coded(own.offset)):
+            assert mx.array_equal(a, b).item()

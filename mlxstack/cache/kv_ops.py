@@ -102,7 +102,9 @@ class LiveCache:
         the kind's ``first`` -- a view of what the layer holds, whatever its form -- recorded as its
         root. A root record is only ever this cache's own first tokens (LESSONS 63). A layer holding
         exactly ``depth`` goes on with the root by reference: its next append writes a tail instead
-        of copying its whole buffer away from the others' view of it."""
+        of copying its whole buffer away from the others' view of it -- not under KV quantisation,
+        where a plain layer must stay one that ``maybe_quantize`` codes from the start (its next
+        append copies the buffer once instead)."""
         if not 0 < depth <= self.depth:
             raise ValueError(f"cannot share {depth} tokens of a cache holding {self.depth}")
         out = []
@@ -116,7 +118,7 @@ class LiveCache:
             if root is None:
                 raise TypeError(f"layer {i} ({type(layer).__name__}) cannot share its first {depth} tokens")
             self.roots[i] = root
-            if self.depth == depth:
+            if self.depth == depth and self.quant is None:
                 self.layers[i] = PrefixedKVCache(root)
             out.append(root)
         return out

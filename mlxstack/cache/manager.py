@@ -97,9 +97,14 @@ class KVManager:
         same arrays become both's root (the leader's next append copies its buffer once). Under KV
         quantisation a copy instead (its state at ``depth``, checked out): a layer below the start
         must become coded exactly where the follower's own run reaches it, which a prefix held by
-        reference never does, and a coded layer's floats come with its codes."""
+        reference never does, and a coded layer's floats come with its codes. The copy still
+        carries the leader's roots, so a decode slab holds the common floats once for all of them
+        (cache/slab.py ``_share``; each row keeps its own codes)."""
         if leader.quant is not None:
-            return checkout(capture(leader, depth), depth, self.quant)
+            roots = leader.share(depth)
+            live = checkout(capture(leader, depth), depth, self.quant)
+            live.roots = list(roots)
+            return live
         roots = leader.share(depth)
         return LiveCache([PrefixedKVCache(r) for r in roots], depth, self.quant, list(roots))
 

@@ -81,14 +81,19 @@ class TurboQuantKind(KVKind):
     class_names = ("TurboQuantKVCache",)
     class_modules = ("mlxstack.cache.turboquant",)
     always_trimmable = False
-    hands_out_prefix = False     # floats and codes: a follower gets a copy (KVManager.fork)
+    hands_out_prefix = False     # floats and codes: a follower gets a copy (KVManager.fork) ...
     copies_prefix = True
 
     def floor(self, layer: Any, depth: int) -> int:
         return layer.fp_head
 
     def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
-        return None
+        """... and the floats the layer attends as a root beside it: exactly what its codes decode
+        to (decoding is exact), so the rows of a decode slab hold them once (cascade attention)
+        while each row keeps its own codes (cache/turboquant_rows.py)."""
+        if layer.keys is None or not 0 < depth <= layer.offset:
+            return None
+        return _cut_tokens(layer.keys, depth), _cut_tokens(layer.values, depth), depth
 
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         n = layer.fp_head

@@ -300,8 +300,11 @@ class SlabKVCache(BatchKVCache):
         self.gap[row] = 0
 
     def take(self, row: int, whole: bool = False) -> Any:
-        out = self._take(row, whole)
-        return out if self.codes is None else self.codes.take(row, out)
+        if self.codes is None:
+            return self._take(row, whole)
+        # a coded row leaves as one TurboQuant layer (its floats whole, its codes): a layer held
+        # as prefix + tail would be neither coded nor codable from the start (LiveCache.maybe_quantize)
+        return self.codes.take(row, self._take(row, True))
 
     def _take(self, row: int, whole: bool = False) -> Any:
         """Copy ``row`` out as a plain KVCache (the row's contents stay; the caller frees it). A row

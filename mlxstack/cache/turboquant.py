@@ -51,10 +51,10 @@ _coder: Callable[["Scheme", mx.array, mx.array], tuple | None] | None = None
 
 
 def use_coder(coder: Callable[["Scheme", mx.array, mx.array], tuple | None] | None) -> None:
-    """Install a backend's ``code_pair`` (None: MLX's). Its contract: ``code_unpacked``'s rule --
-    codes may differ only where a coordinate lies within rounding of a boundary -- and decoded
-    vectors that are exactly ``decode(pack(codes), f)`` (what a stored entry gives back); it
-    answers None for a call it does not take. Its choice may depend on the number of positions
+    """Install a backend's ``code_pair`` (None: MLX's). Its contract: ``code``'s rule -- codes
+    may differ only where a coordinate lies within rounding of a boundary -- packed as ``pack``
+    does, and decoded vectors that are exactly ``decode(packed, f)`` (what a stored entry gives
+    back); it answers None for a call it does not take. Its choice may depend on the number of positions
     only, so a row is coded alike batched and alone."""
     global _coder
     _coder = coder
@@ -153,7 +153,7 @@ class Scheme:
         self.shifts = mx.array([bits * i for i in range(self.group)], dtype=mx.uint32)
         # K and V of a forward coded in one fused graph: a decode step codes every layer's new
         # vectors, and on an op-bound backend two dozen small ops a call are most of that cost
-        self._pair = mx.compile(lambda k, v: self.code_unpacked(mx.stack([k, v])))
+        self._pair = mx.compile(lambda k, v: self.code(mx.stack([k, v])))
 
     def _blocks(self, x: mx.array) -> mx.array:
         """x [..., dim] @ H per block ([..., dim]): one product of all blocks as rows (a batch of
@@ -185,10 +185,10 @@ class Scheme:
         return codes.astype(mx.uint8), f, self._restore(c, f)
 
     def code_pair(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
-        """``code_unpacked`` of keys and of values (same shape), as ((codes, f, decoded) for keys,
-        the same for values): one compiled graph; the same as two calls."""
+        """``code`` of keys and of values (same shape), as ((packed codes, f, decoded) for keys,
+        the same for values): one compiled graph (or the installed coder); the same as two calls."""
         if keys.shape != values.shape:
-            return self.code_unpacked(keys), self.code_unpacked(values)
+            return self.code(keys), self.code(values)
         if _coder is not None:
             done = _coder(self, keys, values)
             if done is not None:
@@ -271,7 +271,6 @@ class TurboQuantKVCache(KVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         book = scheme(self.code_bits, keys.shape[-1], self.seed)
         (ck, fk, k), (cv, fv, v) = book.code_pair(keys, values)
-        ck, cv = book.pack(ck), book.pack(cv)
         self.codes.update_and_fetch(ck, cv)
         self.scales.update_and_fetch(fk, fv)
         return super().update_and_fetch(k.astype(keys.dtype), v.astype(values.dtype))

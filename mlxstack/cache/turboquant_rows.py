@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from .turboquant import TurboQuantKVCache, scheme
@@ -42,7 +43,7 @@ class RowCodes:
         self.bits, self.seed, self.start = int(bits), int(seed), int(start)
         self.head: list[int | None] = [None] * rows
         self.depth: list[int] = [0] * rows
-        # per row: its positions from the head on, as chunks ((key codes, value codes, key f,
+        # per row: its positions from the head on, as chunks ((packed key codes, value codes, key f,
         # value f), r, lo, hi) -- positions lo..hi-1 of row r of those arrays (a forward's, shared)
         self.log: list[list[tuple]] = [[] for _ in range(rows)]
         # the distinct arrays the logs hold (id -> [arrays, chunks holding them]) and their bytes,
@@ -81,9 +82,7 @@ class RowCodes:
             self.head[row] = own.fp_head
             m = own.offset - own.fp_head
             if m > 0:
-                book = scheme(self.bits, own.keys.shape[-1], self.seed)
-                ck, cv, fk, fv = own.coded(own.offset)
-                self._set_log(row, [((book.unpack(ck), book.unpack(cv), fk, fv), 0, 0, m)])
+                self._set_log(row, [(own.coded(own.offset), 0, 0, m)])
             else:
                 self._set_log(row, [])
         else:
@@ -107,7 +106,7 @@ class RowCodes:
 
     def resident_arrays(self, seen: dict[int, int]) -> None:
         """The logs' arrays as one entry of ``seen`` (id -> bytes; runner/kv_bytes.py): they are
-        this object's alone (a row handed back gets codes joined and packed anew), each counted
+        this object's alone (a row handed back gets its codes joined anew), each counted
         once however many rows' chunks share a forward's arrays."""
         seen[id(self)] = self.nbytes
 
@@ -125,24 +124,36 @@ class RowCodes:
         replaced by their decoded forms (their codes logged), the others as they are. ``lengths``:
         the positions each row really holds (a right-padded forward); every row all ``n`` if None."""
         n = keys.shape[2]
-        lengths = [n] * len(self.head) if lengths is None else [int(x) for x in lengths]
-        first: list[int | None] = []          # per row: the forward's first coded position, or None
-        for r, h in enumerate(self.head):
-            d = self.depth[r]
-            if h is None and d >= self.start:
-                h = self.head[r] = d                   # past the start without codes: from here on
-            elif h is None and d + lengths[r] > self.start:
-                h = self.head[r] = self.start          # this forward crosses the start: from it on
-            first.append(None if h is None else max(h - d, 0))
+        if lengths is None and None not in self.head:
+            # a decode step of rows all coding already (a row's depth is never below its head
+            # after a forward): every position of every row, no per-row rule to apply
+            first: list[int | None] = [0] * len(self.head)
+            lengths = [n] * len(self.head)
+        else:
+            lengths = [n] * len(self.head) if lengths is None else [int(x) for x in lengths]
+            first = []                        # per row: the forward's first coded position, or None
+            for r, h in enumerate(self.head):
+                d = self.depth[r]
+                if h is None and d >= self.start:
+                    h = self.head[r] = d                   # past the start without codes: from here on
+                elif h is None and d + lengths[r] > self.start:
+                    h = self.head[r] = self.start          # this forward crosses the start: from it on
+                first.append(None if h is None else max(h - d, 0))
         self.depth = [d + m for d, m in zip(self.depth, lengths)]
         if all(f is None for f in first):
             return keys, values
         book = scheme(self.bits, keys.shape[-1], self.seed)
         (ck, fk, k), (cv, fv, v) = book.code_pair(keys, values)
-        step = (ck, cv, fk, fv)            # every row's codes (unpacked): sliced out and packed when it leaves
-        for r, f in enumerate(first):
-            if f is not None and f < lengths[r]:
-                self._append(r, (step, r, f, lengths[r]))
+        step = (ck, cv, fk, fv)            # every row's codes (packed): a leaving row's are sliced out
+        coded = [r for r, f in enumerate(first) if f is not None and f < lengths[r]]
+        if coded:                          # one reference record for every row holding the forward's arrays
+            self._refs[id(step)] = [step, len(coded)]
+            self.nbytes += sum(a.nbytes for a in step)
+        for r in coded:
+            log = self.log[r]
+            log.append((step, r, first[r], lengths[r]))
+            if len(log) >= CONSOLIDATE:
+                self._set_log(r, [self._joined(log)])
         if k.dtype != keys.dtype:
             k, v = k.astype(keys.dtype), v.astype(values.dtype)
         if all(f == 0 for f in first):
@@ -151,13 +162,6 @@ class RowCodes:
         mask = mx.arange(n, dtype=mx.int32).reshape(1, 1, n, 1) >= lo
         return mx.where(mask, k, keys), mx.where(mask, v, values)
 
-    def _append(self, row: int, chunk: tuple) -> None:
-        log = self.log[row]
-        log.append(chunk)
-        self._ref([chunk])
-        if len(log) >= CONSOLIDATE:
-            self._set_log(row, [self._joined(log)])
-
     @staticmethod
     def _joined(chunks: list[tuple]) -> tuple:
         """One chunk of the four arrays holding ``chunks``' positions in order (a chunk is (arrays,
@@ -165,8 +169,11 @@ class RowCodes:
         if len(chunks) == 1 and chunks[0][1] == 0 and chunks[0][2] == 0 and chunks[0][0][0].shape[0] == 1 \
                 and chunks[0][0][0].shape[2] == chunks[0][3]:
             return chunks[0]
-        parts = [mx.concatenate([arrays[i][r:r + 1, :, lo:hi] for arrays, r, lo, hi in chunks], axis=2)
-                 for i in range(4)]
+        # on the host: a row's log is up to CONSOLIDATE chunks of a decode step's few positions, and
+        # as MLX ops that is a slice a chunk an array -- hundreds of tiny kernels a layer when a row
+        # leaves; numpy views of the (evaluated) arrays and one copy each cost microseconds
+        parts = [mx.array(np.concatenate([np.asarray(arrays[i])[r:r + 1, :, lo:hi] for arrays, r, lo, hi in chunks],
+                                         axis=2)) for i in range(4)]
         return (tuple(parts), 0, 0, sum(hi - lo for _, _, lo, hi in chunks))
 
     def rewind(self, row: int, n: int) -> None:
@@ -204,8 +211,6 @@ class RowCodes:
             (ck, cv, fk, fv), _, _, total = self._joined(self.log[row])
             if total != m:
                 raise RuntimeError(f"bug: row {row} logged {total} coded positions, holds {m}")
-            book = scheme(self.bits, kv.keys.shape[-1], self.seed)
-            ck, cv = book.pack(ck), book.pack(cv)
             layer.codes.keys, layer.codes.values, layer.codes.offset = ck, cv, m
             layer.scales.keys, layer.scales.values, layer.scales.offset = fk, fv, m
         return layer

@@ -82,7 +82,7 @@ class DecodeGroup:
         # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
         self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
         # shortest common prompt a request arriving with others takes from another's prefill: the
-        # same setting; TurboQuant rows (no prefix held once) take a copy (cache/manager.py fork)
+        # same setting (TurboQuant followers take a copy of their codes: cache/manager.py fork)
         self.follow_min: int | None = self.min_shared if self.min_shared is not None else (
             want if want > 0 and self.quant is not None and self.prefills_together else None)
 

@@ -16,8 +16,9 @@ import logging
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.kv_ops import capture, checkout
+from ..cache.kv_ops import LiveCache, capture, checkout
 from ..backends.cascade import install
 from .generate import feed
 from .forward import forward
@@ -59,12 +60,15 @@ def _by_reference_agrees(model: Any, root: Any) -> bool:
 def _check(engine: Any) -> bool:
     from ..cache.slab import stack_layers
 
-    if engine.loaded.is_vlm or engine.state.kv_quant is not None:
+    quant = engine.state.kv_quant
+    if engine.loaded.is_vlm or quant is not None and quant.scheme != "turboquant":
         return False
     install()
     model = engine.loaded.model
     try:
-        base = engine.new_cache()
+        # the model's attention over a prefix held once, on float caches: TurboQuant rows attend
+        # floats too (their decoded vectors), the codes kept beside them (cache/turboquant_rows.py)
+        base = LiveCache(make_prompt_cache(model), 0, None)
         feed(model, base, list(range(100, 106)), 16)
         root = capture(base)
 

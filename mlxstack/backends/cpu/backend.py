@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..cascade import installed as cascade_modules
 from ..base import Backend, BackendReport
 from ...cache import turboquant
-from . import host_forward, native_build, native_products
+from . import host_forward, native_build, native_products, turboquant_host
 from .turboquant_host import HostCoder
 from .kernels import agreed_modes, install_cpu_kernels, native_attention_on
 
@@ -93,9 +93,11 @@ class CpuBackend(Backend):
         features.update(self._host(loaded, settings, on, group))
         # with the host path, TurboQuant's decode-sized coding too (whatever this engine's KV_BITS:
         # the coder is the process's, and every engine on this backend codes alike)
-        self._tq = HostCoder() if features["host_forward"].startswith("on") else None
-        features["turboquant_coder"] = ("on (KV_QUANT_SCHEME=turboquant: decode-sized calls in numpy)"
-                                        if self._tq is not None else "off: needs host_forward on")
+        self._tq = None
+        if features["host_forward"].startswith("on"):
+            # the native call where native kernels may run and it builds and agrees, else numpy
+            self._tq = HostCoder(turboquant_host.load() if native != "off" else None)
+        features["turboquant_coder"] = self._coder_said(native)
         turboquant.use_coder(self._tq)
         self._modes = (kernels, native)
         self._products = host_forward.products_in_use()
@@ -110,6 +112,15 @@ class CpuBackend(Backend):
         install_cpu_kernels(kernels, native=native)
         host_forward.use_products(self._products)
         turboquant.use_coder(self._tq)
+
+    def _coder_said(self, native: str) -> str:
+        if self._tq is None:
+            return "off: needs host_forward on"
+        if self._tq.native is not None:
+            return "on (KV_QUANT_SCHEME=turboquant: decode-sized calls native)"
+        why = f"NATIVE_ATTENTION={native}" if native == "off" else (
+            native_build.problem(turboquant_host.NATIVE) or "native kernels not in use")
+        return f"on (KV_QUANT_SCHEME=turboquant: decode-sized calls in numpy; {why})"
 
     @staticmethod
     def _kernels_said(on: bool, settings: Any, group: Any, device: Any) -> str:
