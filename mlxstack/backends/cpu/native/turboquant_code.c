@@ -5,8 +5,9 @@
 
    Per vector x (the n of x0, then the n of x1: K and V): norm |x|; u = (x * signs) @ H per block
    of `block` coordinates (Sylvester Hadamard, as a fast transform); t = u / max(norm, 1e-30) (as a
-   product by the reciprocal); code = the number of boundaries below t (a branchless binary search
-   over the 2^bits - 1 boundaries; the rule of Scheme._nearest); c = ints[code]; f = norm / (root * |c|);
+   product by the reciprocal); code = the number of boundaries below t (counted against each
+   boundary up to 4 bits, a branchless binary search over the 255 at 8; the rule of
+   Scheme._nearest); c = ints[code]; f = norm / (root * |c|);
    decoded = ((c @ H per block) * f) * signs. Encoding need not be exact (its output is the codes);
    decoding is: c holds integers, so every butterfly sum is an integer below 2^24 -- exact in
    float32 in any order, the same floats as MLX's product -- then the same two float32 products in
@@ -42,14 +43,30 @@ static void tq_code_one(const float *xv, int64_t dim, int64_t block, const float
     float norm = sqrtf(ss);
     tq_hadamard(u, dim, block);
     float r = 1.0f / (norm > 1e-30f ? norm : 1e-30f);
+    int32_t k[TQ_MAX_DIM];
+    for (int64_t j = 0; j < dim; j++)
+        u[j] *= r;
+    if (nbounds <= 15) {
+        /* up to 4 bits: every boundary against every coordinate, vectorised across coordinates */
+        for (int64_t j = 0; j < dim; j++)
+            k[j] = 0;
+        for (int64_t i = 0; i < nbounds; i++) {
+            float b = bounds[i];
+            for (int64_t j = 0; j < dim; j++)
+                k[j] += u[j] > b;
+        }
+    } else {
+        for (int64_t j = 0; j < dim; j++) {
+            int32_t at = 0;
+            for (int64_t step = (nbounds + 1) >> 1; step > 0; step >>= 1)
+                at += bounds[at + step - 1] < u[j] ? (int32_t)step : 0;
+            k[j] = at;
+        }
+    }
     float cc = 0.0f;
     for (int64_t j = 0; j < dim; j++) {
-        float t = u[j] * r;
-        int64_t k = 0;
-        for (int64_t step = (nbounds + 1) >> 1; step > 0; step >>= 1)
-            k += bounds[k + step - 1] < t ? step : 0;
-        code[j] = (uint8_t)k;
-        c[j] = ints[k];
+        code[j] = (uint8_t)k[j];
+        c[j] = ints[k[j]];
         cc += c[j] * c[j];
     }
     float fv = norm / (root * sqrtf(cc));
