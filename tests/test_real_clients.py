@@ -120,6 +120,46 @@ def run_real_clients(tmp_path, embedded_model_path, args: list[str], **env) -> d
     return json.loads(out.read_text())["results"]
 
 
+# ---------------------------------------------------------------------------- the scripted model (write_session)
+def test_the_scripted_model_writes_each_file_once_then_closes(tmp_path):
+    from tools.real_clients.write_session import FILES, REPO as ROOT, script_reply
+
+    tools = [{"name": "Read", "input_schema": {}}, {"name": "Write", "input_schema": {}}]
+    first = script_reply({"tools": tools, "messages": [{"role": "user", "content": "go"}]}, tmp_path)
+    assert [b["type"] for b in first] == ["text", "tool_use"] and first[1]["name"] == "Write"
+    assert first[1]["input"] == {"file_path": str(tmp_path / "healing.py"), "content": (ROOT / FILES[0]).read_text()}
+    results = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "ok"}]}
+               for i in range(3)]
+    assert script_reply({"tools": tools, "messages": results}, tmp_path)[1]["input"]["file_path"].endswith("sized_lru.py")
+    done = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}] * len(FILES)
+    assert script_reply({"tools": tools, "messages": done}, tmp_path) == [
+        {"type": "text", "text": "All ten modules are written."}]
+    assert script_reply({"tools": tools[:1], "messages": []}, tmp_path) == [{"type": "text", "text": "Writing modules."}]
+
+
+def test_the_scripted_models_stream_reads_as_a_tool_call_with_the_official_sdk(tmp_path):
+    """The endpoint's SSE, read by the official anthropic SDK: one text block, one Write call whose
+    input is the whole file, stop reason tool_use -- so Claude Code (the same wire format) gets it."""
+    import threading
+
+    from anthropic import Anthropic
+
+    from tools.real_clients.write_session import FILES, REPO as ROOT, ScriptedModel
+
+    server = ScriptedModel(tmp_path)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Anthropic(base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key="sk-scripted")
+        with client.messages.stream(model="m", max_tokens=10, messages=[{"role": "user", "content": "go"}],
+                                    tools=[{"name": "Write", "description": "w", "input_schema": {"type": "object"}}]) as s:
+            msg = s.get_final_message()
+        assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["text", "tool_use"]
+        assert msg.content[1].input["content"] == (ROOT / FILES[0]).read_text()
+        assert len(server.recorded) == 1 and server.recorded[0]["messages"][0]["content"] == "go"
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.e2e
 @pytest.mark.real_clients
 def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request, tmp_path, embedded_model_path):
