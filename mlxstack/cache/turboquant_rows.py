@@ -50,6 +50,9 @@ class RowCodes:
         # kept as chunks come and go: the gauge of bytes in flight reads ``nbytes`` every step
         self._refs: dict[int, list] = {}
         self.nbytes = 0
+        # the same arrays as numpy views, made once when a row's log is first joined (a forward's
+        # arrays are shared by every row: eight rows leaving together convert them once, not eight times)
+        self._host: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ the logs' arrays
     def _ref(self, chunks: list[tuple]) -> None:
@@ -67,6 +70,7 @@ class RowCodes:
             got[1] -= 1
             if not got[1]:
                 del self._refs[id(chunk[0])]
+                self._host.pop(id(chunk[0]), None)
                 self.nbytes -= sum(a.nbytes for a in chunk[0])
 
     def _set_log(self, row: int, chunks: list[tuple]) -> None:
@@ -113,7 +117,7 @@ class RowCodes:
     def restore(self, snap: tuple) -> None:
         head, depth, log = snap
         self.head, self.depth, self.log = list(head), list(depth), [list(chunks) for chunks in log]
-        self._refs, self.nbytes = {}, 0
+        self._refs, self.nbytes, self._host = {}, 0, {}
         for chunks in self.log:
             self._ref(chunks)
 
@@ -162,8 +166,7 @@ class RowCodes:
         mask = mx.arange(n, dtype=mx.int32).reshape(1, 1, n, 1) >= lo
         return mx.where(mask, k, keys), mx.where(mask, v, values)
 
-    @staticmethod
-    def _joined(chunks: list[tuple]) -> tuple:
+    def _joined(self, chunks: list[tuple]) -> tuple:
         """One chunk of the four arrays holding ``chunks``' positions in order (a chunk is (arrays,
         row, lo, hi): positions lo..hi-1 of row ``row`` of those arrays)."""
         if len(chunks) == 1 and chunks[0][1] == 0 and chunks[0][2] == 0 and chunks[0][0][0].shape[0] == 1 \
@@ -172,8 +175,14 @@ class RowCodes:
         # on the host: a row's log is up to CONSOLIDATE chunks of a decode step's few positions, and
         # as MLX ops that is a slice a chunk an array -- hundreds of tiny kernels a layer when a row
         # leaves; numpy views of the (evaluated) arrays and one copy each cost microseconds
-        parts = [mx.array(np.concatenate([np.asarray(arrays[i])[r:r + 1, :, lo:hi] for arrays, r, lo, hi in chunks],
-                                         axis=2)) for i in range(4)]
+        hosts = []
+        for arrays, r, lo, hi in chunks:
+            got = self._host.get(id(arrays))
+            if got is None:
+                got = self._host[id(arrays)] = tuple(np.asarray(a) for a in arrays)
+            hosts.append((got, r, lo, hi))
+        parts = [mx.array(np.concatenate([h[i][r:r + 1, :, lo:hi] for h, r, lo, hi in hosts], axis=2))
+                 for i in range(4)]
         return (tuple(parts), 0, 0, sum(hi - lo for _, _, lo, hi in chunks))
 
     def rewind(self, row: int, n: int) -> None:
