@@ -66,40 +66,71 @@ def session(files: list[str]) -> list[list[dict]]:
     return requests
 
 
-def prepare(engine, messages: list[dict]):
-    job = ChatJob(request_id="measure", messages=messages, tools=TOOLS, enable_thinking=False,
+def prepare(engine, messages: list[dict], tools: list | None = TOOLS):
+    job = ChatJob(request_id="measure", messages=messages, tools=tools, enable_thinking=False,
                   params=SamplingParams(temperature=0.0, max_tokens=1), stop=[], body={"session_id": "measure"},
                   headers={}, emit=lambda _t: None, is_cancelled=lambda: False)
     return engine.prepare(job)
 
 
-def measure(model: str) -> dict:
+def load(model: str = ""):
+    """(the loaded model, the settings the engines start from)."""
     env = {"MODEL_PATH": model, "DEFAULT_THINKING": "false", "ENABLE_REQUEST_LOGGING": "false",
            "DISK_CACHE_DIR": "off", "MLX_PORT": "0", "SPEC_CALIBRATE": "off"}
     base = load_settings(env=env)
-    loaded = load_model(base)
-    rows = []
-    requests = session(FILES)
+    return load_model(base), base
+
+
+def prefill_rows(loaded, base, requests: list[tuple[list[dict], list | None]]) -> list[dict]:
+    """Per request (messages, tools), prepared with the setting off and on: its prompt tokens and
+    the tokens it prefills when the previous request's prompt plus its reply are cached (the
+    healing store's job: the reply as this request renders it; the last assistant message is never
+    normalised) -- all of that while the previous prompt is a prefix of this one, else up to where
+    the two part (a write that became a placeholder since)."""
+    rows: list[dict] = [{} for _ in requests]
     for flag in (False, True):
         engine = make_engine(loaded, base.replace(normalize_write_tool_content_for_prompt=flag))
         previous = None
-        for t, messages in enumerate(requests):
-            prep = prepare(engine, messages)
-            # the previous entry: its prompt, then this request's last write as the model generated it
-            through_reply = prepare(engine, messages[:-1]).history_end
-            if previous is None or not flag:
-                cached = through_reply
-            else:
-                cached = min(through_reply, lcp(previous.model_np, prep.model_np))
-            if t == len(rows):
-                rows.append({"turn": t + 1, "file_bytes": len((REPO / FILES[t]).read_bytes())})
+        for row, (messages, tools) in zip(rows, requests):
+            prep = prepare(engine, messages, tools)
+            through_reply = prepare(engine, messages[:-1], tools).history_end
+            cached = through_reply
+            if previous is not None:
+                common = lcp(previous.model_np, prep.model_np)
+                cached = through_reply if common >= len(previous.model_tokens) else min(through_reply, common)
             key = "on" if flag else "off"
-            rows[t][f"prompt_{key}"] = len(prep.model_tokens)
-            rows[t][f"prefilled_{key}"] = len(prep.model_tokens) - cached
+            row[f"prompt_{key}"] = len(prep.model_tokens)
+            row[f"prefilled_{key}"] = len(prep.model_tokens) - cached
             previous = prep
-    total = {k: sum(r[k] for r in rows) for k in ("prompt_off", "prompt_on", "prefilled_off", "prefilled_on")}
-    return {"model": model or "embedded SmolLM2-135M-Instruct",
-            "rows": rows, "total": total}
+    return rows
+
+
+def totals(rows: list[dict]) -> dict:
+    return {k: sum(r[k] for r in rows) for k in ("prompt_off", "prompt_on", "prefilled_off", "prefilled_on")}
+
+
+def print_rows(rows: list[dict], first: tuple[str, str], second: tuple[str, str]) -> None:
+    """The table: two leading columns (key, heading) of each row, then the four counts, a sum line
+    and the last request's saving."""
+    (k1, h1), (k2, h2) = first, second
+    print(f"{h1:>4} {h2:>7} {'prompt off':>10} {'prompt on':>9} {'prefill off':>11} {'prefill on':>10}")
+    for r in rows:
+        print(f"{r[k1]:>4} {r[k2]:>7} {r['prompt_off']:>10} {r['prompt_on']:>9} "
+              f"{r['prefilled_off']:>11} {r['prefilled_on']:>10}")
+    t, last = totals(rows), rows[-1]
+    print(f"sum  {'':>7} {t['prompt_off']:>10} {t['prompt_on']:>9} {t['prefilled_off']:>11} {t['prefilled_on']:>10}")
+    print(f"last request: {last['prompt_off']} -> {last['prompt_on']} prompt tokens "
+          f"({last['prompt_off'] - last['prompt_on']} fewer, {100 * (1 - last['prompt_on'] / last['prompt_off']):.0f}%); "
+          f"over the {len(rows)} requests: {t['prompt_off'] - t['prompt_on']} prompt tokens fewer, "
+          f"{t['prefilled_on'] - t['prefilled_off']} more prefilled")
+
+
+def measure(model: str) -> dict:
+    loaded, base = load(model)
+    rows = prefill_rows(loaded, base, [(messages, TOOLS) for messages in session(FILES)])
+    for t, row in enumerate(rows):
+        row.update({"turn": t + 1, "file_bytes": len((REPO / FILES[t]).read_bytes())})
+    return {"model": model or "embedded SmolLM2-135M-Instruct", "rows": rows, "total": totals(rows)}
 
 
 def main() -> None:
@@ -112,16 +143,7 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"model: {result['model']}")
-    print(f"{'turn':>4} {'file B':>7} {'prompt off':>10} {'prompt on':>9} {'prefill off':>11} {'prefill on':>10}")
-    for r in result["rows"]:
-        print(f"{r['turn']:>4} {r['file_bytes']:>7} {r['prompt_off']:>10} {r['prompt_on']:>9} "
-              f"{r['prefilled_off']:>11} {r['prefilled_on']:>10}")
-    t, last = result["total"], result["rows"][-1]
-    print(f"sum  {'':>7} {t['prompt_off']:>10} {t['prompt_on']:>9} {t['prefilled_off']:>11} {t['prefilled_on']:>10}")
-    print(f"last request: {last['prompt_off']} -> {last['prompt_on']} prompt tokens "
-          f"({last['prompt_off'] - last['prompt_on']} fewer, {100 * (1 - last['prompt_on'] / last['prompt_off']):.0f}%); "
-          f"over the 10 requests: {t['prompt_off'] - t['prompt_on']} prompt tokens fewer, "
-          f"{t['prefilled_on'] - t['prefilled_off']} more prefilled")
+    print_rows(result["rows"], ("turn", "turn"), ("file_bytes", "file B"))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tools.measure_write_content import print_rows  # noqa: E402
 from tools.real_clients.clients import Target, turn_command  # noqa: E402
 
 FILES = ["mlxstack/prompt/healing.py", "mlxstack/prompt/scrub.py", "mlxstack/prompt/render.py",
@@ -166,47 +167,15 @@ def record_session(claude: Path, work: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the measurement
 def measure(requests: list[dict]) -> dict:
-    from mlxstack.cache.lcp import lcp
-    from mlxstack.config.settings import load_settings
-    from mlxstack.engine.chat import ChatJob
-    from mlxstack.engine.factory import make_engine
-    from mlxstack.models.loader import load_model
-    from mlxstack.runner.sampling import SamplingParams
     from mlxstack.server.anthropic.messages import to_chat_body
+    from tools.measure_write_content import load, prefill_rows, totals
 
-    env = {"DEFAULT_THINKING": "false", "ENABLE_REQUEST_LOGGING": "false", "DISK_CACHE_DIR": "off",
-           "MLX_PORT": "0", "SPEC_CALIBRATE": "off"}
-    base = load_settings(env=env)
-    loaded = load_model(base)
-
-    def prepare(engine: Any, chat: dict, messages: list[dict]) -> Any:
-        job = ChatJob(request_id="measure", messages=messages, tools=chat.get("tools"), enable_thinking=False,
-                      params=SamplingParams(temperature=0.0, max_tokens=1), stop=[], body={"session_id": "measure"},
-                      headers={}, emit=lambda _t: None, is_cancelled=lambda: False)
-        return engine.prepare(job)
-
+    loaded, base = load()
     chats = [to_chat_body(body) for body in requests]
-    rows: list[dict] = [{"request": i + 1, "messages": len(c["messages"])} for i, c in enumerate(chats)]
-    for flag in (False, True):
-        engine = make_engine(loaded, base.replace(normalize_write_tool_content_for_prompt=flag))
-        previous = None
-        for i, chat in enumerate(chats):
-            prep = prepare(engine, chat, chat["messages"])
-            # the previous entry: its prompt, then this request's last reply as the model generated it
-            # (the last assistant message is never normalised) -- reused whole while the previous
-            # prompt is a prefix of this one, else up to where they part (a write that became a
-            # placeholder since)
-            through_reply = prepare(engine, chat, chat["messages"][:-1]).history_end
-            cached = through_reply
-            if previous is not None:
-                common = lcp(previous.model_np, prep.model_np)
-                cached = through_reply if common >= len(previous.model_tokens) else min(through_reply, common)
-            key = "on" if flag else "off"
-            rows[i][f"prompt_{key}"] = len(prep.model_tokens)
-            rows[i][f"prefilled_{key}"] = len(prep.model_tokens) - cached
-            previous = prep
-    total = {k: sum(r[k] for r in rows) for k in ("prompt_off", "prompt_on", "prefilled_off", "prefilled_on")}
-    return {"client": "Claude Code", "requests": len(rows), "rows": rows, "total": total}
+    rows = prefill_rows(loaded, base, [(c["messages"], c.get("tools")) for c in chats])
+    for i, (row, chat) in enumerate(zip(rows, chats)):
+        row.update({"request": i + 1, "messages": len(chat["messages"])})
+    return {"client": "Claude Code", "requests": len(rows), "rows": rows, "total": totals(rows)}
 
 
 def main() -> None:
@@ -232,15 +201,7 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"client: {result['client']}, {result['requests']} agent requests")
-    print(f"{'req':>4} {'msgs':>5} {'prompt off':>10} {'prompt on':>9} {'prefill off':>11} {'prefill on':>10}")
-    for r in result["rows"]:
-        print(f"{r['request']:>4} {r['messages']:>5} {r['prompt_off']:>10} {r['prompt_on']:>9} "
-              f"{r['prefilled_off']:>11} {r['prefilled_on']:>10}")
-    t, last = result["total"], result["rows"][-1]
-    print(f"sum  {'':>5} {t['prompt_off']:>10} {t['prompt_on']:>9} {t['prefilled_off']:>11} {t['prefilled_on']:>10}")
-    print(f"last request: {last['prompt_off']} -> {last['prompt_on']} prompt tokens "
-          f"({100 * (1 - last['prompt_on'] / last['prompt_off']):.0f}% fewer); over the session: "
-          f"{t['prompt_off'] - t['prompt_on']} prompt tokens fewer, {t['prefilled_on'] - t['prefilled_off']} more prefilled")
+    print_rows(result["rows"], ("request", "req"), ("messages", "msgs"))
 
 
 if __name__ == "__main__":
