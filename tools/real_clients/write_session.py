@@ -33,13 +33,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.measure_write_content import print_rows  # noqa: E402
+from tools.measure_write_content import FILES, print_rows  # noqa: E402  (the same ten files)
 from tools.real_clients.clients import Target, turn_command  # noqa: E402
 
-FILES = ["mlxstack/prompt/healing.py", "mlxstack/prompt/scrub.py", "mlxstack/prompt/render.py",
-         "mlxstack/prompt/sized_lru.py", "mlxstack/prompt/session_context.py", "mlxstack/prompt/tokenize.py",
-         "mlxstack/prompt/key_text.py", "mlxstack/prompt/thinking.py", "mlxstack/cache/sessions.py",
-         "mlxstack/cache/hashing.py"]
 CLAUDE = Path.home() / ".cache/mlxstack-clients/clients/node_modules/.bin/claude"
 TASK = "Write the ten modules from the design notes into this folder, one file per step, with the Write tool."
 
