@@ -61,7 +61,7 @@ class DecodeGroup:
         self.batching = batching
         # plain-KV models: several short prefills in one forward, turns closed together
         self.dense = batching and all(k == "kv" for k in engine.state.layout.kinds)
-        quant = kv_quant = engine.state.kv_quant
+        quant = engine.state.kv_quant
         # KV_QUANT_SCHEME=turboquant: slab rows coded as a lone TurboQuantKVCache is -- from exactly
         # QUANTIZED_KV_START, also inside a batched prefill's forward (cache/turboquant_rows.py)
         self.quant = quant if batching and quant is not None and quant.scheme == "turboquant" else None
@@ -84,7 +84,7 @@ class DecodeGroup:
         # shortest common prompt a request arriving with others takes from another's prefill: the
         # same setting -- never under KV quantisation for now: a TurboQuant fan-out taking its
         # leader's prefill replied unlike its cold run (fuzzer, seed 4507: LESSONS 77, TASKS)
-        self.follow_min: int | None = self.min_shared if kv_quant is None else None
+        self.follow_min: int | None = self.min_shared if quant is None else None
 
     def __len__(self) -> int:
         return len(self.seqs)

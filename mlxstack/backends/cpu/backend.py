@@ -32,7 +32,6 @@ from ..cascade import installed as cascade_modules
 from ..base import Backend, BackendReport
 from ...cache import turboquant
 from . import host_forward, native_build, native_products, turboquant_host
-from .turboquant_host import HostCoder
 from .kernels import agreed_modes, install_cpu_kernels, native_attention_on
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class CpuBackend(Backend):
         self._model: Callable[[], Any] = lambda: None    # the loaded model it was installed for (weak)
         self._modes = ("off", "off")                     # (kernels, native) as installed
         self._products: Optional[Callable[..., Any]] = None
-        self._tq: Optional[HostCoder] = None             # TurboQuant's decode-sized coder, when installed
+        self._tq: Optional[turboquant_host.HostCoder] = None             # TurboQuant's decode-sized coder, when installed
 
     # ------------------------------------------------------------------ the interface
     def applies(self, model: Any, device: Any) -> tuple[bool, str]:
@@ -96,7 +95,7 @@ class CpuBackend(Backend):
         self._tq = None
         if features["host_forward"].startswith("on"):
             # the native call where native kernels may run and it builds and agrees, else numpy
-            self._tq = HostCoder(turboquant_host.load() if native != "off" else None)
+            self._tq = turboquant_host.HostCoder(turboquant_host.load() if native != "off" else None)
         features["turboquant_coder"] = self._coder_said(native)
         turboquant.use_coder(self._tq)
         self._modes = (kernels, native)
