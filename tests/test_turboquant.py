@@ -125,6 +125,12 @@ def test_a_stored_entry_holds_codes_and_checks_out_what_a_cold_run_holds(tiny_de
         assert mx.array_equal(model(nxt, cache=hit.layers), model(nxt, cache=cold.layers)).item(), depth
         again = capture(hit)                # and it stores again what it was checked out from
         assert again.depth == depth and again.nbytes == capture(cold).nbytes
+    below = capture(live, 60)               # under the head: the plain floats as they were (a fork's copy)
+    assert {s.kind for s in below.layers} == {"kv"} and below.depth == 60
+    for b, c in zip(checkout(below, 60, q).layers, checkout(state, 60, q).layers):
+        assert type(b) is type(c) is KVCache and mx.array_equal(b.keys[..., :60, :], c.keys[..., :60, :]).item()
+    with pytest.raises(ValueError):
+        live.cut(60)                        # a cut stays at or past the head
     cut = checkout(state, 150, q)
     cut.cut(120)                            # speculation takes back drafts: codes go with them
     assert all(c.codes.offset == 20 and c.offset == 120 for c in cut.layers)

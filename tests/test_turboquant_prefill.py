@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxstack.cache import turboquant as tq
+from mlxstack.engine import chat as chat_module
 from mlxstack.cache.kv_ops import LiveCache
 from mlxstack.cache.layer_kinds import KVQuant
 from tests.test_batching import run_batched
@@ -74,21 +75,46 @@ def test_a_batched_row_never_drafts_across_the_start():
 
 
 @pytest.mark.parametrize("start", [0, 100, "tail", 1000])
-def test_turboquant_requests_arriving_together_prefill_on_their_own(tiny_dense_hd64_path, start):
-    """Three requests under one long system prompt under TurboQuant: none takes another's prefill
-    (shared prefills are off under KV quantisation: a fan-out replied unlike its cold run, LESSONS
-    77) -- with the start at 0, inside the prompts, near their ends and past them -- and each reply
-    equals a lone cold run's; every stored entry past the start is coded from exactly it."""
+def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_hd64_path, start):
+    """Three requests under one long system prompt: the first prefills it, the others take a copy
+    of its KV (floats and codes: cache/manager.py fork) and its roots, so the decode slab holds the
+    common floats once for all three (each row its own codes) -- with the start at 0, inside the
+    shared prompt, in the followers' own remainders ("tail") and past the prompts -- and each reply
+    equals a lone cold run's; every stored entry past the start is coded from exactly it. The
+    leader's prefill is not cut at the shared depth (LESSONS 78): its chunks, and so its codes, are
+    the ones it computes with nobody following."""
     from tests.test_shared_prefix import _messages, _run
 
     if start == "tail":
         probe = tq_engine(tiny_dense_hd64_path, "4", 0, cache=False)
         start = probe.run(job(_messages(1), max_tokens=1, session="p")[0]).prompt_tokens - 5
     eng = tq_engine(tiny_dense_hd64_path, "4", start)
-    outs, sched, _ = _run(eng, [job(_messages(i), max_tokens=8, session=f"s{i}")[0] for i in range(3)])
-    assert sched.group.follow_min is None and sched.shared_prefills == 0
-    assert eng.state.counters.snapshot().get("shared_prefill_tokens", 0) == 0
+    jobs = [job(_messages(i), max_tokens=8, session=f"s{i}")[0] for i in range(3)]
+    cuts = []
+    real_feed = chat_module.feed
+
+    def feed(model, live, tokens, step, *a, **k):
+        cuts.append((live.depth, len(tokens)))
+        return real_feed(model, live, tokens, step, *a, **k)
+
+    chat_module.feed = feed
+    try:
+        outs, sched, shares = _run(eng, jobs)
+        fed_with_followers, cuts[:] = list(cuts), []
+        lone, _, _ = _run(tq_engine(tiny_dense_hd64_path, "4", start), jobs[:1])
+        fed_alone = list(cuts)
+    finally:
+        chat_module.feed = real_feed
+    assert sched.group.min_shared == 256 and max(shares) == 3           # every row held the prefix once
+    assert sched.shared_prefills == 2
+    shared = eng.state.counters.snapshot()["shared_prefill_tokens"]
     n = outs[0].prompt_tokens
+    assert [o.cached_tokens for o in outs[1:]] == [shared // 2] * 2 and n - 20 <= shared // 2 < n
+    assert start != 100 or 0 < start < shared // 2                      # the start inside the shared prompt
+    # the leader's prefill: the same chunks as alone (the followers' own rests come after)
+    assert fed_with_followers[:len(fed_alone)] == fed_alone and all(d >= shared // 2 for d, _ in
+                                                                     fed_with_followers[len(fed_alone):])
+    assert lone[0].raw_text == outs[0].raw_text
     alone = tq_engine(tiny_dense_hd64_path, "4", start, cache=False)
     solo = [alone.run(job(_messages(i), max_tokens=8, session=f"a{i}")[0]) for i in range(3)]
     assert [o.raw_text for o in outs] == [o.raw_text for o in solo]

@@ -130,6 +130,11 @@ class CacheKind:
     def floor(self, layer: Any, depth: int) -> int:
         raise NotImplementedError
 
+    def capture_floor(self, layer: Any, depth: int) -> int:
+        """Smallest depth ``capture`` can snapshot (without cutting the layer): the floor, unless
+        the kind keeps what lies below it as it was."""
+        return self.floor(layer, depth)
+
     def capture(self, layer: Any, depth: int, quant: KVQuant | None = None) -> LayerState:
         raise NotImplementedError
 

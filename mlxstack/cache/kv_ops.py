@@ -188,7 +188,8 @@ def new_live_cache(layers: list[Any], quant: KVQuant | None = None) -> LiveCache
 def capture(live: LiveCache, depth: int | None = None) -> KVState:
     """Snapshot ``live`` cut to ``depth`` (default: all of it), evaluated and never aliased."""
     depth = live.depth if depth is None else depth
-    floor = live.floor
+    floor = max((kind_of(layer).capture_floor(layer, live.depth) for layer in live.layers if kind_of(layer)),
+                default=0)
     if depth != live.depth and not floor <= depth <= live.depth:
         raise ValueError(f"cannot capture a cache at {live.depth} (floor {floor}) at depth {depth}")
     layers = []

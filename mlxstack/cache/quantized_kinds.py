@@ -87,6 +87,9 @@ class TurboQuantKind(KVKind):
     def floor(self, layer: Any, depth: int) -> int:
         return layer.fp_head
 
+    def capture_floor(self, layer: Any, depth: int) -> int:
+        return 0     # the full-precision head is kept as it was: below it, a plain layer's state
+
     def first(self, layer: Any, depth: int) -> tuple[Any, Any, int] | None:
         """... and the floats the layer attends as a root beside it: exactly what its codes decode
         to (decoding is exact), so the rows of a decode slab hold them once (cascade attention)

@@ -205,7 +205,12 @@ class EngineCore:
             plan = plan_follow(seq, self.prefilling, self.group.follow_min)
             if plan is not None:
                 seq.follows = plan
-                plan[0].stops.append(plan[1])
+                if seq.live.quant is None:
+                    # the leader stops at the shared depth (its root exactly there: LESSONS 42);
+                    # under KV quantisation never -- a cut its run alone would not have changes
+                    # the last bits of the K / V after it and so, rarely, a code (LESSONS 78): the
+                    # follower waits for the chunk that passes the depth and takes its first tokens
+                    plan[0].stops.append(plan[1])
         self.scheduler.enter(seq)
         self._forks()
 

@@ -82,9 +82,9 @@ class DecodeGroup:
         # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
         self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
         # shortest common prompt a request arriving with others takes from another's prefill: the
-        # same setting -- never under KV quantisation for now: a TurboQuant fan-out taking its
-        # leader's prefill replied unlike its cold run (fuzzer, seed 4507: LESSONS 77, TASKS)
-        self.follow_min: int | None = self.min_shared if quant is None else None
+        # same setting (under KV quantisation the leader's prefill is not cut for it: engine/core.py
+        # ``_enter``, LESSONS 78)
+        self.follow_min: int | None = self.min_shared
 
     def __len__(self) -> int:
         return len(self.seqs)
