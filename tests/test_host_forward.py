@@ -316,3 +316,46 @@ def test_feed_rows_declines_or_puts_everything_back(monkeypatch):
     monkeypatch.setattr(hf, "_attend_rows", real)
     assert hf.feed_rows(model, caches, [[7, 8], [9]])
     assert [c.offset for c in caches[0]] == [5] * 3 and [c.offset for c in caches[1]] == [3] * 3
+
+
+def test_a_positions_kv_is_the_same_bits_however_its_prompt_was_cut():
+    """With the native products and the native attention kernel, the host path is batch-invariant:
+    64 tokens fed in calls of 16, one at a time or cut anywhere leave the same bits in every
+    layer's K / V, so the CPU backend names 16 as its exact call size (the engine feeds
+    TurboQuant prompts in such calls: LESSONS 79); with sgemm's products it names none."""
+    from mlxstack.backends.cpu import kernels as cpu_kernels
+    from mlxstack.backends.cascade import native_in_use, use_native
+
+    products = hf.products_in_use()
+    if cpu_kernels.native_kernel() is None or not hf.use_native_products(True):
+        hf.use_products(products)
+        pytest.skip("no C compiler here: the native kernels are not built")
+    model = tiny_llama(11)
+    assert host(model)
+    was = native_in_use()
+    use_native(cpu_kernels.native_kernel())
+    try:
+        assert backend_of(model).exact_positions(model) == hf.MAX_POSITIONS
+        tokens = [(7 * i + 3) % 97 for i in range(64)]
+
+        def fed(cuts):
+            cache = [KVCache() for _ in model.layers]
+            at = 0
+            for n in cuts:
+                ours(model, mx.array([tokens[at:at + n]]), cache)
+                at += n
+            assert at == 64
+            return [(c.keys[..., :64, :], c.values[..., :64, :]) for c in cache]
+
+        calls = backend_of(model).host_calls
+        ref = fed([16] * 4)
+        for cuts in ([1] * 64, [5, 11, 16, 7, 9, 16], [16, 15, 1, 16, 16], [3] * 21 + [1]):
+            for (k, v), (k2, v2) in zip(ref, fed(cuts)):
+                assert mx.array_equal(k, k2).item() and mx.array_equal(v, v2).item(), cuts
+        assert backend_of(model).host_calls - calls == 4 + 64 + 6 + 5 + 22   # every call on the host path
+        hf.use_native_products(False)
+        assert backend_of(model).exact_positions(model) is None
+    finally:
+        hf.use_products(products)
+        if not was:
+            use_native(None)

@@ -96,6 +96,26 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
 
 
 @needs_kernel
+def test_a_query_gets_the_same_bits_whatever_call_it_is_in():
+    """Position 37's query over keys 0..37: alone (one query, 38 keys), inside a 16-query causal
+    call over 46 keys, and as a slab row -- a prefix part held once plus its own tail behind 5 or
+    11 padding slots -- gives the same bits: the softmax's sum runs in lanes by key position, not
+    by the call's buffer (LESSONS 79: what a position's K / V need under KV quantisation). Before,
+    the sum's lanes followed the call's key count and the three calls differed in the last bits."""
+    Hq, Hkv, D, p = 9, 3, 64, 37
+    K, V, Q = _rand((1, Hkv, 46, D), 40), _rand((1, Hkv, 46, D), 41), _rand((1, Hq, 46, D), 42)
+    alone = attend(Q[:, :, p:p + 1], [Part(K[:, :, :p + 1], V[:, :, :p + 1], "causal")], 0.125)
+    within = attend(Q[:, :, 30:46], [Part(K, V, "causal")], 0.125)[:, :, p - 30:p - 29]
+    assert mx.array_equal(alone, within).item()
+    for pad in (5, 11):
+        tk = mx.concatenate([mx.zeros((1, Hkv, pad, D)), K[:, :, 20:p + 1]], axis=2)
+        tv = mx.concatenate([mx.zeros((1, Hkv, pad, D)), V[:, :, 20:p + 1]], axis=2)
+        seen = (mx.arange(tk.shape[2]) >= pad)[None, None, None, :]
+        slab = attend(Q[:, :, p:p + 1], [Part(K[:, :, :20], V[:, :, :20]), Part(tk, tv, seen)], 0.125)
+        assert mx.array_equal(alone, slab).item(), pad
+
+
+@needs_kernel
 def test_what_the_kernel_does_not_take_goes_back_to_the_mlx_path():
     q = _rand((1, 2, 1, 64), 24)
     k, v = _rand((1, 2, 9, 64), 25), _rand((1, 2, 9, 64), 26)

@@ -201,3 +201,39 @@ def test_a_coded_row_sharing_the_slab_prefix_leaves_as_one_turboquant_layer(tiny
         assert mx.array_equal(got.keys[..., :got.offset, :], own.keys[..., :own.offset, :]).item()
         for a, b in zip(got.coded(got.offset), own.coded(own.offset)):
             assert mx.array_equal(a, b).item()
+
+
+def test_on_a_batch_invariant_backend_every_stored_code_is_a_cold_runs(embedded_model_path):
+    """The embedded Llama on the CPU backend (host path, native products and attention): under
+    TurboQuant prompts are fed in calls of its exact size, so three requests under one system
+    prompt -- the leader's prefill taken by two followers, decoded together in a slab holding the
+    common floats once -- store codes equal, byte for byte, to a cold feed of the same tokens, reply
+    included (decode-computed positions are prefill-computed ones: LESSONS 79); replies equal lone
+    cold runs. Without the exact size the same entries differ from a cold feed in thousands of codes."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxstack.cache.kv_ops import checkout
+    from mlxstack.runner.forward import exact_positions
+    from mlxstack.runner.generate import feed
+    from tests.conftest import build_engine, engine_settings
+    from tests.test_shared_prefix import _messages, _run
+
+    kw = dict(kv_bits="3", kv_quant_scheme="turboquant", quantized_kv_start="0", shared_prefix_min_tokens="16")
+    eng = build_engine(engine_settings(embedded_model_path, **kw))
+    model = eng.loaded.model
+    if exact_positions(model, eng.state.kv_quant) is None:
+        pytest.skip("no batch-invariant path here (no C compiler: the native kernels are not built)")
+    outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=12, session=f"s{i}")[0] for i in range(3)])
+    assert sched.shared_prefills == 2 and max(shares) == 3
+    entries = eng.state.prompt_cache.entries()
+    assert len(entries) == 3 and all(e.depth > outs[0].prompt_tokens for e in entries)
+    for e in entries:
+        cold = LiveCache(make_prompt_cache(model), 0, eng.state.kv_quant)
+        feed(model, cold, [int(t) for t in e.model_tokens], 512)
+        hit = checkout(e.payload, e.depth, eng.state.kv_quant)
+        for a, b in zip(hit.layers, cold.layers):
+            for x, y in zip(a.coded(e.depth), b.coded(e.depth)):
+                assert mx.array_equal(x, y).item(), e.depth
+    alone = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0, **kw))
+    solo = [alone.run(job(_messages(i), max_tokens=12, session=f"a{i}")[0]) for i in range(3)]
+    assert [o.raw_text for o in outs] == [o.raw_text for o in solo]

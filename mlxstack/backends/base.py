@@ -68,3 +68,12 @@ class Backend:
         """Feed ``rows[i]``'s tokens into ``caches[i]`` for every row in one pass; False when not
         taken (nothing done: the caller feeds them through the forward)."""
         return False
+
+    def exact_positions(self, model: Any) -> Optional[int]:
+        """The most positions a row that ``model``'s forwards through this backend may carry
+        while every position's K / V come out bit for bit the same whatever the call -- its
+        length, the other rows beside it, a slab row's padding, a prefix held once (batch
+        invariance); None when some call's shape changes them (MLX's own kernels: a product's
+        rounding follows its row count, LESSONS 23). Under TurboQuant the engine feeds prompts
+        in calls of at most this many positions, so a hit holds what a cold run holds (LESSONS 79)."""
+        return None

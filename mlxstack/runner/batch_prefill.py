@@ -32,7 +32,8 @@ from ..cache.prefixed_kv import PrefixedKVCache
 from ..config import faults
 from .mlx_stream import generation_stream
 from .rows import Row
-from .forward import feed_rows, forward
+from .forward import exact_positions, feed_rows, forward
+from .generate import feed
 
 
 def right_padded(rows: list[list[int]], width: int) -> mx.array:
@@ -112,6 +113,11 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
                 lv.advance(len(r))
                 lv.maybe_quantize()
             return
+        exact = exact_positions(model, lives[0].quant)
+        if exact is not None and max(len(r) for r in rows) > exact:
+            for lv, r in zip(lives, rows):    # as prefill_together: each alone in batch-invariant calls
+                feed(model, lv, r, exact)
+            return
         layers = _merged(lives, min_shared)
         _forward_padded(model, layers, rows)
         own = [[layer.extract(i) for layer in layers] for i in range(len(lives))]
@@ -130,8 +136,16 @@ def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None)
             s.pos = s.start
     faults.hit("prefill_batch", ",".join(s.job.request_id for s in seqs))
     _switched([s.live for s in seqs])
-    layers = _merged([s.live for s in seqs], min_shared)
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
+    exact = exact_positions(model, seqs[0].live.quant)
+    if exact is not None and max(len(h) for h in heads) > exact:
+        # longer than the batch-invariant calls: each row fed on its own in such calls (its codes
+        # then never depend on the rows beside it: LESSONS 79), then batched
+        for s, h in zip(seqs, heads):
+            feed(model, s.live, h, exact)
+            s.pos = len(s.prep.model_tokens) - 1
+        return _merged([s.live for s in seqs], min_shared)
+    layers = _merged([s.live for s in seqs], min_shared)
     with mx.stream(generation_stream()):
         _forward_padded(model, layers, heads)
     for s, h in zip(seqs, heads):

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from ..cache.kv_ops import LiveCache
 from .mlx_stream import generation_stream
 from .sampling import Sampler, SamplingParams
-from .forward import forward
+from .forward import exact_positions, forward
 
 __all__ = ["Aborted", "SamplingParams", "Sampler", "feed", "last_logits", "prefill", "decode", "cache_arrays"]
 
@@ -59,8 +59,13 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
 
     ``should_stop`` is checked between chunks (never mid-eval), so a long prefill can be
     abandoned; ``boundary(live)`` may name an absolute depth a chunk must not cross (a chunk is
-    cut there, e.g. where the KV cache switches to quantised storage).
+    cut there, e.g. where the KV cache switches to quantised storage). Under TurboQuant on a
+    backend with a batch-invariant path, chunks are at most its size (``exact_positions``): a
+    position's codes then never depend on how its prompt was chunked (LESSONS 79).
     """
+    exact = exact_positions(model, live.quant)
+    if exact is not None:
+        step = min(step, exact)
     out = None
     with mx.stream(generation_stream()):
         pos = 0

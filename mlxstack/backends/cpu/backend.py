@@ -74,6 +74,15 @@ class CpuBackend(Backend):
             self.rows_fed += 1
         return took
 
+    def exact_positions(self, model: Any) -> Optional[int]:
+        """The host path's call size where all of it is row-invariant: its products in the native
+        loop (a row's dot products in one fixed order whatever the rows), its attention in the
+        native kernel (each row alone, the softmax's sum in lanes by key position: LESSONS 79),
+        norms / SwiGLU / RoPE per row. With OpenBLAS's sgemm or MLX's attention ops, None."""
+        if host_forward.enabled(model) and host_forward.products_in_use() is not None and native_attention_on():
+            return host_forward.MAX_POSITIONS
+        return None
+
     def install(self, loaded: Any, settings: Any) -> BackendReport:
         key = self.settings_key(settings)
         if self.report is not None and self.installed_key == key and self._model() is loaded.model:

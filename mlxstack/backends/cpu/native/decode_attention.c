@@ -61,11 +61,19 @@ static inline __attribute__((always_inline)) float maxv(const float *s, int64_t 
     return top;
 }
 
+/* exp(s - top) in place and its sum. A hidden key (-inf, or an additive mask's large negative)
+   becomes exactly 0 and is left out of the sum; the others are summed in 16 lanes by their count
+   among the keys with a weight -- for a visible key, its position in the row's sequence (a prefix
+   part, then the row's own keys past any left padding, the causal future hidden) -- so a query's
+   sum is the same whatever the call's length, a slab row's padding, or how the keys are split into
+   parts: a row's attention does not depend on the call it is in (what a position's K / V need under
+   KV quantisation: LESSONS 79). The weighted sum over the values runs in key order and adds the
+   hidden keys' exact zeros, so it is the same too. */
 static void exp_shift(float *restrict s, int64_t n, float top, float *restrict sum) {
     const float c0 = 1.535336188319500e-4f, c1 = 1.339887440266574e-3f, c2 = 9.618437357674640e-3f,
                 c3 = 5.550332471162809e-2f, c4 = 2.402264791363012e-1f, c5 = 6.931472028550421e-1f;
     float acc[16] = {0};
-    int64_t i = 0;
+    int64_t i = 0, seen = 0;
     for (; i < n; i++) {
         float t = (s[i] - top) * 1.4426950408889634f;
         t = t < -127.f ? -127.f : t;
@@ -79,11 +87,9 @@ static void exp_shift(float *restrict s, int64_t n, float top, float *restrict s
         memcpy(&e, &bits, 4);
         s[i] = e * p;
     }
-    float tot = 0.f;
-    for (i = 0; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += s[i + j];
-    for (; i < n; i++) tot += s[i];
-    *sum = tot + hsum16(acc);
+    for (i = 0; i < n; i++)
+        if (s[i] != 0.f) acc[seen++ & 15] += s[i];
+    *sum = hsum16(acc);
 }
 
 static inline __attribute__((always_inline)) void body(
