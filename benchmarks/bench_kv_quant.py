@@ -156,7 +156,8 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES, equal_leng
     interleaved round by round (a busy machine slows every scheme alike), medians of ``rounds``.
     With ``equal_lengths`` every reply runs its whole ``max_tokens`` (the stop tokens banned by
     logit_bias, as benchmarks' ignore-EOS does): quantised replies end at other steps than full
-    precision's, and a batch whose rows left early decodes fewer tokens a step -- content, not speed."""
+    precision's, and a batch whose rows left early decodes fewer tokens a step -- content, not speed.
+    Speculation is off: how many drafts a reply accepts depends on its content too."""
     from dataclasses import replace
 
     from tests.test_batching import run_batched
@@ -166,7 +167,7 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES, equal_leng
     engines = {}
     for scheme, bits in picked:
         kv = {} if bits is None else {"kv_bits": bits, "kv_quant_scheme": scheme, "quantized_kv_start": 0}
-        engines[(scheme, bits)] = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
+        engines[(scheme, bits)] = engine(settings(prompt_cache_max_entries_global=0, speculative="off", **kv), loaded)
     speeds: dict[tuple, list[float]] = {}
     batched: dict[tuple, bool] = {}
     steps: dict[tuple, list[float]] = {}
@@ -244,7 +245,8 @@ def main() -> int:
             print("## restart-warm at ~4k tokens (disk tier) vs cold, QUANTIZED_KV_START=0\n")
             print(table(restart(loaded, work, schemes=args.schemes)) + "\n")
         if "decode" in args.parts:
-            print("## decode tok/s at 1 and 8 rows (~800-token prompts, 48 tokens), vs full precision\n")
+            print("## decode tok/s at 1 and 8 rows (~800-token prompts sharing ~790, 48 tokens each"
+                  + (", every reply its whole 48" if not args.natural_lengths else "") + "; speculation off), vs full precision\n")
             print(table(decode(loaded, rounds=args.rounds, schemes=args.schemes,
                                equal_lengths=not args.natural_lengths)) + "\n")
         if "recurrent" in args.parts:
