@@ -1,10 +1,10 @@
 """Found by the differential fuzzer (tools/fuzz_parity.py --kinds dense_hd64 --seed 4501, run 4507) and kept:
 ten sub-agents under TurboQuant 3-bit (QUANTIZED_KV_START=0) arriving together in two fan-outs; with
 shared prefills taking the leader's prefill four of them replied unlike their cold runs (LESSONS 77).
-The cause (LESSONS 78): the followers' stops cut the leader's prefill (23 -> 38 -> 43), a 15-token
-chunk went through the host path where its run alone had one MLX chunk, and the last bits that
-changed turned one key coordinate of position 28 into another 3-bit code -- which every follower
-copied. Fixed by never cutting a leader's prefill under KV quantisation; following is on again here.
+The cause (LESSONS 78): the followers' stops cut the leader's prefill (23 -> 38 -> 43); the 15-token
+call (attention in the native kernel, products at 15 rows) rounded otherwise than the leader's run
+alone (one 36-token call), and the last bits that changed turned one key coordinate of position 28
+into another 3-bit code -- which every follower copied. Fixed by never cutting a leader's prefill under KV quantisation; following is on again here.
 Findings when written:
   mismatch r2 (sub2): generated tokens differ at 5: warm ' thereby Healthy fert communityenth twinkling Association caul' cold ' thereby Healthy fert communityenth colloquretching conduction' (cached 23)
   mismatch r4 (sub4): generated tokens differ at 1: warm ' thereby taxpay Bluff legumes thereby inver Fertilityzzo' cold ' therebynativearmanretching hill remnant lose to' (cached 43)
