@@ -237,3 +237,27 @@ def test_on_a_batch_invariant_backend_every_stored_code_is_a_cold_runs(embedded_
     alone = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0, **kw))
     solo = [alone.run(job(_messages(i), max_tokens=12, session=f"a{i}")[0]) for i in range(3)]
     assert [o.raw_text for o in outs] == [o.raw_text for o in solo]
+
+
+def test_rows_longer_than_a_batch_invariant_call_are_not_fed_together(embedded_model_path):
+    """Turns closed together under TurboQuant on the exact path: rows of at most its size are fed
+    together; a longer one is declined with nothing fed (the caller closes each alone, in exact
+    calls) -- never fed half, which the caller would take for not fed at all."""
+    from mlxstack.runner.batch_prefill import feed_together
+    from mlxstack.runner.forward import exact_positions
+    from mlxstack.runner.generate import feed
+    from tests.conftest import build_engine, engine_settings
+
+    eng = build_engine(engine_settings(embedded_model_path, kv_bits="4", kv_quant_scheme="turboquant",
+                                       quantized_kv_start="0"))
+    model = eng.loaded.model
+    exact = exact_positions(model, eng.state.kv_quant)
+    if exact is None:
+        pytest.skip("no batch-invariant path here (no C compiler: the native kernels are not built)")
+    lives = [eng.state.new_cache(model) for _ in range(2)]
+    for i, lv in enumerate(lives):
+        feed(model, lv, list(range(100 + i, 140 + i)), 512)
+    assert not feed_together(model, lives, [[7] * (exact + 1), [8, 9]])
+    assert [lv.depth for lv in lives] == [40, 40] and all(lv.layers[0].offset == 40 for lv in lives)
+    assert feed_together(model, lives, [[7] * exact, [8, 9]])
+    assert [lv.depth for lv in lives] == [40 + exact, 42]

@@ -382,7 +382,9 @@ class EngineCore:
         if len(plans) < 2:
             return   # finish() feeds a lone closer itself (plan_close only cut what it had to)
         try:
-            feed_together(eng.decode_model, [s.live for s, _, _ in plans], [f for _, _, f in plans], self.group.min_shared)
+            if not feed_together(eng.decode_model, [s.live for s, _, _ in plans], [f for _, _, f in plans],
+                                 self.group.min_shared):
+                return   # not taken (nothing fed): finish() closes each alone
         except Exception:  # noqa: BLE001 - nothing was advanced: finish() closes each alone
             log.exception("closing %d turns together failed; closing them one by one", len(plans))
             return

@@ -101,23 +101,22 @@ def _crosses(lives: list[Any], rows: list[list[int]]) -> bool:
                for lv, r in zip(lives, rows))
 
 
-def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> None:
+def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> bool:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
     layers (a copy of its row) and its depth advances by what it was fed. When the model's backend can
     (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
-    nothing is merged into a batch and split again."""
+    nothing is merged into a batch and split again. False (nothing done: the caller feeds each
+    alone) for a row longer than a batch-invariant call under TurboQuant (LESSONS 79)."""
+    exact = exact_positions(model, lives[0].quant)
+    if exact is not None and max(len(r) for r in rows) > exact:
+        return False
     with mx.stream(generation_stream()):
         _switched(lives)
         if not _crosses(lives, rows) and feed_rows(model, [lv.layers for lv in lives], rows):
             for lv, r in zip(lives, rows):
                 lv.advance(len(r))
                 lv.maybe_quantize()
-            return
-        exact = exact_positions(model, lives[0].quant)
-        if exact is not None and max(len(r) for r in rows) > exact:
-            for lv, r in zip(lives, rows):    # as prefill_together: each alone in batch-invariant calls
-                feed(model, lv, r, exact)
-            return
+            return True
         layers = _merged(lives, min_shared)
         _forward_padded(model, layers, rows)
         own = [[layer.extract(i) for layer in layers] for i in range(len(lives))]
@@ -126,6 +125,7 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
         lv.layers = row
         lv.advance(len(r))
         lv.recount()
+    return True
 
 
 def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None) -> list[Any]:
