@@ -75,7 +75,8 @@ def test_a_batched_row_never_drafts_across_the_start():
 
 
 @pytest.mark.parametrize("start", [0, 100, "tail", 1000])
-def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_hd64_path, start):
+def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(tiny_dense_hd64_path, start,
+                                                                              monkeypatch):
     """Three requests under one long system prompt: the first prefills it, the others take a copy
     of its KV (floats and codes: cache/manager.py fork) and its roots, so the decode slab holds the
     common floats once for all three (each row its own codes) -- with the start at 0, inside the
@@ -97,14 +98,11 @@ def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(ti
         cuts.append((live.depth, len(tokens)))
         return real_feed(model, live, tokens, step, *a, **k)
 
-    chat_module.feed = feed
-    try:
-        outs, sched, shares = _run(eng, jobs)
-        fed_with_followers, cuts[:] = list(cuts), []
-        lone, _, _ = _run(tq_engine(tiny_dense_hd64_path, "4", start), jobs[:1])
-        fed_alone = list(cuts)
-    finally:
-        chat_module.feed = real_feed
+    monkeypatch.setattr(chat_module, "feed", feed)
+    outs, sched, shares = _run(eng, jobs)
+    fed_with_followers, cuts[:] = list(cuts), []
+    lone, _, _ = _run(tq_engine(tiny_dense_hd64_path, "4", start), jobs[:1])
+    fed_alone = list(cuts)
     assert sched.group.min_shared == 256 and max(shares) == 3           # every row held the prefix once
     assert sched.shared_prefills == 2
     shared = eng.state.counters.snapshot()["shared_prefill_tokens"]

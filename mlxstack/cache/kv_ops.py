@@ -78,6 +78,11 @@ class LiveCache:
         """Smallest depth every layer can still be cut back to (== depth: exact only)."""
         return max((kind_of(layer).floor(layer, self.depth) for layer in self.layers), default=0)
 
+    @property
+    def capture_floor(self) -> int:
+        """Smallest depth ``capture`` can snapshot it at without cutting it (at most ``floor``)."""
+        return max((kind_of(layer).capture_floor(layer, self.depth) for layer in self.layers), default=0)
+
     def cut(self, depth: int) -> None:
         """Cut every layer back to ``depth`` (requires floor <= depth <= self.depth)."""
         if depth == self.depth:
@@ -188,8 +193,7 @@ def new_live_cache(layers: list[Any], quant: KVQuant | None = None) -> LiveCache
 def capture(live: LiveCache, depth: int | None = None) -> KVState:
     """Snapshot ``live`` cut to ``depth`` (default: all of it), evaluated and never aliased."""
     depth = live.depth if depth is None else depth
-    floor = max((kind_of(layer).capture_floor(layer, live.depth) for layer in live.layers if kind_of(layer)),
-                default=0)
+    floor = live.capture_floor
     if depth != live.depth and not floor <= depth <= live.depth:
         raise ValueError(f"cannot capture a cache at {live.depth} (floor {floor}) at depth {depth}")
     layers = []

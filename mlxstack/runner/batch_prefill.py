@@ -101,14 +101,20 @@ def _crosses(lives: list[Any], rows: list[list[int]]) -> bool:
                for lv, r in zip(lives, rows))
 
 
+def _past_exact(model: Any, lives: list[Any], rows: list[list[int]]) -> int | None:
+    """The backend's batch-invariant call size under TurboQuant when some row is longer than it
+    (such rows are not fed in one batched forward: LESSONS 79), else None."""
+    exact = exact_positions(model, lives[0].quant)
+    return exact if exact is not None and max(len(r) for r in rows) > exact else None
+
+
 def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_shared: int | None = None) -> bool:
     """Feed ``rows[i]`` into ``lives[i]`` (plain-KV LiveCaches) in one forward; each keeps its own
     layers (a copy of its row) and its depth advances by what it was fed. When the model's backend can
     (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
     nothing is merged into a batch and split again. False (nothing done: the caller feeds each
     alone) for a row longer than a batch-invariant call under TurboQuant (LESSONS 79)."""
-    exact = exact_positions(model, lives[0].quant)
-    if exact is not None and max(len(r) for r in rows) > exact:
+    if _past_exact(model, lives, rows) is not None:
         return False
     with mx.stream(generation_stream()):
         _switched(lives)
@@ -137,11 +143,11 @@ def prefill_together(model: Any, seqs: list[Row], min_shared: int | None = None)
     faults.hit("prefill_batch", ",".join(s.job.request_id for s in seqs))
     _switched([s.live for s in seqs])
     heads = [list(s.prep.model_tokens[s.pos:-1]) for s in seqs]
-    exact = exact_positions(model, seqs[0].live.quant)
-    if exact is not None and max(len(h) for h in heads) > exact:
-        # longer than the batch-invariant calls: each row fed on its own in such calls (its codes
-        # then never depend on the rows beside it: LESSONS 79), then batched
-        for s, h in zip(seqs, heads):
+    exact = _past_exact(model, [s.live for s in seqs], heads)
+    if exact is not None:
+        # each row fed on its own in batch-invariant calls (its codes never depend on the rows
+        # beside it: LESSONS 79), then batched
+        for s, h in zip(seqs, heads):   # a failure leaves every row's position at its own depth
             feed(model, s.live, h, exact)
             s.pos = len(s.prep.model_tokens) - 1
         return _merged([s.live for s in seqs], min_shared)

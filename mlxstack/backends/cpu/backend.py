@@ -50,7 +50,7 @@ class CpuBackend(Backend):
         self._model: Callable[[], Any] = lambda: None    # the loaded model it was installed for (weak)
         self._modes = ("off", "off")                     # (kernels, native) as installed
         self._products: Optional[Callable[..., Any]] = None
-        self._tq: Optional[turboquant_host.HostCoder] = None             # TurboQuant's decode-sized coder, when installed
+        self._tq: Optional[turboquant_host.HostCoder] = None   # TurboQuant's decode-sized coder, when installed
 
     # ------------------------------------------------------------------ the interface
     def applies(self, model: Any, device: Any) -> tuple[bool, str]:
