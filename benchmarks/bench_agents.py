@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))   # _probe_common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))   # _probe_common
 from _probe_common import (
     Client,
     ProbeError,

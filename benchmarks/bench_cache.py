@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))                 # bench_agents
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))   # _probe_common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))   # _probe_common
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _probe_common import (
     PI_TOOLS,

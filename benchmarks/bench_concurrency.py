@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))         # probelib
+sys.path.insert(0, str(REPO / "scripts"))         # probelib
 sys.path.insert(0, str(REPO))
 
 from probelib.servers import ServerProcess  # noqa: E402

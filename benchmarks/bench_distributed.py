@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))         # probelib
+sys.path.insert(0, str(REPO / "scripts"))         # probelib
 
 from probelib.servers import ServerProcess  # noqa: E402
 

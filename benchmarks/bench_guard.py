@@ -55,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))         # probelib
+sys.path.insert(0, str(REPO / "scripts"))         # probelib
 sys.path.insert(0, str(REPO / "benchmarks"))    # guard, the bench_* stages
 
 from guard.verdict import (  # noqa: E402  (pure: no MLX)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))   # _probe_common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))   # _probe_common
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _probe_common import Client, ServerProcess, print_table, tool_call, tool_result  # noqa: E402

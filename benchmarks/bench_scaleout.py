@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))         # probelib
+sys.path.insert(0, str(REPO / "scripts"))         # probelib
 from probelib.client import free_ports  # noqa: E402
 from probelib.servers import launch_stack  # noqa: E402
 

@@ -13,7 +13,7 @@ proposed drafts, and the share of reply tokens that came from drafts), and wheth
 identical with speculation off.
 
 Then a draft model (``--draft-layers N``, 0 skips it): the embedded model's first N layers
-(tools/make_draft_model.py) as DRAFT_MODEL with SPECULATIVE=draft, on copy and free, beside
+(scripts/make_draft_model.py) as DRAFT_MODEL with SPECULATIVE=draft, on copy and free, beside
 mlx_lm.server with and without ``--draft-model`` (the same draft, one stream at a time over HTTP,
 decode tok/s from the first streamed token to the last).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))         # make_draft_model, probelib
+sys.path.insert(0, str(REPO / "scripts"))         # make_draft_model, probelib
 sys.path.insert(0, str(REPO / "benchmarks"))    # bench_concurrency
 
 from mlxstack.config.settings import load_settings  # noqa: E402

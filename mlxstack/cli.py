@@ -13,7 +13,7 @@ Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e
 ``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
 ``mlxstack bench --help`` is the guard's own help). ``python3 install_and_run.py`` stays the
 bootstrap that builds .venv; this module needs that .venv's Python 3.12 and a checkout (the
-benchmarks/ and tools/ folders live beside the package, not inside it).
+benchmarks/ and scripts/ folders live beside the package, not inside it).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         refused = _no_arguments("env-example", rest)
         if refused is not None:
             return refused
-        _exec_python([_script("tools/gen_env_example.py")])
+        _exec_python([_script("scripts/gen_env_example.py")])
     elif command == "build-native":
         return build_native(rest)
     else:

@@ -88,14 +88,14 @@ def tiny_kind_paths(tmp_path_factory, embedded_model_path):
 
 def unused_port() -> int:
     """A TCP port nothing listens on right now (bound to port 0, then released)."""
-    from tools.probelib.client import free_port
+    from scripts.probelib.client import free_port
 
     return free_port()
 
 
 def unused_ports(n: int, first_run: int = 1) -> list[int]:
-    """``n`` distinct free ports, bound all at once (tools/probelib/client.py ``free_ports``)."""
-    from tools.probelib.client import free_ports
+    """``n`` distinct free ports, bound all at once (scripts/probelib/client.py ``free_ports``)."""
+    from scripts.probelib.client import free_ports
 
     return free_ports(n, first_run)
 

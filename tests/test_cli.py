@@ -53,7 +53,7 @@ def test_every_command_dispatches_to_an_existing_entry_point(monkeypatch):
         assert cli.main(argv) == 0
     assert calls == [[str(REPO / "start_llm.py"), "--env-file", "x"], ["-m", "mlxstack.serve"],
                      [str(REPO / "benchmarks" / "bench_guard.py"), "--only", "spec"],
-                     [str(REPO / "tools" / "gen_env_example.py")],
+                     [str(REPO / "scripts" / "gen_env_example.py")],
                      ["test_runner", "--fast", "tests/test_docs.py"]]
     for target in calls[:4]:
         assert target[0] == "-m" or Path(target[0]).is_file()

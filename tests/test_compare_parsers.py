@@ -1,4 +1,4 @@
-"""tools/compare_parsers.py, the parity harness behind .context/notes/parsers.md: our harmony,
+"""scripts/compare_parsers.py, the parity harness behind .context/notes/parsers.md: our harmony,
 tool-call and reasoning parsers against openai-harmony and mlx-lm's tool_parsers.
 
 Ours must meet every expectation the harness writes down. The library checks record why ours is
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "compare_parsers.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_parsers.py"
 
 
 @pytest.fixture(scope="module")

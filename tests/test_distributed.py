@@ -37,7 +37,7 @@ from mlxstack.launcher.ranks import launch_command, rank_env, ring_hostfile
 from mlxstack.models.sharding import ShardFacts, facts_from_config, pipeline_counts, refusal, tensor_counts
 from mlxstack.runner.sampling import SamplingParams
 from mlxstack.system.control_channel import ControlChannel, parse_address
-from tools.probelib.servers import ServerProcess
+from scripts.probelib.servers import ServerProcess
 from tests.conftest import http_json
 
 SMOL = ShardFacts(name="SmolLM2-135M-Instruct", heads=9, kv_heads=3, layers=30, intermediate=1536,
@@ -261,13 +261,13 @@ def tiny_qwen2_path(tmp_path_factory, embedded_model_path) -> Path:
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode,tolerance", [("tensor", 1e-4), ("pipeline", 0.0)])
 def test_split_logits_within_the_measured_tolerance(tiny_qwen2_path, mode, tolerance):
-    """tools/shard_logits.py over 2 local ranks: pipeline parallel is bit for bit one process's
+    """scripts/shard_logits.py over 2 local ranks: pipeline parallel is bit for bit one process's
     logits; tensor parallel sums partial products in another order (measured: 8e-6 here, 5.4e-5 for
     the embedded SmolLM2 over 3 ranks, ~1e-6 of the logits' spread); greedy tokens equal."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "tools/shard_logits.py", "--ranks", "2", "--mode", mode,
+    out = subprocess.run([sys.executable, "scripts/shard_logits.py", "--ranks", "2", "--mode", mode,
                           "--model", str(tiny_qwen2_path), "--tokens", "12"], capture_output=True, text=True,
                          timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr[-2000:]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.probelib.servers import launch_stack
+from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 from tests.test_distributed import _alive, _children, _gone
 

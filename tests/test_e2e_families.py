@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.probelib.servers import launch_stack
+from scripts.probelib.servers import launch_stack
 from tests.conftest import LiveServer, engine_settings, http_json, unused_ports
 from tests.test_model_families import SYSTEM, TURNS
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.probelib.servers import launch_stack
+from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 
 pytestmark = pytest.mark.e2e  # several MLX server processes behind LiteLLM (docs/testing.md#tiers)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlxstack.launcher import ports
-from tools.probelib.servers import launch_stack
+from scripts.probelib.servers import launch_stack
 from tests.conftest import http_json, unused_ports
 
 pytestmark = pytest.mark.e2e  # the whole stack: MLX server and LiteLLM processes (docs/testing.md#tiers)

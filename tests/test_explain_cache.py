@@ -1,4 +1,4 @@
-"""tools/explain_cache.py on request logs a real server wrote (embedded SmolLM2, in process).
+"""scripts/explain_cache.py on request logs a real server wrote (embedded SmolLM2, in process).
 
 One Anthropic Messages session of 4 turns whose system prompt's date line changes at turn 3 and
 stays changed, a Responses request and a chat completion in sessions of their own (the chat one
@@ -63,7 +63,7 @@ def logged(embedded_model_path, tmp_path_factory):
 
 
 def explain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / "explain_cache.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "explain_cache.py"), *args], capture_output=True,
                           text=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""The probe / bench scripts in tools/ and benchmarks/: --help works, diff_turns on synthetic logs,
+"""The probe / bench scripts in scripts/ and benchmarks/: --help works, diff_turns on synthetic logs,
 and one quick end-to-end run of probe_session.py against a freshly started MLX server (embedded model)."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from tests.conftest import unused_port
 
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tools"
-PROBES = ["tools/pi_like_probe.py", "tools/probe_session.py", "tools/diff_turns.py", "tools/inspect_mlx_cache.py",
-          "tools/test_openclaw_integration.py", "benchmarks/bench_agents.py", "benchmarks/bench_cache.py"]
+SCRIPTS = REPO / "scripts"
+PROBES = ["scripts/pi_like_probe.py", "scripts/probe_session.py", "scripts/diff_turns.py", "scripts/inspect_mlx_cache.py",
+          "scripts/test_openclaw_integration.py", "benchmarks/bench_agents.py", "benchmarks/bench_cache.py"]
 
-sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(SCRIPTS))
 
 
 def _run(args: list[str], timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_openclaw_harness_not_collected() -> None:
 
 
 def test_diff_turns_self_test() -> None:
-    proc = _run([str(TOOLS / "diff_turns.py"), "--self-test"])
+    proc = _run([str(SCRIPTS / "diff_turns.py"), "--self-test"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "self-test passed" in proc.stdout
 
@@ -63,15 +63,15 @@ def test_diff_turns_synthetic_logs(tmp_path: Path) -> None:
     ]
     log = day / "cache-session-sx.log"
     log.write_text("\n".join(json.dumps(r) for r in recs) + "\n{broken\n")
-    proc = _run([str(TOOLS / "diff_turns.py"), "--log-root", str(tmp_path), "--session", "sx"])
+    proc = _run([str(SCRIPTS / "diff_turns.py"), "--log-root", str(tmp_path), "--session", "sx"])
     assert proc.returncode == 0, proc.stderr
     assert "pure append (previous 200 tokens all shared)" in proc.stdout
     assert "diverge at index 120" in proc.stdout
     assert "(char 30)" in proc.stdout
-    proc = _run([str(TOOLS / "diff_turns.py"), "--file", str(log), "--json"])
+    proc = _run([str(SCRIPTS / "diff_turns.py"), "--file", str(log), "--json"])
     data = json.loads(proc.stdout)
     assert [d["model_index"] for d in data] == [200, 120]
-    proc = _run([str(TOOLS / "diff_turns.py"), "--log-root", str(tmp_path), "--session", "sx", "--fail-on-loss"])
+    proc = _run([str(SCRIPTS / "diff_turns.py"), "--log-root", str(tmp_path), "--session", "sx", "--fail-on-loss"])
     assert proc.returncode == 1  # r3 reused 10 tokens but shared 120
 
 
@@ -121,13 +121,13 @@ def test_probe_session_end_to_end(tmp_path: Path) -> None:
             time.sleep(0.3)
         else:
             pytest.fail("server not ready: " + (tmp_path / "server.log").read_text()[-3000:])
-        run = _run([str(TOOLS / "probe_session.py"), "--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", "",
+        run = _run([str(SCRIPTS / "probe_session.py"), "--base-url", f"http://127.0.0.1:{port}/v1", "--api-key", "",
                     "--system-tokens", "80", "--max-tokens", "4"], timeout=120)
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
         assert "OK: all expectations met" in run.stdout
         logs = list((tmp_path / "logs").glob("*/cache-session-*.log"))
         if logs:  # request logging on: diff_turns reads what the server wrote
-            d = _run([str(TOOLS / "diff_turns.py"), "--log-root", str(tmp_path / "logs"), "--session",
+            d = _run([str(SCRIPTS / "diff_turns.py"), "--log-root", str(tmp_path / "logs"), "--session",
                       next(p for p in logs if "cont-" in p.name).name[len("cache-session-"):-4]])
             assert d.returncode == 0, d.stderr
     finally:

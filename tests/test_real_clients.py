@@ -1,6 +1,6 @@
 """The real agent clients (PI, Claude Code, OpenClaw, Codex) against the real stack.
 
-The pure parts of tools/real_clients (configs, argv, reply readers, stats rows) always run. The
+The pure parts of scripts/real_clients (configs, argv, reply readers, stats rows) always run. The
 end-to-end session is opt-in, ``-m real_clients`` (npm installs and ~2 minutes of CPU):
 
     .venv/bin/python -m mlxstack.launcher.test_runner tests/test_real_clients.py -m real_clients -q
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.real_clients.clients import (Target, claude_env, claude_reply, codex_config_toml, main_row, new_rows,
+from scripts.real_clients.clients import (Target, claude_env, claude_reply, codex_config_toml, main_row, new_rows,
                                           openclaw_config, openclaw_reply, pi_models_json, pi_settings_json,
                                           turn_command)
 
@@ -85,7 +85,7 @@ def test_stats_rows_of_one_turn():
 
 
 def test_warm_summary():
-    from tools.test_real_clients import warm_summary
+    from scripts.test_real_clients import warm_summary
 
     turns = [{"turn": 1, "prompt_tokens": 1000, "cached_tokens": 0, "uncached_tokens": 1000},
              {"turn": 2, "prompt_tokens": 1040, "cached_tokens": 1020, "uncached_tokens": 20},
@@ -96,21 +96,21 @@ def test_warm_summary():
 
 # ============================================================================ opt-in: the real clients
 def run_real_clients(tmp_path, embedded_model_path, args: list[str], **env) -> dict:
-    """tools/test_real_clients.py with ``args`` through a stack on the long-window model (``env``:
+    """scripts/test_real_clients.py with ``args`` through a stack on the long-window model (``env``:
     more of its settings); the script's results (skips when npm's registry cannot be reached)."""
-    from tools.test_real_clients import npm_reachable
+    from scripts.test_real_clients import npm_reachable
 
     reason = npm_reachable()
     if reason:
         pytest.skip(f"cannot install the real clients: {reason}")
-    from tools.real_clients.long_window_model import build_long_window_model
+    from scripts.real_clients.long_window_model import build_long_window_model
     from tests.test_e2e_stack import KEY, Stack
 
     stack = Stack(tmp_path, str(embedded_model_path.parent), MODEL_PATH=str(build_long_window_model()),
                   DEFAULT_THINKING="false", DEFAULT_MAX_TOKENS="2048", PROXY_STARTUP_TIMEOUT_SECONDS="300", **env)
     out = tmp_path / "results.json"
     try:
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / "test_real_clients.py"), "--proxy-url", stack.base,
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "test_real_clients.py"), "--proxy-url", stack.base,
                                "--mlx-url", stack.mlx, "--api-key", KEY, *args, "--json", str(out)],
                               capture_output=True, text=True, timeout=840, cwd=REPO)
     finally:
@@ -122,7 +122,7 @@ def run_real_clients(tmp_path, embedded_model_path, args: list[str], **env) -> d
 
 # ---------------------------------------------------------------------------- the scripted model (write_session)
 def test_the_scripted_model_writes_each_file_once_then_closes(tmp_path):
-    from tools.real_clients.write_session import FILES, REPO as ROOT, script_reply
+    from scripts.real_clients.write_session import FILES, REPO as ROOT, script_reply
 
     tools = [{"name": "Read", "input_schema": {}}, {"name": "Write", "input_schema": {}}]
     first = script_reply({"tools": tools, "messages": [{"role": "user", "content": "go"}]}, tmp_path)
@@ -144,7 +144,7 @@ def test_the_scripted_models_stream_reads_as_a_tool_call_with_the_official_sdk(t
 
     from anthropic import Anthropic
 
-    from tools.real_clients.write_session import FILES, REPO as ROOT, ScriptedModel
+    from scripts.real_clients.write_session import FILES, REPO as ROOT, ScriptedModel
 
     server = ScriptedModel(tmp_path)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -180,7 +180,7 @@ def test_four_real_clients_complete_three_turn_sessions_with_warm_reuse(request,
 
 
 def test_cache_problems_from_the_request_log():
-    from tools.test_real_clients import cache_problems
+    from scripts.test_real_clients import cache_problems
 
     def turn(n, prompt, read, written, usage=None):
         return {"turn": n, "requests": 1, "client_usage": usage,

@@ -9,7 +9,7 @@ from mlxstack.config.settings import REPO_ROOT, SPECS, SettingsError, load_setti
 
 def test_env_example_matches_specs():
     committed = (REPO_ROOT / ".env.example").read_text()
-    assert committed == render_env_example(), "stale .env.example: run python tools/gen_env_example.py"
+    assert committed == render_env_example(), "stale .env.example: run python scripts/gen_env_example.py"
 
 
 def test_every_spec_documented_in_env_example():
@@ -67,7 +67,7 @@ def test_as_env_round_trip():
 def _gen_env_example():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gen_env_example", REPO_ROOT / "tools" / "gen_env_example.py")
+    spec = importlib.util.spec_from_file_location("gen_env_example", REPO_ROOT / "scripts" / "gen_env_example.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -76,7 +76,7 @@ def _gen_env_example():
 def test_configuration_doc_matches_specs():
     committed = (REPO_ROOT / "docs" / "configuration.md").read_text()
     assert committed == _gen_env_example().render_config_doc(), \
-        "stale docs/configuration.md: run python tools/gen_env_example.py"
+        "stale docs/configuration.md: run python scripts/gen_env_example.py"
 
 
 def test_configuration_doc_documents_every_variable():

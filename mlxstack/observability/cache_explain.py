@@ -1,7 +1,7 @@
 """A request's cache explanation in words, from a request-log record or a /v1/cache/stats row.
 
     explanation(rec["cache"])          # "miss: message 3 content changed; 412 of 640 tokens not reused ..."
-    for line in session_lines(records): print(line)      # tools/explain_cache.py
+    for line in session_lines(records): print(line)      # scripts/explain_cache.py
 
 The words come from the fields the server already wrote (cache/diagnosis.py ``as_dict``): the
 comparison with the session's previous request -- hit, the first part that differs (model,

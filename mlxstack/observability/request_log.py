@@ -3,7 +3,7 @@
     LOG_ROOT/<YYYY-MM-DD>/cache-session-<session16>.log      (ENABLE_REQUEST_LOGGING, LOG_MAX_BYTES)
 
     logger = install_request_log(app)           # server/common/features.py does this once the model is loaded
-    for rec in read_records(path): ...          # tools/diff_turns.py reads them this way
+    for rec in read_records(path): ...          # scripts/diff_turns.py reads them this way
 
 One line (``v`` = 1) holds:
 - ``request_id``, ``api`` (the front: chat, responses, messages), ``time`` (ISO local), ``ts`` (epoch),

@@ -25,7 +25,7 @@ Invariants (property-tested in tests/test_harmony.py): for any chunking, the str
 content / tool calls equal `split_harmony`'s; `"".join(m.raw for m in parse_harmony_messages(t))
 == t`; nothing here raises on any input.
 
-Why not openai-harmony 0.0.8 (measured by tools/compare_parsers.py, numbers
+Why not openai-harmony 0.0.8 (measured by scripts/compare_parsers.py, numbers
 and cases in .context/notes/parsers.md). Rendering is not ours to replace: the model's chat
 template renders harmony, and tests/test_harmony.py already pins the fixture's template to the
 library's `render_conversation_for_completion`. Parsing and stopping stay ours, because the

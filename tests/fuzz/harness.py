@@ -110,7 +110,7 @@ def build_engine(settings: Any) -> Any:
 
 @dataclass
 class Totals(Stats):
-    """Stats summed over the examples of a run (tools/fuzz_parity.py, the CI tier)."""
+    """Stats summed over the examples of a run (scripts/fuzz_parity.py, the CI tier)."""
     examples: int = 0
     last_findings: list[str] = field(default_factory=list)   # of the last failing example (the shrunk one)
 

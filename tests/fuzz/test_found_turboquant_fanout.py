@@ -1,4 +1,4 @@
-"""Found by the differential fuzzer (tools/fuzz_parity.py --kinds dense_hd64 --seed 4501, run 4507) and kept:
+"""Found by the differential fuzzer (scripts/fuzz_parity.py --kinds dense_hd64 --seed 4501, run 4507) and kept:
 ten sub-agents under TurboQuant 3-bit (QUANTIZED_KV_START=0) arriving together in two fan-outs; with
 shared prefills taking the leader's prefill four of them replied unlike their cold runs (LESSONS 77).
 The cause (LESSONS 78): the followers' stops cut the leader's prefill (23 -> 38 -> 43); the 15-token

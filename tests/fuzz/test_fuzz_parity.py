@@ -1,6 +1,6 @@
 """The differential fuzzer's CI tier: fixed seeds, every cache kind, the combinations that broke
 before (tests/fuzz/machine.py). A finding fails with the requests that showed it; the long run is
-``tools/fuzz_parity.py --minutes 30`` (shrinks and writes a ready pytest case)."""
+``scripts/fuzz_parity.py --minutes 30`` (shrinks and writes a ready pytest case)."""
 from __future__ import annotations
 
 import pytest

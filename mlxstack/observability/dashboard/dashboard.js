@@ -212,7 +212,7 @@
   }
 
   // A request's cache explanation in words: the same words as mlxstack/observability/cache_explain.py
-  // (tools/explain_cache.py), from the row's cache_diagnosis (cache/diagnosis.py as_dict).
+  // (scripts/explain_cache.py), from the row's cache_diagnosis (cache/diagnosis.py as_dict).
   const PARTS = { model: "model", prompt_cache_key: "prompt_cache_key", system: "system prompt", tools: "tools" };
   function divergence(d) {
     if (!d || !d.where) return "";

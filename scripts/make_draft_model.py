@@ -1,8 +1,8 @@
 """Make a draft model from a target by keeping its first N decoder layers (same tokenizer, same
 embeddings and head): a quick DRAFT_MODEL when no smaller model of the family is at hand.
 
-    .venv/bin/python tools/make_draft_model.py --layers 8 --out /tmp/draft   # embedded SmolLM2
-    .venv/bin/python tools/make_draft_model.py --model ~/models/Qwen3-8B --layers 6 --out ~/models/q-draft
+    .venv/bin/python scripts/make_draft_model.py --layers 8 --out /tmp/draft   # embedded SmolLM2
+    .venv/bin/python scripts/make_draft_model.py --model ~/models/Qwen3-8B --layers 6 --out ~/models/q-draft
     DRAFT_MODEL=/tmp/draft SPECULATIVE=auto python3 install_and_run.py
 
 A pruned model drafts well only where the early layers already know the next token (copied text,

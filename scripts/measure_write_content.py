@@ -15,7 +15,7 @@ off, a turn prefills only its tool result; on, the write that was last becomes a
 the turn prefills from there (that write's content, decoded once, is prefilled once as a
 placeholder and the next write whole).
 
-    .venv/bin/python tools/measure_write_content.py [--model PATH] [--json]
+    .venv/bin/python scripts/measure_write_content.py [--model PATH] [--json]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared code for the probes in ``tools/`` and the benchmarks in ``benchmarks/`` (stdlib only; no MLX
+"""Shared code for the probes in ``scripts/`` and the benchmarks in ``benchmarks/`` (stdlib only; no MLX
 import needed).
 
     from _probe_common import Client, add_client_args, client_from_args, print_table

@@ -7,8 +7,8 @@ with a KV cache, and compares on rank 0 with the same model unsplit: the largest
 difference (prefill and decode), the largest relative to the logits' spread, and whether every
 greedy token is the same. Prints one JSON line.
 
-    .venv/bin/python tools/shard_logits.py --ranks 3 --mode tensor             # the embedded SmolLM2
-    .venv/bin/python tools/shard_logits.py --ranks 2 --mode pipeline --model PATH
+    .venv/bin/python scripts/shard_logits.py --ranks 3 --mode tensor             # the embedded SmolLM2
+    .venv/bin/python scripts/shard_logits.py --ranks 2 --mode pipeline --model PATH
 """
 from __future__ import annotations
 

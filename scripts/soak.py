@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Soak: bounded hostile + ordinary traffic against the whole stack, then checks nothing broke.
 
-    .venv/bin/python tools/soak.py                      # starts its own stack on free ports
-    .venv/bin/python tools/soak.py --proxy-url http://127.0.0.1:4000/v1 --mlx-url http://127.0.0.1:8080 \\
+    .venv/bin/python scripts/soak.py                      # starts its own stack on free ports
+    .venv/bin/python scripts/soak.py --proxy-url http://127.0.0.1:4000/v1 --mlx-url http://127.0.0.1:8080 \\
         --key "$LITELLM_MASTER_KEY" --mlx-key "$MLX_API_KEY"   # attach to a running stack (same machine)
 
 What it does, through LiteLLM (4000) and straight at the MLX server (8080):

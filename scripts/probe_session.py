@@ -15,7 +15,7 @@
 Change points are measured, not guessed: after a scenario, a 1-token request of the history up
 to the change point gives its token count.
 
-    python tools/probe_session.py --base-url http://127.0.0.1:8080/v1 --api-key ''
+    python scripts/probe_session.py --base-url http://127.0.0.1:8080/v1 --api-key ''
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """A session whose system prompt drifts, through LiteLLM with the Anthropic SDK, explained.
 
-    .venv/bin/python tools/demo_cache_drift.py --start     # its own stack on 4000 / 8080 (embedded model)
-    .venv/bin/python tools/demo_cache_drift.py             # a running stack (LITELLM_MASTER_KEY, LOG_ROOT)
+    .venv/bin/python scripts/demo_cache_drift.py --start     # its own stack on 4000 / 8080 (embedded model)
+    .venv/bin/python scripts/demo_cache_drift.py             # a running stack (LITELLM_MASTER_KEY, LOG_ROOT)
 
 Four turns of one session (``x-claude-code-session-id``) on the Anthropic Messages API through
 the proxy; the system prompt carries a date line that changes at turn 3 and stays changed -- a
 client that writes today's date into its system prompt, across midnight. Each turn asks for
 Anthropic's cache diagnosis (beta ``cache-diagnosis-2026-04-07``, ``diagnostics.previous_message_id``)
 and prints its usage (cache_read_input_tokens / cache_creation_input_tokens / input_tokens),
-the diagnosis and the ``x-mlxstack-cache`` header; then tools/explain_cache.py's lines for the
+the diagnosis and the ``x-mlxstack-cache`` header; then scripts/explain_cache.py's lines for the
 session, from the request log the MLX server wrote.
 
 ``--start`` launches start_llm's stack (MLX server on the embedded SmolLM2-135M + LiteLLM) with a
@@ -37,7 +37,7 @@ DRIFT_TURN = 3
 
 
 def start_stack(proxy_port: int, mlx_port: int, log_root: Path, key: str, workdir: Path):
-    from tools.probelib.servers import launch_stack
+    from scripts.probelib.servers import launch_stack
 
     env = {"MLX_PORT": str(mlx_port), "PROXY_PORT": str(proxy_port), "LITELLM_MASTER_KEY": key,
            "LOG_ROOT": str(log_root), "ENABLE_REQUEST_LOGGING": "true", "DEFAULT_TEMPERATURE": "0",
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 30     # the request log is written by a background thread
         while len(session_records(log_root, args.session)) < len(turns) and time.monotonic() < deadline:
             time.sleep(0.2)
-        print(f"\n$ tools/explain_cache.py --session {args.session}")
-        from tools.explain_cache import main as explain
+        print(f"\n$ scripts/explain_cache.py --session {args.session}")
+        from scripts.explain_cache import main as explain
 
         return explain(["--log-root", str(log_root), "--session", args.session])
     finally:

@@ -3,10 +3,10 @@
 budget, hits by match type, misses, evictions, correctness counters (flagged when non-zero), one
 row per entry, and per-layer cache types / offsets when the server exposes ``entry_list[].layers``.
 
-    python tools/inspect_mlx_cache.py                          # http://MLX_HOST:MLX_PORT (default :8080)
-    python tools/inspect_mlx_cache.py --url http://127.0.0.1:8080 --recent 10
-    python tools/inspect_mlx_cache.py --json                   # raw JSON
-    python tools/inspect_mlx_cache.py --watch 2                # refresh every 2 s
+    python scripts/inspect_mlx_cache.py                          # http://MLX_HOST:MLX_PORT (default :8080)
+    python scripts/inspect_mlx_cache.py --url http://127.0.0.1:8080 --recent 10
+    python scripts/inspect_mlx_cache.py --json                   # raw JSON
+    python scripts/inspect_mlx_cache.py --watch 2                # refresh every 2 s
 
 Exit code: 0; 1 with ``--fail-on-correctness`` when a correctness counter is non-zero;
 2 when the endpoint cannot be read.

@@ -1,6 +1,6 @@
 """A recording HTTP relay: put it between a client and a server to see the exact traffic.
 
-    python -m tools.real_clients.capture_proxy --listen 4192 --upstream http://127.0.0.1:4190 \
+    python -m scripts.real_clients.capture_proxy --listen 4192 --upstream http://127.0.0.1:4190 \
         --out /tmp/capture/client_to_litellm.jsonl
 
 Every exchange becomes one JSON line: method, path, request headers and body (parsed JSON when it

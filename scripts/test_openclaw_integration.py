@@ -13,8 +13,8 @@ A script, not a pytest module (``__test__ = False``). Checks, each printed PASS/
 - reasoning settings (``thinking: low``, ``reasoning_effort``, ``reasoning: {effort}``,
   ``enable_thinking: false``), streaming and not: responses are well-formed.
 
-    python tools/test_openclaw_integration.py                         # :4000 with LITELLM_MASTER_KEY
-    python tools/test_openclaw_integration.py --base-url http://127.0.0.1:8080/v1 --api-key ''
+    python scripts/test_openclaw_integration.py                         # :4000 with LITELLM_MASTER_KEY
+    python scripts/test_openclaw_integration.py --base-url http://127.0.0.1:8080/v1 --api-key ''
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]   # tools/probelib/x.py -> the repository
+REPO_ROOT = Path(__file__).resolve().parents[2]   # scripts/probelib/x.py -> the repository
 DEFAULT_PROXY_URL = "http://127.0.0.1:4000/v1"
 DEFAULT_MLX_URL = "http://127.0.0.1:8080"
 EMBEDDED_MODEL_DIR = "SmolLM2-135M-Instruct-f32"

@@ -9,8 +9,8 @@ prompt tokens, cached tokens, uncached tokens, TTFT and match type (from the MLX
 
 Exit code 1 when the reuse (cached/prompt) of any warm turn (turn >= 2) is below --min-reuse.
 
-    python tools/pi_like_probe.py                                   # through LiteLLM :4000
-    python tools/pi_like_probe.py --base-url http://127.0.0.1:8080/v1 --api-key ''
+    python scripts/pi_like_probe.py                                   # through LiteLLM :4000
+    python scripts/pi_like_probe.py --base-url http://127.0.0.1:8080/v1 --api-key ''
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Parser parity: our output parsers against the libraries that could replace them (issue 21 item 3).
 
-    .venv/bin/python tools/compare_parsers.py                  # both tables, first failures
-    .venv/bin/python tools/compare_parsers.py --json out.json  # also every case's verdict
-    .venv/bin/python tools/compare_parsers.py --only harmony --show 20
+    .venv/bin/python scripts/compare_parsers.py                  # both tables, first failures
+    .venv/bin/python scripts/compare_parsers.py --json out.json  # also every case's verdict
+    .venv/bin/python scripts/compare_parsers.py --only harmony --show 20
 
 Harmony (parsing/harmony.py) against openai-harmony, on every harmony text in tests/test_harmony.py
 (string constants and stop-test token lists before its fixture section), hand-written realistic

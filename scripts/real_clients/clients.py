@@ -2,7 +2,7 @@
 
 Each client gets its own HOME (config isolation) and working folder. Config builders are pure and
 unit-tested (tests/test_real_clients.py); ``turn_command`` returns the argv, env and reply reader
-of one non-interactive turn, so the driver (tools/test_real_clients.py) only runs processes.
+of one non-interactive turn, so the driver (scripts/test_real_clients.py) only runs processes.
 
 | client | turn 1 | later turns | reply |
 |---|---|---|---|

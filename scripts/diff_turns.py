@@ -11,11 +11,11 @@ Text around a divergence comes from the tokenizer when ``--tokenizer PATH`` is g
 with tokenizer.json, loaded with the ``tokenizers`` package), else from a character diff of
 ``model_text`` / ``key_text``.
 
-    python tools/diff_turns.py                       # newest session file under logs/
-    python tools/diff_turns.py --session pi-abc123   # that session (all dates)
-    python tools/diff_turns.py --file logs/2026-03-30/cache-session-x.log --tokenizer ~/.cache/mlxstack/SmolLM2-135M-Instruct-f32
-    python tools/diff_turns.py --list                # sessions and turn counts
-    python tools/diff_turns.py --self-test           # synthetic logs, no server needed
+    python scripts/diff_turns.py                       # newest session file under logs/
+    python scripts/diff_turns.py --session pi-abc123   # that session (all dates)
+    python scripts/diff_turns.py --file logs/2026-03-30/cache-session-x.log --tokenizer ~/.cache/mlxstack/SmolLM2-135M-Instruct-f32
+    python scripts/diff_turns.py --list                # sessions and turn counts
+    python scripts/diff_turns.py --self-test           # synthetic logs, no server needed
 
 Exit code: 0; 1 with ``--fail-on-loss`` when a turn reused fewer tokens than it shared with the
 previous turn (minus one block); 2 when no log is found; self-test: 1 on failure.

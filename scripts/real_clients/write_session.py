@@ -15,7 +15,7 @@ tokens the request prefills when the previous request's prompt plus its reply ar
 healing store's job: the reply as the next request renders it) -- all of that while the previous
 prompt is a prefix of this one, else up to where the two part.
 
-    .venv/bin/python tools/real_clients/write_session.py [--claude PATH] [--json] [--keep DIR]
+    .venv/bin/python scripts/real_clients/write_session.py [--claude PATH] [--json] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.measure_write_content import FILES, print_rows  # noqa: E402  (the same ten files)
-from tools.real_clients.clients import Target, turn_command  # noqa: E402
+from scripts.measure_write_content import FILES, print_rows  # noqa: E402  (the same ten files)
+from scripts.real_clients.clients import Target, turn_command  # noqa: E402
 
 CLAUDE = Path.home() / ".cache/mlxstack-clients/clients/node_modules/.bin/claude"
 TASK = "Write the ten modules from the design notes into this folder, one file per step, with the Write tool."
@@ -164,7 +164,7 @@ def record_session(claude: Path, work: Path) -> list[dict]:
 # ---------------------------------------------------------------------------- the measurement
 def measure(requests: list[dict]) -> dict:
     from mlxstack.server.anthropic.messages import to_chat_body
-    from tools.measure_write_content import load, prefill_rows, totals
+    from scripts.measure_write_content import load, prefill_rows, totals
 
     loaded, base = load()
     chats = [to_chat_body(body) for body in requests]

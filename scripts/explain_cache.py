@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Why the cache reused what it reused, request by request, from the request logs.
 
-    .venv/bin/python tools/explain_cache.py                        # the newest session under LOG_ROOT
-    .venv/bin/python tools/explain_cache.py --session demo-drift   # that session (all days; a prefix will do)
-    .venv/bin/python tools/explain_cache.py --all                  # every session, oldest first
-    .venv/bin/python tools/explain_cache.py --log-root /tmp/logs --day 2026-05-01 --all
+    .venv/bin/python scripts/explain_cache.py                        # the newest session under LOG_ROOT
+    .venv/bin/python scripts/explain_cache.py --session demo-drift   # that session (all days; a prefix will do)
+    .venv/bin/python scripts/explain_cache.py --all                  # every session, oldest first
+    .venv/bin/python scripts/explain_cache.py --log-root /tmp/logs --day 2026-05-01 --all
 
 Per request: time, API (chat, responses, messages), prompt tokens, tokens reused from the cache,
 tokens written to it, the tier that served the prefix (ram, disk, none) and the explanation: hit,

@@ -1,6 +1,6 @@
 """A tiny random-weight model with a 128k window that ends its replies, for real agent clients.
 
-    .venv/bin/python tools/real_clients/long_window_model.py [OUT_DIR]   # prints the folder
+    .venv/bin/python scripts/real_clients/long_window_model.py [OUT_DIR]   # prints the folder
     MODEL_PATH=$(that folder) .venv/bin/python start_llm.py
 
 Claude Code (~12k tokens of tools and system prompt), Codex (~10k) and OpenClaw (~15k) do not fit
