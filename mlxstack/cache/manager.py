@@ -87,6 +87,11 @@ class KVManager:
             raise RuntimeError(f"bug: checkout depth {live.depth} != match depth {match.depth}")
         return live
 
+    def restore(self, state: KVState) -> LiveCache:
+        """Fresh caches holding ``state`` whole (a snapshot a request goes back to: its turn is
+        closed again from there)."""
+        return checkout(state, state.depth, self.quant)
+
     def new(self) -> LiveCache:
         if self.fresh is None:
             raise RuntimeError("KVManager.fresh is not set: the engine gives it the model's empty caches")

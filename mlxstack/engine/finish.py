@@ -20,7 +20,9 @@ from typing import Any
 from ..cache.lcp import lcp
 from ..cache.prompt_cache import POOL_KV, POOL_SNAPSHOT
 from ..parsing.harmony import healing_patch
-from ..prompt.render import encode
+from ..prompt.canonicalize import canonicalize_messages
+from ..prompt.healing import apply_patch
+from ..prompt.render import TemplateError, encode
 from ..runner.generate import feed
 from .diagnosis import keep_fingerprint
 from .request import ChatOutcome, Request
@@ -192,8 +194,18 @@ class TurnFinish:
         healing = self.state.healing
         if healing is None:
             return
-        from ..parsing.output import split_reply
         from ..prompt.healing import history_digest
+
+        parsed, healed = self._healed(seq, raw_text, visible)
+        if healed is None:
+            return
+        healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages]), parsed.content,
+                         parsed.tool_calls, healed)
+
+    def _healed(self, seq: Request, raw_text: str, visible: str) -> tuple[Any, Any]:
+        """(the reply as the client sees it, what healing puts back for it: the generated text, or
+        a harmony field patch; None when a harmony generation fits no one message)."""
+        from ..parsing.output import split_reply
 
         job = seq.job
         parsed = split_reply(visible, thinking_started=seq.thinking_started, tools=job.tools, family=self.loaded.family)
@@ -201,55 +213,121 @@ class TurnFinish:
         if self.harmony:
             # A harmony template wraps content in channel markup: heal the message's fields so
             # it re-renders what the model generated (seed 002: track what is in the KV).
-            healed: Any = healing_patch(generated)
-            if healed is None:
-                return
-        else:
-            healed = self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
-        healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages]), parsed.content,
-                         parsed.tool_calls, healed)
+            return parsed, healing_patch(generated)
+        return parsed, self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
+
+    def echoed_message(self, seq: Request, content_ids: list[int]) -> dict:
+        """The assistant message the next turn's prompt renders for this reply: as the client
+        sends it back (visible content, its tool calls), healed as the healing store will heal it."""
+        raw_text = seq.forced + self.loaded.tokenizer.decode(content_ids)
+        parsed, healed = self._healed(seq, raw_text, "".join(seq.visible))
+        sent: dict = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            sent["tool_calls"] = [{"id": c.id or f"call_{i}", "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}}
+                                  for i, c in enumerate(parsed.tool_calls)]
+        if self.state.healing is None or healed is None:
+            return sent          # healing leaves it as the client sent it
+        if self.harmony:
+            return apply_patch(sent, healed)
+        return {"role": "assistant", "content": healed}
+
+    def echo_ids(self, seq: Request, content_ids: list[int]) -> list[int] | None:
+        """The tokens the next turn's prompt holds after this prompt, through the reply's turn
+        closer: the reply as the client echoes it (``echoed_message``) rendered by the template
+        after this history and encoded as the next prompt will be -- as far as every plausible
+        next message (a user turn, a tool result) agrees. What a grammar or a sampler wrote need
+        not be the tokenizer's own encoding of its text (LESSONS 80): the turn closes with these,
+        so the next turn reuses the whole reply. None where the next turn does not re-render this
+        prompt as its prefix (a template that drops earlier turns' reasoning; an image prompt)."""
+        prep, job = seq.prep, seq.job
+        if prep.extras or seq.forced:
+            return None            # images expand on the VLM's own path; a forced opening is its own piece
+        message = self.echoed_message(seq, content_ids)
+        history = prep.original + canonicalize_messages(
+            [message], enabled=False, strip_billing_header=self.settings.strip_billing_header)[0]
+        calls = message.get("tool_calls") or [{"id": "call_0"}]
+        # markers that part at their first byte: the two encodings agree up to them, never into them
+        follow = ({"role": "user", "content": "A1"},
+                  {"role": "tool", "tool_call_id": calls[0].get("id", "call_0"), "content": "B2"},
+                  {"role": "user", "content": "C3"})
+        encoded: list[list[int]] = []
+        for nxt in follow:
+            try:
+                text = self.renderer.render(history + [nxt], job.tools, job.enable_thinking, add_generation_prompt=False)
+            except TemplateError:
+                continue
+            encoded.append(encode(self.loaded.tokenizer, text))
+            if len(encoded) == 2:
+                break
+        if len(encoded) < 2:
+            return None
+        n = len(prep.model_tokens)
+        certain = lcp(encoded[0], encoded[1])
+        if certain <= n or encoded[0][:n] != prep.model_tokens:
+            return None
+        return encoded[0][n:certain]
 
     def _close_turn(self, seq: Request, content_ids: list[int]) -> list[int]:
-        """Feed what the next turn is certain to contain after this reply: the last sampled
-        token (decode never feeds it) and the template's turn closer (``<|im_end|>\n``).
+        """Feed what the next turn is certain to contain after this prompt: the reply as the
+        client echoes it and the template's turn closer (``<|im_end|>\n``), ``plan_close``.
 
         Returns the tokens the KV now holds after the prompt. Correctness never depends on this
-        guess -- reuse is still accepted only up to the token LCP -- but it is what lets an
-        exact-depth cache (recurrent state, a rotated window) continue straight into the next turn.
+        guess -- reuse is still accepted only up to the token LCP -- but it is what lets the next
+        turn reuse the whole reply, and an exact-depth cache (recurrent state, a rotated window)
+        continue straight into the next turn.
         """
         target, to_feed = self.plan_close(seq, content_ids)
         feed(self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
         return target
 
     def plan_close(self, seq: Request, content_ids: list[int]) -> tuple[list[int], list[int]]:
-        """What closing the turn leaves after the prompt, and the tokens still to feed for it (the
-        KV is cut back first where it holds a stop token the next turn will not contain). The
-        scheduler feeds the closers of sequences finishing together in one forward."""
+        """What closing the turn leaves after the prompt, and the tokens still to feed for it. The
+        target is the echo's tokens (``echo_ids``), else the reply's own tokens and the closer. The
+        KV is cut back to where it agrees with the target (a stop token the next turn will not
+        contain, a grammar's spelling of the text); a cache that cannot be cut there is put back
+        at its deepest snapshot of the prompt, and the rest fed from there -- or, without one,
+        left as it is. The scheduler feeds the closers of sequences finishing together in one
+        forward."""
         live, prep, generated = seq.live, seq.prep, seq.generated
-        fed = live.depth - len(prep.model_tokens)
+        n = len(prep.model_tokens)
+        fed = live.depth - n
         if fed < 0 or fed > len(generated):
             raise RuntimeError(f"bug: KV holds {fed} generated tokens but only {len(generated)} were sampled")
         in_kv = generated[:fed]
-        if seq.stopped_by_string:
-            return in_kv, []  # the client never sees the rest: the next turn will not contain it
-        closer = self.renderer.assistant_closer(seq.job.enable_thinking)
-        closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
-        if self.harmony and generated and generated[-1] == self.call_id:
-            closer_ids = [self.call_id]   # a harmony tool call stays closed by <|call|> in history
-        elif closer_ids and content_ids[-len(closer_ids):] == closer_ids:
-            closer_ids = []               # the reply already ended with the closer (harmony <|end|>)
-        target = content_ids + closer_ids
-        if len(prep.model_tokens) + len(target) > self.context_limit:
+        target = self.echo_ids(seq, content_ids)
+        guess = None if seq.stopped_by_string else content_ids + self._closer_ids(seq, content_ids)
+        if target is None:
+            if guess is None:
+                return in_kv, []  # the client never sees the rest: the next turn will not contain it
+            target = guess
+        elif guess is None or target[:len(guess)] != guess:
+            self.state.counters.bump("echo_closes")   # the echo is not the reply's own tokens
+        if n + len(target) > self.context_limit:
             return in_kv, []  # no room left in the window to close the turn
         if in_kv != target[:fed]:
-            # A stop token the re-rendered history will not contain (e.g. <|endoftext|> where the
-            # template closes turns with <|im_end|>): drop it if the cache can be cut back.
             keep = lcp(in_kv, target[:fed])
-            if live.floor > len(prep.model_tokens) + keep:
-                return in_kv, []
-            live.cut(len(prep.model_tokens) + keep)
+            if live.floor > n + keep:
+                snap = max((s for s in seq.snapshots if s.depth <= n), key=lambda s: s.depth, default=None)
+                if snap is None:
+                    return in_kv, []
+                seq.live = self.state.kv.restore(snap)
+                self.state.counters.bump("echo_refeeds")
+                return target, (prep.model_tokens + target)[snap.depth:]
+            live.cut(n + keep)
             fed = keep
         return target, target[fed:]
+
+    def _closer_ids(self, seq: Request, content_ids: list[int]) -> list[int]:
+        """The template's turn closer after the reply's own tokens (the guess without an echo)."""
+        closer = self.renderer.assistant_closer(seq.job.enable_thinking)
+        closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
+        generated = seq.generated
+        if self.harmony and generated and generated[-1] == self.call_id:
+            return [self.call_id]   # a harmony tool call stays closed by <|call|> in history
+        if closer_ids and content_ids[-len(closer_ids):] == closer_ids:
+            return []               # the reply already ended with the closer (harmony <|end|>)
+        return closer_ids
 
     def content_ids(self, seq: Request) -> list[int]:
         """The reply's tokens without stop tokens (what the client's next turn renders back)."""
