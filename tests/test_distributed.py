@@ -86,8 +86,8 @@ def test_launcher_pieces():
     assert env == {"A": "1", "MLX_RANK": "2", "MLX_HOSTFILE": "/tmp/h.json"}
     assert launch_command("/v/bin/python", "/h.json", "ring", ["-m", "mlxstack.serve"], {"K": "v"}) == [
         "/v/bin/mlx.launch", "--hostfile", "/h.json", "--python", "/v/bin/python", "--backend", "ring",
-        "--env", "K=v", "--", "/v/bin/python", "-m", "mlxstack.serve"]
-    assert launch_command("/v/bin/python", "/h.json", "any", ["x"])[-4:] == ["/v/bin/python", "--", "/v/bin/python", "x"]
+        "--env", "K=v", "--", "-m", "mlxstack.serve"]      # mlx.launch runs "<--python> -m mlxstack.serve"
+    assert launch_command("/v/bin/python", "/h.json", "any", ["x"])[-4:] == ["--python", "/v/bin/python", "--", "x"]
     assert parse_address("10.0.0.2:5999") == ("10.0.0.2", 5999) and parse_address("[::1]:80") == ("::1", 80)
 
 
