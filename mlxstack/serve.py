@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:
         return _launch_hosts(settings, argv)
+    if settings.distributed != "off":
+        _default_stop_signals()
     if rank is not None:        # a rank mlx.launch started reads the secret from its host's copy
         from .system.control_channel import ControlSecretError, from_env
 
@@ -97,9 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             stop()
 
     app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg)).add_done_callback(loaded)
+    handled = False
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def handle_stops() -> None:   # on the main thread (signal.signal's rule), between the server's polls
+        nonlocal handled
+        if not handled and (settings.distributed == "off" or app.group_joined.is_set()):  # _default_stop_signals
+            signal.signal(signal.SIGTERM, stop)
+            signal.signal(signal.SIGINT, stop)
+            handled = True
+
+    handle_stops()
+    server.service_actions = handle_stops
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -154,6 +164,16 @@ def _local_ranks(settings, app):  # noqa: ANN001, ANN202
     return ranks
 
 
+def _default_stop_signals() -> None:
+    """SIGTERM / SIGINT end the process at once until its MLX group has formed: MLX's group init
+    holds the GIL while it waits for the other ranks -- for ever, if one never comes -- so no
+    Python handler (nor the thread watching the local ranks) could run, and a stop would wait
+    for ever too. Nothing needs flushing before the group forms; serve.py installs the graceful
+    handlers once ``App.group_joined`` is set."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _follow(app, rank: int) -> int:  # noqa: ANN001
     """A follower rank: no HTTP; load this rank's part, then run what rank 0 broadcasts until it
     says stop (engine/lockstep.py)."""
@@ -165,9 +185,10 @@ def _follow(app, rank: int) -> int:  # noqa: ANN001
         finally:
             os._exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
     app.worker.on_death = lambda exc: _rank_died(f"rank {rank} stopped: {type(exc).__name__}: {exc}")
     loading = app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
+    app.group_joined.wait()
+    signal.signal(signal.SIGTERM, stop)
     exc = loading.exception()
     if exc is not None:
         if _group_not_formed(exc):

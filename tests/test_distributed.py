@@ -568,6 +568,41 @@ def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_pa
 
 
 
+@pytest.mark.e2e
+def test_a_stop_ends_a_rank_whose_group_never_forms(tiny_qwen2_path, tmp_path):
+    """Rank 0 of an mlx.launch group whose rank 1 never comes (it was refused, or died first)
+    waits inside MLX's group init, which holds the GIL: a Python SIGTERM handler never runs there,
+    so the stop mlx.launch (or the launcher) sends must end the process by itself."""
+    from scripts.probelib.servers import free_port
+
+    ring = tmp_path / "ring.json"
+    ring.write_text(json.dumps(ring_hostfile([free_port(), free_port()])))
+    key = tmp_path / "control.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]))
+    server = ServerProcess("ours", env={"MODEL_PATH": str(tiny_qwen2_path), "LOG_ROOT": str(tmp_path / "alone"),
+                                        **BASE_ENV, "DISTRIBUTED": "pipeline", "DISTRIBUTED_HOSTS": str(hosts),
+                                        "MLX_RANK": "0", "MLX_HOSTFILE": str(ring), "MLXSTACK_CONTROL": "127.0.0.1:0",
+                                        "MLXSTACK_CONTROL_SECRET_FILE": str(key)},
+                           log_path=str(tmp_path / "alone.log"))
+    try:
+        deadline = time.monotonic() + 180
+        while f"loading {tiny_qwen2_path.name}" not in server.tail():
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
+            time.sleep(0.5)
+        time.sleep(2.0)                           # inside the group's init now, waiting for rank 1
+        assert server.proc.poll() is None, server.tail()
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            assert server.proc.wait(timeout=20) == -signal.SIGTERM
+        except subprocess.TimeoutExpired:
+            pytest.fail("a rank waiting for its group ignored SIGTERM:\n" + server.tail())
+    finally:
+        server.stop()
+
+
 def _launch_hosts_command(settings, monkeypatch) -> list[str]:
     """The mlx.launch command ``serve._launch_hosts`` would exec (DISTRIBUTED_HOSTS)."""
     from mlxstack import serve
