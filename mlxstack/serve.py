@@ -44,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if settings.distributed != "off" and rank is None and not settings.distributed_local_ranks:
         return _launch_hosts(settings, argv)
+    if settings.distributed != "off":
+        _default_stop_signals()
+    if rank is not None:        # a rank mlx.launch started reads the secret from its host's copy
+        from .system.control_channel import ControlSecretError, from_env
+
+        try:
+            from_env(os.environ)
+        except (ControlSecretError, ValueError) as exc:
+            print(f"configuration error: DISTRIBUTED: rank {rank}: {exc}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG_ERROR
     if rank not in (None, "0"):
         return _follow(App(settings.replace(enable_request_logging=False)), int(rank))   # rank 0 logs requests
     app = App(settings)
@@ -89,9 +99,17 @@ def main(argv: list[str] | None = None) -> int:
             stop()
 
     app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg)).add_done_callback(loaded)
+    handled = False
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def handle_stops() -> None:   # on the main thread (signal.signal's rule), between the server's polls
+        nonlocal handled
+        if not handled and (settings.distributed == "off" or app.group_joined.is_set()):  # _default_stop_signals
+            signal.signal(signal.SIGTERM, stop)
+            signal.signal(signal.SIGINT, stop)
+            handled = True
+
+    handle_stops()
+    server.service_actions = handle_stops
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -146,6 +164,16 @@ def _local_ranks(settings, app):  # noqa: ANN001, ANN202
     return ranks
 
 
+def _default_stop_signals() -> None:
+    """SIGTERM / SIGINT end the process at once until its MLX group has formed: MLX's group init
+    holds the GIL while it waits for the other ranks -- for ever, if one never comes -- so no
+    Python handler (nor the thread watching the local ranks) could run, and a stop would wait
+    for ever too. Nothing needs flushing before the group forms; serve.py installs the graceful
+    handlers once ``App.group_joined`` is set."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _follow(app, rank: int) -> int:  # noqa: ANN001
     """A follower rank: no HTTP; load this rank's part, then run what rank 0 broadcasts until it
     says stop (engine/lockstep.py)."""
@@ -157,9 +185,10 @@ def _follow(app, rank: int) -> int:  # noqa: ANN001
         finally:
             os._exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
     app.worker.on_death = lambda exc: _rank_died(f"rank {rank} stopped: {type(exc).__name__}: {exc}")
     loading = app.start_loading(lambda msg: logging.getLogger("mlxstack.model").info(msg))
+    app.group_joined.wait()
+    signal.signal(signal.SIGTERM, stop)
     exc = loading.exception()
     if exc is not None:
         if _group_not_formed(exc):
@@ -183,7 +212,7 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     from .config.settings import REPO_ROOT
     from .launcher.ranks import control_for_hosts, launch_command
     from .models.sharding import backend_for
-    from .system.control_channel import ADDR_ENV, SECRET_FILE_ENV, new_secret, secret_file
+    from .system.control_channel import ADDR_ENV, SECRET_FILE_ENV, ControlSecretError, group_secret_file
 
     hostfile = Path(settings.distributed_hosts).expanduser()
     if not hostfile.is_absolute():
@@ -191,10 +220,18 @@ def _launch_hosts(settings, argv) -> int:  # noqa: ANN001
     if not hostfile.exists():
         print(f"configuration error: DISTRIBUTED_HOSTS={settings.distributed_hosts!r}: no such hostfile", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    # the secret in a 0600 file (its path travels, never the value: command lines are world-readable);
-    # every host needs the file at the same path (a shared home, or copied: docs/distributed.md)
-    key_path = secret_file(str(Path(settings.model_cache_dir or "~/.cache/mlxstack").expanduser() / "control"),
-                           new_secret())
+    # The secret stays in one 0600 file, made once and reused by every launch, and only its path
+    # travels: mlx.launch puts what it forwards on command lines (its own, ssh's, the remote
+    # shell's) that every local user can read. Every host needs a copy at the same path, made once.
+    try:
+        key_path, made = group_secret_file(settings.model_cache_path / "control")
+    except (ControlSecretError, OSError) as exc:
+        print(f"configuration error: DISTRIBUTED_HOSTS: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if made:
+        logging.getLogger("mlxstack").warning(
+            "DISTRIBUTED_HOSTS: made the control channel's secret file %s; copy it once to the same path on every "
+            "other host of %s (docs/distributed.md)", key_path, hostfile)
     env = {ADDR_ENV: control_for_hosts(str(hostfile)), SECRET_FILE_ENV: key_path}
     env.update({k: v for k, v in settings.as_env().items() if k.startswith("DISTRIBUTED")})
     cmd = launch_command(sys.executable, str(hostfile), backend_for(settings),

@@ -86,8 +86,8 @@ def test_launcher_pieces():
     assert env == {"A": "1", "MLX_RANK": "2", "MLX_HOSTFILE": "/tmp/h.json"}
     assert launch_command("/v/bin/python", "/h.json", "ring", ["-m", "mlxstack.serve"], {"K": "v"}) == [
         "/v/bin/mlx.launch", "--hostfile", "/h.json", "--python", "/v/bin/python", "--backend", "ring",
-        "--env", "K=v", "--", "/v/bin/python", "-m", "mlxstack.serve"]
-    assert launch_command("/v/bin/python", "/h.json", "any", ["x"])[-4:] == ["/v/bin/python", "--", "/v/bin/python", "x"]
+        "--env", "K=v", "--", "-m", "mlxstack.serve"]      # mlx.launch runs "<--python> -m mlxstack.serve"
+    assert launch_command("/v/bin/python", "/h.json", "any", ["x"])[-4:] == ["--python", "/v/bin/python", "--", "x"]
     assert parse_address("10.0.0.2:5999") == ("10.0.0.2", 5999) and parse_address("[::1]:80") == ("::1", 80)
 
 
@@ -568,14 +568,69 @@ def test_killed_rank_ends_the_group_and_stop_leaves_none(tiny_qwen2_path, tmp_pa
 
 
 
+@pytest.mark.e2e
+def test_a_stop_ends_a_rank_whose_group_never_forms(tiny_qwen2_path, tmp_path):
+    """Rank 0 of an mlx.launch group whose rank 1 never comes (it was refused, or died first)
+    waits inside MLX's group init, which holds the GIL: a Python SIGTERM handler never runs there,
+    so the stop mlx.launch (or the launcher) sends must end the process by itself."""
+    from scripts.probelib.servers import free_port
+
+    ring = tmp_path / "ring.json"
+    ring.write_text(json.dumps(ring_hostfile([free_port(), free_port()])))
+    key = tmp_path / "control.key"
+    key.write_text("ab" * 32)
+    key.chmod(0o600)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]))
+    server = ServerProcess("ours", env={"MODEL_PATH": str(tiny_qwen2_path), "LOG_ROOT": str(tmp_path / "alone"),
+                                        **BASE_ENV, "DISTRIBUTED": "pipeline", "DISTRIBUTED_HOSTS": str(hosts),
+                                        "MLX_RANK": "0", "MLX_HOSTFILE": str(ring), "MLXSTACK_CONTROL": "127.0.0.1:0",
+                                        "MLXSTACK_CONTROL_SECRET_FILE": str(key)},
+                           log_path=str(tmp_path / "alone.log"))
+    try:
+        deadline = time.monotonic() + 180
+        while f"loading {tiny_qwen2_path.name}" not in server.tail():
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
+            time.sleep(0.5)
+        time.sleep(2.0)                           # inside the group's init now, waiting for rank 1
+        assert server.proc.poll() is None, server.tail()
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            assert server.proc.wait(timeout=20) == -signal.SIGTERM
+        except subprocess.TimeoutExpired:
+            pytest.fail("a rank waiting for its group ignored SIGTERM:\n" + server.tail())
+    finally:
+        server.stop()
+
+
+def _launch_hosts_command(settings, monkeypatch) -> list[str]:
+    """The mlx.launch command ``serve._launch_hosts`` would exec (DISTRIBUTED_HOSTS)."""
+    from mlxstack import serve
+
+    seen = {}
+
+    def execv(path, cmd):
+        seen["cmd"] = cmd
+        raise SystemExit(0)
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(SystemExit):
+        serve._launch_hosts(settings, [])
+    return seen["cmd"]
+
+
+def _forwarded(cmd: list[str]) -> dict[str, str]:
+    return dict(cmd[i + 1].split("=", 1) for i, a in enumerate(cmd) if a == "--env")
+
+
 def test_the_control_secret_never_reaches_a_command_line_or_the_log(tmp_path, monkeypatch, caplog):
     """DISTRIBUTED_HOSTS: mlx.launch forwards the path of a 0600 file, never the secret (its
     command line -- and the ssh commands it runs -- are readable by every local user, and the whole
-    command is logged); every rank reads the secret from the file."""
+    command is logged); every rank reads the secret from the file. The file is made once and
+    every later launch reuses it (it is copied to every host once): several launches leave one
+    file, and the files an older version made per launch are removed."""
     import logging
     import stat
 
-    from mlxstack import serve
     from mlxstack.config.settings import load_settings
     from mlxstack.system.control_channel import SECRET_FILE_ENV, from_env
 
@@ -583,22 +638,61 @@ def test_the_control_secret_never_reaches_a_command_line_or_the_log(tmp_path, mo
     hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.2"]}]))
     settings = load_settings(env={"DISTRIBUTED": "tensor", "DISTRIBUTED_HOSTS": str(hostfile),
                                   "MODEL_CACHE_DIR": str(tmp_path / "cache")})
-    seen = {}
-
-    def execv(path, cmd):
-        seen["cmd"] = cmd
-        raise SystemExit(0)
-    monkeypatch.setattr(os, "execv", execv)
-    with caplog.at_level(logging.INFO), pytest.raises(SystemExit):
-        serve._launch_hosts(settings, [])
-    cmd = seen["cmd"]
-    env = dict(a.split("=", 1) for a in cmd[cmd.index("--env") + 1::2][:cmd.count("--env")] if "=" in a)
-    key_path = env[SECRET_FILE_ENV]
-    secret = open(key_path).read().strip()
-    assert len(secret) == 64 and not any(secret in arg for arg in cmd) and secret not in caplog.text
+    folder = tmp_path / "cache" / "control"
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / "control-123-0a1b2c3d.key").write_text("ab" * 32)     # one an older version left behind
+    paths, secrets = set(), set()
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            cmd = _launch_hosts_command(settings, monkeypatch)
+            env = _forwarded(cmd)
+            key_path = env[SECRET_FILE_ENV]
+            secret = open(key_path).read().strip()
+            assert len(secret) == 64 and not any(secret in arg for arg in cmd) and secret not in caplog.text
+            assert from_env({"MLXSTACK_CONTROL": env["MLXSTACK_CONTROL"], SECRET_FILE_ENV: key_path})[1] == \
+                bytes.fromhex(secret)
+            paths.add(key_path)
+            secrets.add(secret)
+    assert paths == {str(folder / "control.key")} and len(secrets) == 1
+    assert sorted(os.listdir(folder)) == ["control.key"]
     assert stat.S_IMODE(os.stat(key_path).st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(os.path.dirname(key_path)).st_mode) == 0o700
-    assert from_env({"MLXSTACK_CONTROL": env["MLXSTACK_CONTROL"], SECRET_FILE_ENV: key_path})[1] == bytes.fromhex(secret)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert caplog.text.count("made the control channel's secret file") == 1 and key_path in caplog.text
+
+
+def test_a_control_secret_file_open_to_others_or_missing_is_refused_and_never_replaced(tmp_path, monkeypatch, capsys):
+    """A copy another user can read is refused with the fix (chmod 600) and left as it is (a new
+    secret would no longer match the other hosts' copies); a host without its copy is told to copy
+    it; neither message holds the secret."""
+    from mlxstack import serve
+    from mlxstack.config.settings import load_settings
+    from mlxstack.system.control_channel import SECRET_FILE_ENV, ControlSecretError, from_env
+    from mlxstack.system.exit_codes import EXIT_CONFIG_ERROR
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]))
+    folder = tmp_path / "cache" / "control"
+    folder.mkdir(parents=True, mode=0o700)
+    key = folder / "control.key"
+    key.write_text("cd" * 32 + "\n")
+    key.chmod(0o644)
+    settings = load_settings(env={"DISTRIBUTED": "pipeline", "DISTRIBUTED_HOSTS": str(hostfile),
+                                  "MODEL_CACHE_DIR": str(tmp_path / "cache")})
+    monkeypatch.setattr(os, "execv", lambda *_a: pytest.fail("mlx.launch started with a readable secret file"))
+    assert serve._launch_hosts(settings, []) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"chmod 600 {key}" in err and "cd" * 32 not in err and key.read_text() == "cd" * 32 + "\n"
+    addr = {"MLXSTACK_CONTROL": "10.0.0.1:0"}
+    with pytest.raises(ControlSecretError, match="is open to other users"):
+        from_env({**addr, SECRET_FILE_ENV: str(key)})
+    key.chmod(0o600)
+    assert from_env({**addr, SECRET_FILE_ENV: str(key)})[1] == bytes.fromhex("cd" * 32)
+    with pytest.raises(ControlSecretError, match="is not on this host: copy it once from rank 0's host"):
+        from_env({**addr, SECRET_FILE_ENV: str(tmp_path / "elsewhere" / "control.key")})
+    key.write_text("not a secret")
+    with pytest.raises(ControlSecretError, match="holds no control secret") as refused:
+        from_env({**addr, SECRET_FILE_ENV: str(key)})
+    assert "not a secret" not in str(refused.value)
 
 
 def _control_address_of_ranks(server: ServerProcess, wait: float = 120.0) -> tuple[str, int]:

@@ -69,14 +69,16 @@ def launch_command(python: str, hostfile: str, backend: str, module_args: Sequen
                    env: Mapping[str, str] = {}) -> list[str]:
     """``mlx.launch`` for ranks on other machines (DISTRIBUTED_HOSTS), with the interpreter named
     (without it the ranks exit 126 and mlx.launch still exits 0) and ``env`` passed to every rank
-    (pure)."""
+    (pure). mlx.launch puts ``--python`` in front of the command itself: the command after ``--``
+    is the interpreter's arguments only (``python python -m ...`` runs the interpreter's binary
+    as a script)."""
     launcher = str(Path(python).with_name("mlx.launch"))
     cmd = [launcher, "--hostfile", hostfile, "--python", python]
     if backend != "any":
         cmd += ["--backend", backend]
     for key, value in env.items():
         cmd += ["--env", f"{key}={value}"]
-    return cmd + ["--", python, *module_args]
+    return cmd + ["--", *module_args]
 
 
 def control_for_hosts(hostfile: str) -> str:

@@ -96,9 +96,12 @@ def local_model_folder(value: str, variable: str, hint: str) -> tuple[Path, str]
 
 
 def load_model(settings: Settings, progress: Callable[[str], None] | None = None,
-               files_ready: Callable[[], None] | None = None) -> LoadedModel:
+               files_ready: Callable[[], None] | None = None,
+               joined: Callable[[], None] | None = None) -> LoadedModel:
     """``files_ready``: called once the model's folder exists (serve.py starts the other local
-    ranks there, so they never convert the embedded model at the same time)."""
+    ranks there, so they never convert the embedded model at the same time). ``joined``: called
+    once this rank's MLX group has formed (DISTRIBUTED; serve.py: stop signals are handled from
+    then on)."""
     say = progress or (lambda msg: log.info(msg))
     say("preparing model files")
     path, name = resolve_model_path(settings, progress)
@@ -120,7 +123,7 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
         say("CPU: weights upcast to float32 for BLAS prefill")
     extra: dict = {}
     if distributed:
-        extra["group"] = _shard(model, config, name, settings, say, files_ready)
+        extra["group"] = _shard(model, config, name, settings, say, files_ready, joined)
     context = context_window(config, getattr(getattr(tokenizer, "_tokenizer", tokenizer), "model_max_length", None),
                              settings.max_kv_size)
     return LoadedModel(
@@ -130,7 +133,7 @@ def load_model(settings: Settings, progress: Callable[[str], None] | None = None
 
 
 def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callable[[str], None],
-           files_ready: Callable[[], None] | None) -> Any:
+           files_ready: Callable[[], None] | None, joined: Callable[[], None] | None = None) -> Any:
     """Check the split (refused in one line before any other rank starts, where the rank count is
     known here), join the ranks' group, keep this rank's part of the (still lazy) weights."""
     import mlx.core as mx
@@ -145,6 +148,8 @@ def _shard(model: Any, config: dict, name: str, settings: Settings, say: Callabl
     if files_ready is not None:
         files_ready()
     group = distributed_group(settings)
+    if joined is not None:
+        joined()
     why = refusal(settings.distributed, group.size(), facts)
     if why:
         raise ModelLoadError(why)

@@ -60,6 +60,7 @@ class App:
 
         self.remote_image_policy: Callable[[Any], bool] = is_public_address  # tests aim it at local servers
         self.files_ready: Callable[[], None] | None = None   # serve.py: start the other local ranks
+        self.group_joined = threading.Event()   # DISTRIBUTED: this rank's MLX group formed (or the load ended)
         self.lockstep: Any = None           # engine/lockstep.py when DISTRIBUTED is on
 
     # ------------------------------------------------------------------ lifecycle
@@ -116,7 +117,7 @@ class App:
 
     def _load(self, progress: Callable[[str], None] | None) -> None:
         try:
-            loaded = load_model(self.settings, progress, files_ready=self.files_ready)
+            loaded = load_model(self.settings, progress, files_ready=self.files_ready, joined=self.group_joined.set)
             engine = make_engine(loaded, self.settings)
             state = engine.state
             self.loaded, self.state = loaded, state
@@ -143,6 +144,8 @@ class App:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("model load failed: %s", self.load_error)
             raise
+        finally:
+            self.group_joined.set()
 
     def prepare_call(self, job: Any) -> Callable[[], int]:
         """A worker call rendering ``job`` and counting its model tokens (Anthropic count_tokens).

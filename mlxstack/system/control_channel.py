@@ -26,8 +26,10 @@ Nothing else can join, listen or speak for a rank:
 What this does not protect: MLX's own ring / JACCL links carry the model's activations in clear
 (docs/distributed.md: run the ranks on a trusted link).
 
-Environment: ``MLXSTACK_CONTROL`` (``host:port`` rank 0 listens on) and
-``MLXSTACK_CONTROL_SECRET`` (hex), set by the launcher for every rank.
+Environment: ``MLXSTACK_CONTROL`` (``host:port`` rank 0 listens on) and either
+``MLXSTACK_CONTROL_SECRET`` (hex: local ranks inherit it from rank 0) or
+``MLXSTACK_CONTROL_SECRET_FILE`` (ranks mlx.launch starts on other hosts: the path of the group's
+one secret file, ``group_secret_file``, which every host holds a copy of).
 """
 from __future__ import annotations
 
@@ -35,9 +37,12 @@ import hashlib
 import hmac
 import os
 import socket
+import stat
 import struct
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Mapping
 
 from cryptography.exceptions import InvalidTag
@@ -48,6 +53,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 ADDR_ENV = "MLXSTACK_CONTROL"
 SECRET_ENV = "MLXSTACK_CONTROL_SECRET"
 SECRET_FILE_ENV = "MLXSTACK_CONTROL_SECRET_FILE"    # mlx.launch ranks: a 0600 file's path, never the value
+SECRET_FILE_NAME = "control.key"    # one per folder, made once and reused: copied to every host once
+_SECRET_BYTES = 32
 _HEAD = struct.Struct("!Q")
 _MAC = 32
 _NONCE = 32
@@ -55,6 +62,11 @@ _MAGIC = b"MXC1"
 _TAG = 16
 HELLO_SECONDS = 10.0          # a connection's whole hello, however it trickles
 MAX_FRAME = 1 << 31           # a frame's length field above this is an attack, not a record
+
+
+class ControlSecretError(RuntimeError):
+    """The control channel's secret file is missing, open to other users or holds no secret: a
+    configuration to fix (the message says how), not a group to restart."""
 
 
 class GroupNotFormed(ConnectionError):
@@ -103,24 +115,76 @@ def parse_address(value: str) -> tuple[str, int]:
 def from_env(environ: Mapping[str, str]) -> tuple[tuple[str, int], bytes] | None:
     """(address, secret) the launcher set -- the secret inherited (local ranks) or read from the
     file ``MLXSTACK_CONTROL_SECRET_FILE`` names (ranks mlx.launch starts: a command line is readable
-    by every local user, a 0600 file is not) -- or None."""
+    by every local user, a 0600 file is not; ``read_secret_file``) -- or None."""
     addr, secret = environ.get(ADDR_ENV, ""), environ.get(SECRET_ENV, "")
     path = environ.get(SECRET_FILE_ENV, "")
-    if not secret and path:
-        with open(path) as f:
-            secret = f.read().strip()
-    if not addr or not secret:
+    if not addr or not (secret or path):
         return None
-    return parse_address(addr), bytes.fromhex(secret)
+    return parse_address(addr), bytes.fromhex(secret) if secret else read_secret_file(path)
 
 
-def secret_file(folder: str, secret: str) -> str:
-    """The secret in a new 0600 file of a 0700 folder of this user's; its path."""
-    from .secrets import make_private_dir, write_private_file
+def read_secret_file(path: str) -> bytes:
+    """The secret in ``path``: a regular file of this user's that no other user may read or write,
+    holding 64 hex digits; else ControlSecretError saying what to do (never what the file holds)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ControlSecretError(f"the control channel's secret file {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ControlSecretError(f"the control channel's secret file {path} belongs to another user")
+        if st.st_mode & 0o077:
+            raise ControlSecretError(f"the control channel's secret file {path} is open to other users "
+                                     f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}")
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(4 * _SECRET_BYTES).strip()
+    except FileNotFoundError:
+        raise ControlSecretError(f"the control channel's secret file {path} is not on this host: copy it once "
+                                 "from rank 0's host to the same path here (docs/distributed.md)") from None
+    except PermissionError as exc:
+        raise ControlSecretError(f"the control channel's secret file {path} cannot be read: {exc.strerror}") from None
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != _SECRET_BYTES:
+        raise ControlSecretError(f"{path} holds no control secret ({2 * _SECRET_BYTES} hex digits): remove it on "
+                                 "rank 0's host, start again and copy the new file to every host")
+    return secret
 
-    path = make_private_dir(folder) / f"control-{os.getpid()}-{os.urandom(4).hex()}.key"
-    write_private_file(path, secret)
-    return str(path)
+
+def group_secret_file(folder: Path | str) -> tuple[str, bool]:
+    """(path, made now) of the group's one secret file, ``folder/control.key``: made once -- a 0600
+    file of a 0700 folder of this user's, whole before it has its name, so two launches at once keep
+    the same one -- and reused by every later launch, so it is copied to every host once. A file
+    that fails ``read_secret_file`` is refused (ControlSecretError), never replaced: the copies on
+    the other hosts would stop matching. Files an older version left, one per launch
+    (``control-*.key``), are removed."""
+    from .secrets import make_private_dir
+
+    where = make_private_dir(Path(folder).expanduser())
+    for old in where.glob("control-*.key"):
+        try:
+            old.unlink()
+        except OSError:
+            pass
+    path = where / SECRET_FILE_NAME
+    made = False
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(prefix=".control.", suffix=".tmp", dir=str(where))   # mkstemp creates 0600
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(new_secret() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)      # never over a file another launch made in the meantime
+                made = True
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    read_secret_file(str(path))
+    return str(path), made
 
 
 def _mac(secret: bytes, payload: bytes) -> bytes:
