@@ -242,7 +242,8 @@ class Harness:
                                                      ("batched", sched.batch_peak > 1),
                                                      ("restart", self.stats.restarts)) if n}
         counters = eng.state.counters.snapshot()
-        self.stats.features |= {k for k in ("spills", "evictions", "hits_disk", "spec_accepted", "salvaged_prefill_tokens", "disconnects") if counters.get(k)}
+        self.stats.features |= {k for k in ("spills", "evictions", "hits_disk", "spec_accepted", "salvaged_prefill_tokens", "disconnects",
+                                                 "echo_closes", "echo_refeeds") if counters.get(k)}
         for i, (served, f) in enumerate(zip(out, futures)):
             try:
                 o = f.result(timeout=0)

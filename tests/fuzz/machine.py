@@ -77,6 +77,15 @@ class Fuzz(RuleBasedStateMachine):
         self._queue(Req(self._rid(), c.session, with_user(c.messages, text), max_tokens=tokens, origin="turn"))
 
     @precondition(lambda self: self.convos)
+    @rule(pick=st.integers(0, 99), words=st.integers(2, 12), tokens=st.integers(6, 16))
+    def structured_turn(self, pick: int, words: int, tokens: int) -> None:
+        """A conversation's next turn under a JSON schema: its reply (a grammar's spelling, not the
+        text's own encoding) is echoed by the turn after it -- the turn closes with the echo's tokens."""
+        c = self.convos[pick % len(self.convos)]
+        self._queue(Req(self._rid(), c.session, with_user(c.messages, sentence(self.n, words)), max_tokens=tokens,
+                        grammar=True, origin="structured-turn"))
+
+    @precondition(lambda self: self.convos)
     @rule(pick=st.integers(0, 99), n=st.integers(2, 8), side=st.sampled_from(["below", "above", "far"]),
           same_session=st.booleans(), grammar=st.integers(0, 3), sampled=st.integers(0, 3))
     def fan_out(self, pick: int, n: int, side: str, same_session: bool, grammar: int, sampled: int) -> None:
