@@ -189,7 +189,7 @@ def test_the_store_is_bounded_in_entries_and_bytes(tiny_dense_path):
     drafters[1].close()
     drafters[2].close()                       # the oldest goes first
     prompts = [tok.encode("gamma delta"), tok.encode("epsilon")]
-    held = [h for _, (_, h, _) in dm.store.items()]
+    held = [h for _, (_, h, _, _) in dm.store.items()]
     assert [h[:len(p)] for h, p in zip(held, prompts)] == prompts and [len(h) for h in held] == [len(p) + 1 for p in prompts]
     small, _ = draft_of(tiny_dense_path, max_bytes=1)
     d = small.drafter(tok.encode("hello there"))

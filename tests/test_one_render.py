@@ -11,6 +11,8 @@ prefix are derived from that render. Proven three ways:
 """
 from __future__ import annotations
 
+import json
+
 import base64
 import io
 
@@ -91,13 +93,17 @@ def test_the_implicit_session_id_is_the_routers_and_hashes_the_scrubbed_opening(
     first = {"role": "user", "content": "hello"}
     later = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
     opening = session_opening([system, first, *later])
-    assert opening == [{"role": "system", "content": "Be brief.\nCurrent time is __SCRUBBED_TIME__"}, first]
+    scrubbed = {"role": "system", "content": "Be brief.\nCurrent time is __SCRUBBED_TIME__"}
+    assert opening == [scrubbed, first, later[0]]              # through the first reply
+    assert session_opening([system, first]) == [scrubbed, first]   # a first turn has none yet
     sid = opening_session_id(opening)
     assert sid.startswith("msg:") and len(sid) == 4 + 24
-    # The clock in the system prompt moved: same session. Another first message: another session.
+    # The clock in the system prompt moved: same session. Another first message or another first
+    # reply: another session.
     moved = {"role": "system", "content": "Be brief.\nCurrent time is 10:05"}
-    assert opening_session_id(session_opening([moved, first])) == sid
-    assert opening_session_id(session_opening([system, {"role": "user", "content": "bye"}])) != sid
+    assert opening_session_id(session_opening([moved, first, *later])) == sid
+    assert opening_session_id(session_opening([system, {"role": "user", "content": "bye"}, *later])) != sid
+    assert opening_session_id(session_opening([system, first, {"role": "assistant", "content": "yo"}])) != sid
     # The router spells it the same way.
     assert routing_session({}, {}, [system, first, *later]).session_id == sid
 
@@ -193,6 +199,23 @@ def spy_renders(eng) -> list[int]:
     return calls
 
 
+def spy_replies(eng) -> list[str]:
+    """The visible content of every reply the engine finishes from now on (what a client echoes)."""
+    from mlxstack.parsing.output import split_reply
+
+    seen: list[str] = []
+    real = eng.finish
+
+    def finish(seq, *args, **kwargs):
+        out = real(seq, *args, **kwargs)
+        seen.append(split_reply(out.text, thinking_started=out.thinking_started, tools=seq.job.tools,
+                                family=eng.loaded.family).content)
+        return out
+
+    eng.finish = finish
+    return seen
+
+
 # ----------------------------------------------------------------------------------- every front door
 def _png() -> str:
     from PIL import Image
@@ -248,14 +271,22 @@ def test_one_render_per_request_through_every_front_door(family_server, front, s
     family, srv = family_server
     state = srv.app.state
     calls = spy_renders(srv.app.engine)
-    before = state.counters.get("renders")
+    before, echoes = state.counters.get("renders"), state.counters.get("echo_renders")
     rows_before = len(state.rows)
     turns = _turns(front, family, stream)
-    for path, body in turns:
+    replies = spy_replies(srv.app.engine)
+    for i, (path, body) in enumerate(turns):
+        if i:   # the client echoes the reply it saw (its implicit session is the conversation's from here)
+            body = json.loads(json.dumps(body).replace('"Fine."', json.dumps(replies[-1])))
         status, reply, _ = http_json(srv.base + path, {**body, "model": srv.app.model_id, "stream": stream})
         assert status == 200, reply
     rows = list(state.rows)[rows_before:]
-    assert calls == [len(turns)]
+    # one render per request; closing a text model's turn renders its echo twice (engine/finish.py
+    # echo_ids: before a user turn and before a tool result; harmony refuses a tool result without
+    # a call, so a second user turn), an image prompt's never
+    echoed = state.counters.get("echo_renders") - echoes
+    assert echoed == {"vlm": 0, "gpt_oss": 3}.get(family, 2) * len(turns)
+    assert calls == [len(turns) + echoed]
     assert state.counters.get("renders") - before == len(turns)
     assert [r["renders"] for r in rows] == [1] * len(turns)
     # the second turn found the first one's session without an id of its own, and reused its KV

@@ -74,13 +74,22 @@ def test_explicit_ids_are_the_servers_own():
 
 def test_implicit_id_is_stable_over_a_conversation_and_ignores_volatile_metadata():
     turn1 = [SYSTEM, {"role": "user", "content": "Fix the bug in a.py"}]
-    turn3 = turn1 + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Now b.py"},
-                     {"role": "assistant", "content": "Done too."}, {"role": "user", "content": "Thanks"}]
-    sid = routing_session({}, {}, turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Now b.py"}]
+    turn3 = turn2 + [{"role": "assistant", "content": "Done too."}, {"role": "user", "content": "Thanks"}]
+    sid = routing_session({}, {}, turn2)
     assert sid.source == "message-prefix" and sid.session_id.startswith("msg:") and len(sid.session_id) == 28
     assert routing_session({}, {}, turn3) == sid
-    assert routing_session({}, {}, [SYSTEM, {"role": "user", "content": "Fix the bug in c.py"}]) != sid
-    assert sid.session_id == "msg:" + message_digests(turn1)[-1][0][:24]
+    assert sid.session_id == "msg:" + message_digests(turn2[:3])[-1][0][:24]    # the opening and its reply
+    # a first turn has no reply yet: its id is its opening's (the engine stores its records under turn2's)
+    assert routing_session({}, {}, turn1).session_id == "msg:" + message_digests(turn1)[-1][0][:24]
+    assert routing_session({}, {}, [SYSTEM, {"role": "user", "content": "Fix the bug in c.py"}]) != \
+        routing_session({}, {}, turn1)
+    # two conversations that open alike part at their first reply: never one session
+    other = turn1 + [{"role": "assistant", "content": "Which bug?"}, {"role": "user", "content": "Now b.py"}]
+    assert routing_session({}, {}, other) != sid
+    # reasoning the client kept or dropped is not part of the reply's digest
+    kept = turn1 + [{"role": "assistant", "content": "Done.", "reasoning_content": "easy"}, turn2[-1]]
+    assert routing_session({}, {}, kept) == sid
     # OpenClaw's per-message metadata block changes every turn; the canonical form does not
     block = 'Conversation info (untrusted metadata):\n```json\n{"message_id": "%s", "sender": "ann"}\n```\nhello'
     a = routing_session({}, {}, [SYSTEM, {"role": "user", "content": block % "m-1"}])
@@ -225,10 +234,16 @@ def test_hook_pins_sessions_places_sub_agents_on_the_prefix_holder_and_moves_off
     subs = [route([s1, {"role": "user", "content": f"sub-task {i}"}]) for i in range(3)]
     assert subs == [a, a, a]
     assert hook.counts["prefix"] == 3 and hook.counts["least-load"] == 2
-    # turns stay pinned
-    turn2 = [s2, {"role": "user", "content": "unrelated"}, {"role": "assistant", "content": "x"},
-             {"role": "user", "content": "more"}]
+    # turns stay pinned: the first turn's success pins the id its reply gives the conversation
+    opening = [s2, {"role": "user", "content": "unrelated"}]
+    reply = SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="x", tool_calls=None))])
+    call = {"messages": opening, "litellm_call_id": "c-2", "metadata": {}}
+    hook.attempts["c-2"] = ([b], 0.0)
+    pinned = hook.pin_next_turn(call, reply)
+    turn2 = opening + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}]
+    assert pinned == routing_session({}, {}, turn2).session_id
     assert route(turn2) == b and hook.counts["pinned"] == 1
+    assert hook.pin_next_turn({**call, "messages": turn2}, reply) is None     # not a first turn
     # backend b dies: its session moves to a on the next turn and stays there
     two_servers[1].close()
     two_servers[1].closed = True

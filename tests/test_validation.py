@@ -199,7 +199,7 @@ JSON_VALUES = st.recursive(JSON_LEAVES, lambda kids: st.lists(kids, max_size=4) 
 FIELDS = ["messages", "temperature", "top_p", "top_k", "min_p", "seed", "n", "max_tokens", "stop", "stream",
           "stream_options", "tools", "tool_choice", "logprobs", "top_logprobs", "logit_bias", "presence_penalty",
           "frequency_penalty", "response_format", "repetition_penalty", "repetition_context_size", "model",
-          "thinking", "enable_thinking", "reasoning_effort"]
+          "thinking", "enable_thinking", "reasoning_effort", "cache_salt"]
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"]),
                                  "content": JSON_VALUES})
 

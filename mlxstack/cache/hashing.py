@@ -144,10 +144,27 @@ def template_hash(template_text: str | None) -> str:
     return hashlib.sha256((template_text or "").encode("utf-8")).hexdigest()
 
 
+
+
+_SCOPE_TAG = b"mlxstack.block-hash.scope.v1\x00"
+
+
+def scoped_seed(seed: BlockHash, scope: str, *, hash_fn: HashFn = hashlib.sha256) -> BlockHash:
+    """The root of ``scope``'s chains under a namespace ``seed`` (the default scope "" is the seed
+    itself): as vLLM's ``cache_salt``, the scope is an extra key of the first block only, so every
+    later block inherits it and no block of one scope ever equals another's."""
+    if not scope:
+        return seed
+    h = hash_fn(_SCOPE_TAG)
+    h.update(_encode_field((bytes(seed), scope)))
+    return BlockHash(h.digest())
+
+
 __all__ = [
     "BlockHash",
     "namespace_seed",
     "hash_block_tokens",
     "block_hash_chain",
     "template_hash",
+    "scoped_seed",
 ]

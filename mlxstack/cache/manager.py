@@ -118,7 +118,8 @@ class KVManager:
 
     # ---------------------------------------------------------------- store
     def store(self, key: list[int], tokens: list[int], state: KVState, *, pool: str, session_id: str,
-              parent: str | None, ttl: float | None, inserted: list[int], fault: str | None = None) -> CacheEntry | None:
+              parent: str | None, ttl: float | None, inserted: list[int], fault: str | None = None,
+              scope: str = "") -> CacheEntry | None:
         """Insert ``state`` under ``key`` (the index may decline: None), record it in its session
         and write it through to disk. The entry's id goes into ``inserted`` as soon as it exists,
         so a caller storing several can remove them all when a later step fails (all or nothing);
@@ -130,7 +131,7 @@ class KVManager:
                             nbytes=sum(s.nbytes for s in layers))
             eval_state(layers)         # the codes materialised: the float arrays' graph is not kept
         entry = self.index.insert(key, tokens, state, nbytes=self.group_bytes(state.nbytes), floor=state.floor,
-                                  pool=pool, session_id=session_id, ttl=ttl)
+                                  pool=pool, session_id=session_id, ttl=ttl, scope=scope)
         if entry is None:
             return None
         inserted.append(entry.entry_id)

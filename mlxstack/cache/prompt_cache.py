@@ -19,6 +19,9 @@ Invariants (each has a test in tests/test_prompt_cache.py):
   match equally deep: the session's own entry (the one it stored) over the global pick (most
   recently used), never one that costs a disk load the global pick would not. The depth is the
   global lookup's, always.
+- Scopes (a tenant and its ``cache_salt``): an entry is stored in one scope and found, served,
+  superseded and replaced only in it -- its block hashes hang from a seed the scope enters
+  (``hashing.scoped_seed``), and every candidate is checked for its scope as well.
 - Eviction order is deterministic: TTL first (an entry's own lifetime, a client breakpoint's,
   else its pool's), then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
@@ -39,7 +42,7 @@ from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from .counters import CacheCounters
-from .hashing import BlockHash, block_hash_chain
+from .hashing import BlockHash, block_hash_chain, scoped_seed
 from .lcp import as_tokens, lcp
 
 POOL_KV = "kv"
@@ -63,6 +66,7 @@ class CacheEntry:
     superseded: bool = False   # a longer entry now covers it (kept only as a safety net)
     disk_id: int | None = None  # its copy on the disk tier (written through or spilled)
     ttl: float | None = None    # its own idle lifetime (a client's breakpoint ttl); None: the pool's
+    scope: str = ""             # the cache scope it was stored in (tenant + cache_salt): served in it only
 
     @property
     def depth(self) -> int:
@@ -141,20 +145,24 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.config.max_entries > 0
 
-    def hashes(self, key_tokens: Sequence[int]) -> list[BlockHash]:
-        """Block-hash chain of a key. Agents resend a growing prefix, so the chain continues
-        from the longest block-aligned prefix of a recently hashed key (chained hashes make
-        ``chain(prefix) + chain(rest, seed=last)`` equal to ``chain(whole)``)."""
+    def hashes(self, key_tokens: Sequence[int], scope: str = "") -> list[BlockHash]:
+        """Block-hash chain of a key in ``scope``: the scope enters the chain at its root (the
+        seed), so every block of another scope hashes apart. Agents resend a growing prefix, so
+        the chain continues from the longest block-aligned prefix of a recently hashed key of the
+        same scope (chained hashes make ``chain(prefix) + chain(rest, seed=last)`` equal to
+        ``chain(whole)``)."""
         tokens = as_tokens(key_tokens)
         bs = self.config.block_size
         reuse: list[BlockHash] = []
-        for old_tokens, old_hashes in self._recent_chains:
+        for old_scope, old_tokens, old_hashes in self._recent_chains:
+            if old_scope != scope:
+                continue
             n = min(lcp(old_tokens, tokens) // bs, len(old_hashes))
             if n > len(reuse):
                 reuse = old_hashes[:n]
-        rest = block_hash_chain(reuse[-1] if reuse else self.seed, tokens[len(reuse) * bs:], bs)
+        rest = block_hash_chain(reuse[-1] if reuse else scoped_seed(self.seed, scope), tokens[len(reuse) * bs:], bs)
         chain = reuse + rest
-        self._recent_chains.append((tokens, chain))
+        self._recent_chains.append((scope, tokens, chain))
         del self._recent_chains[:-8]
         return chain
 
@@ -167,6 +175,7 @@ class PromptCache:
         extra_candidates: Iterable[int] = (),
         key_hashes: list[BlockHash] | None = None,
         prefer_session: str = "",
+        scope: str = "",
     ) -> MatchResult:
         """Best reusable entry for a request.
 
@@ -175,6 +184,7 @@ class PromptCache:
         entry sharing at least one block plus ``extra_candidates`` (e.g. the session's entries).
         ``prefer_session`` (CACHE_SESSION_PARTITIONING): among the candidates reusing the same
         (deepest) depth, an entry this session stored wins over the global pick (``preferred``).
+        Only entries stored in ``scope`` are candidates (their hashes hang from its seed too).
         """
         if not self.enabled:
             return MISS
@@ -182,8 +192,8 @@ class PromptCache:
             self._expire()
             key = as_tokens(key_tokens)
             model = as_tokens(model_tokens)
-            hashes = key_hashes if key_hashes is not None else self.hashes(key)
-            shared = self._shared_blocks(hashes)
+            hashes = key_hashes if key_hashes is not None else self.hashes(key, scope)
+            shared = {eid: n for eid, n in self._shared_blocks(hashes).items() if self._entries[eid].scope == scope}
             if not shared:
                 cands: dict[int, int] = {}
             elif broad:
@@ -192,7 +202,7 @@ class PromptCache:
                 deepest = max(shared.values())
                 cands = {eid: n for eid, n in shared.items() if n == deepest}
             for eid in extra_candidates:
-                if eid in self._entries:
+                if eid in self._entries and self._entries[eid].scope == scope:
                     cands.setdefault(eid, shared.get(eid, 0))
             best = MISS
             trim_loss = 0
@@ -231,23 +241,24 @@ class PromptCache:
         pool: str = POOL_KV,
         session_id: str = "",
         ttl: float | None = None,
+        scope: str = "",
     ) -> CacheEntry | None:
-        """Store an entry; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its pool's."""
+        """Store an entry in ``scope``; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its pool's."""
         if not self.enabled or self._limits[pool].max_entries <= 0:
             return None
         with self._lock:
             now = self.clock()
             key = as_tokens(key_tokens).copy()
             model = as_tokens(model_tokens).copy()
-            # Same model tokens in the same pool: replace rather than duplicate.
+            # Same model tokens in the same pool and scope: replace rather than duplicate.
             for e in list(self._entries.values()):
-                if e.pool == pool and e.depth == len(model) and np.array_equal(e.model_tokens, model):
+                if e.pool == pool and e.scope == scope and e.depth == len(model) and np.array_equal(e.model_tokens, model):
                     self._remove(e.entry_id, "replaced")
             entry = CacheEntry(
                 entry_id=self._next_id, key_tokens=key, model_tokens=model,
-                block_hashes=self.hashes(key), payload=payload, nbytes=int(nbytes),
+                block_hashes=self.hashes(key, scope), payload=payload, nbytes=int(nbytes),
                 floor=min(int(floor), len(model)), pool=pool, session_id=session_id, created=now, last_used=now,
-                ttl=ttl,
+                ttl=ttl, scope=scope,
             )
             self._next_id += 1
             self._entries[entry.entry_id] = entry
@@ -264,7 +275,7 @@ class PromptCache:
 
     def insert_disk_entry(self, key_tokens: Sequence[int], model_tokens: Sequence[int], *, disk_id: int,
                           nbytes: int, floor: int, pool: str = POOL_KV, session_id: str = "",
-                          last_used: float | None = None) -> CacheEntry | None:
+                          last_used: float | None = None, scope: str = "") -> CacheEntry | None:
         """Index an entry that lives on the disk tier only (start-up: its index is read, its
         tensors are not). It never culls or evicts anything: RAM limits do not count it."""
         if not self.enabled:
@@ -274,10 +285,10 @@ class PromptCache:
             key = as_tokens(key_tokens).copy()
             model = as_tokens(model_tokens).copy()
             entry = CacheEntry(
-                entry_id=self._next_id, key_tokens=key, model_tokens=model, block_hashes=self.hashes(key),
+                entry_id=self._next_id, key_tokens=key, model_tokens=model, block_hashes=self.hashes(key, scope),
                 payload=None, nbytes=int(nbytes), floor=min(int(floor), len(model)), pool=pool,
                 session_id=session_id, created=now, last_used=now if last_used is None else last_used,
-                disk_id=int(disk_id))
+                disk_id=int(disk_id), scope=scope)
             self._next_id += 1
             self._entries[entry.entry_id] = entry
             for h in entry.block_hashes:
@@ -489,7 +500,7 @@ class PromptCache:
         >= its floor), all but the longest are culled (the longest stays as a safety net)."""
         prefixes = [
             e for e in self._entries.values()
-            if e.pool == new.pool and e.entry_id != new.entry_id and e.depth < new.depth
+            if e.pool == new.pool and e.scope == new.scope and e.entry_id != new.entry_id and e.depth < new.depth
             and lcp(e.model_tokens, new.model_tokens) == e.depth
         ]
         if not prefixes:

@@ -82,10 +82,13 @@ def message_fingerprint(message: Mapping[str, Any]) -> str:
                        message.get("name")], sort_keys=True, ensure_ascii=False, default=str)
 
 
-def message_digests(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]]:
+def message_digests(messages: Sequence[Mapping[str, Any]], scope: str = "") -> list[tuple[str, int]]:
     """``[(digest_i, chars_i)]``: digest of messages[0..i] (chained SHA-256 over fingerprints) and
-    the characters of text up to and including message i (a size the router can rank by)."""
-    out, parent, chars = [], _ROOT, 0
+    the characters of text up to and including message i (a size the router can rank by). The
+    chain of a cache scope starts from its own root: a router placing a request by another
+    scope's digests finds none of them."""
+    out, chars = [], 0
+    parent = _ROOT if not scope else hashlib.sha256(_ROOT + b"\x00scope\x00" + scope.encode()).digest()
     for message in messages:
         if not isinstance(message, Mapping):
             break
@@ -97,6 +100,19 @@ def message_digests(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, in
 
 
 IMPLICIT_PREFIX = "msg:"
+TENANT_HEADER = "x-mlxstack-tenant"  # set by the front door only (the backend key proves it)
+_SCOPE_ROOT = b"mlxstack.cache-scope.v1\x00"
+
+
+def scope_of(tenant: str, salt: str) -> str:
+    """A request's cache scope: its tenant (the front door's word, from the client's key) and its
+    ``cache_salt``; "" -- the default scope -- for the master key without a salt. A digest, so
+    neither the tenant's name nor the salt is kept, logged or listed anywhere."""
+    tenant, salt = str(tenant or "").strip(), str(salt or "")
+    if not tenant and not salt:
+        return ""
+    blob = json.dumps([tenant, salt], ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return "s" + hashlib.sha256(_SCOPE_ROOT + blob).hexdigest()[:23]
 
 
 def opening_session_id(opening: Sequence[Mapping[str, Any]]) -> str:
@@ -110,14 +126,14 @@ def opening_session_id(opening: Sequence[Mapping[str, Any]]) -> str:
 _memo: "weakref.WeakKeyDictionary[Any, dict[str, tuple[list, list]]]" = weakref.WeakKeyDictionary()
 
 
-def _session_digests(turns: Any, session_id: str, messages: list) -> list[tuple[str, int]]:
-    """Digests of one turn-store record, computed once per record (records are replaced, never
-    edited, so the list object identifies the version)."""
+def _session_digests(turns: Any, session_id: str, messages: list, scope: str = "") -> list[tuple[str, int]]:
+    """Digests of one turn-store record in its scope, computed once per record (records are
+    replaced, never edited, so the list object identifies the version)."""
     memo = _memo.setdefault(turns, {})
     hit = memo.get(session_id)
     if hit is not None and hit[0] is messages:
         return hit[1]
-    digests = message_digests(messages)
+    digests = message_digests(messages, scope)
     memo[session_id] = (messages, digests)
     return digests
 
@@ -138,14 +154,16 @@ def build_summary(state: Any, *, model_id: str, ready: bool, queue_depth: int, b
     in_ram = [e for e in entries if e.payload is not None]
     # Most recently used sessions first, so the cap drops the coldest ones.
     held: dict[str, float] = {}
+    scopes: dict[str, str] = {}
     for e in entries:
         held[e.session_id] = max(held.get(e.session_id, 0.0), e.last_used)
+        scopes[e.session_id] = getattr(e, "scope", "")
     prefixes: dict[str, int] = {}
     for sid in sorted(held, key=held.get, reverse=True):
         messages = state.turns.get(sid)
         if not messages:
             continue
-        for digest, chars in _session_digests(state.turns, sid, messages):
+        for digest, chars in _session_digests(state.turns, sid, messages, scopes.get(sid, "")):
             prefixes[digest] = chars
         if len(prefixes) >= MAX_PREFIXES:
             break

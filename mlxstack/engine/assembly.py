@@ -32,7 +32,7 @@ from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.key_text import canonical_text
 from ..prompt.render import TemplateError, encode
 from ..prompt.scrub import scrub_cache_key
-from ..prompt.session_context import SessionContext, extract_session_context, session_opening
+from ..prompt.session_context import SessionContext, extract_session_context, opening_end, scoped, session_opening
 from ..prompt.write_content import omit_written_content
 from .request import CacheBreakpoint, ChatJob, PreparedPrompt
 
@@ -54,7 +54,7 @@ class PromptAssembly:
         safety check (``_plain_key``: what the key falls back to) -> history boundary."""
         s = self.settings
         renders = [0]
-        healed = self.state.heal(job.messages)
+        healed = self.state.heal(job.messages, job.scope)
         messages, omitted, omitted_bytes = (omit_written_content(healed, job.messages)
                                             if s.normalize_write_tool_content_for_prompt else (healed, 0, 0))
         original, canonical = canonicalize_messages(
@@ -198,9 +198,17 @@ class PromptAssembly:
         return (n, lcp(self._tokens_of(text, prep), prep.model_np)) if text is not None else (0, 0)
 
     def session_of(self, prep: PreparedPrompt, job: ChatJob) -> SessionContext:
-        """The client's session id, else the digest of the canonical opening (the router's too)."""
-        implicit = SessionContext(opening_session_id(session_opening(prep.record_canonical)), "message-prefix")
-        return extract_session_context(job.body, job.headers, implicit=implicit)
+        """The client's session id, else the digest of the conversation's opening as the client
+        sent it (the router's too), in the request's cache scope."""
+        return scoped(extract_session_context(job.body, job.headers, implicit=self.implicit_session(job.messages)),
+                      job.scope)
+
+    def implicit_session(self, messages: list[dict]) -> SessionContext:
+        """The implicit session of a conversation: the digest of its opening (prompt/session_context.py)."""
+        s = self.settings
+        opening = canonicalize_messages(messages[:opening_end(messages)], enabled=s.cache_canonicalize_tool_context,
+                                        strip_billing_header=s.strip_billing_header)[1]
+        return SessionContext(opening_session_id(session_opening(opening)), "message-prefix")
 
 
 def _cut(sent: dict, original: dict, chars: int | None) -> int | None:

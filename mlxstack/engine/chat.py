@@ -77,19 +77,21 @@ class ChatEngine(PromptAssembly, TurnFinish):
         """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
         once for all its tries and calls ``_lookup``)."""
         stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
-        return self._lookup(prep, session_id, stable_tokens), stable_msgs
+        return self._lookup(prep, session_id, stable_tokens, job.scope), stable_msgs
 
-    def _lookup(self, prep: PreparedPrompt, session_id: str, stable_tokens: int) -> MatchResult:
-        """The prompt cache's match: by key, then (when it stops short of the session's stable
-        prefix, or misses) the broad lookup over entries sharing a block and the session's lineage."""
+    def _lookup(self, prep: PreparedPrompt, session_id: str, stable_tokens: int, scope: str = "") -> MatchResult:
+        """The prompt cache's match in the request's scope: by key, then (when it stops short of
+        the session's stable prefix, or misses) the broad lookup over entries sharing a block and
+        the session's lineage."""
         cache = self.state.prompt_cache
-        hashes = cache.hashes(prep.key_np)
+        hashes = cache.hashes(prep.key_np, scope)
         # CACHE_SESSION_PARTITIONING: the session's own entry wins among equally deep ones
         prefer = session_id if self.settings.cache_session_partitioning else ""
-        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes, prefer_session=prefer)
+        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes, prefer_session=prefer, scope=scope)
         if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
             second = cache.lookup(prep.key_np, prep.model_np, broad=True, key_hashes=hashes,
-                                  extra_candidates=self.state.sessions.candidates(session_id), prefer_session=prefer)
+                                  extra_candidates=self.state.sessions.candidates(session_id), prefer_session=prefer,
+                                  scope=scope)
             if second.depth > match.depth:
                 match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")
         if match.hit and match.entry.pool == POOL_SNAPSHOT:
@@ -205,7 +207,8 @@ class ChatEngine(PromptAssembly, TurnFinish):
         if not self.state.prompt_cache.enabled:
             return MISS, 0, False, None
         stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
-        found = self.state.kv.find(lambda: self.validate_match(prep, self._lookup(prep, session_id, stable_tokens)))
+        found = self.state.kv.find(lambda: self.validate_match(prep, self._lookup(prep, session_id, stable_tokens,
+                                                                                   job.scope)))
         return found.match, (0 if found.gave_up else stable_msgs), found.from_disk, found.stored
 
     # ---------------------------------------------------------------- tool_choice / JSON mode

@@ -41,8 +41,8 @@ def start_report(state: Any, job: ChatJob, prep: PreparedPrompt, session_id: str
         if job.compare_to is None:
             asked = Diagnosis(NONE)          # opted in on a first turn: nothing to compare with
         else:
-            asked = diagnose(state.fingerprint("id:" + job.compare_to), fp, prep.model_np, cached=cached,
-                             cache_on=on)
+            asked = diagnose(state.fingerprint(reply_key(job.scope, job.compare_to)), fp, prep.model_np,
+                             cached=cached, cache_on=on)
     report = CacheReport(tier="disk" if from_disk else ("ram" if match.hit else "none"),
                          match=match.match_type if match.hit else "miss", cached=cached,
                          prompt=len(prep.model_tokens), session=session, asked=asked)
@@ -51,15 +51,21 @@ def start_report(state: Any, job: ChatJob, prep: PreparedPrompt, session_id: str
     return fp, report
 
 
+def reply_key(scope: str, response_id: str) -> str:
+    """Where a reply's fingerprint is kept: under its id in its cache scope (a reply of another
+    scope is never found, whatever id a request names)."""
+    return f"id:{scope}/{response_id}" if scope else "id:" + response_id
+
+
 def keep_fingerprint(state: Any, seq: Request, tokens: list[int]) -> None:
     """Keep the request's fingerprint over ``tokens`` (its prompt and the reply the next turn
     continues from) under its session and its reply's id."""
     if seq.fingerprint is None:
         return
     fp = with_tokens(seq.fingerprint, tokens)
-    keys = ["session:" + seq.session.session_id]
+    keys = ["session:" + (seq.record_session or seq.session.session_id)]
     if seq.job.response_id:
-        keys.append("id:" + seq.job.response_id)
+        keys.append(reply_key(seq.job.scope, seq.job.response_id))
     state.keep_fingerprint(keys, fp)
 
 

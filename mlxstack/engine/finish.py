@@ -23,6 +23,7 @@ from ..parsing.harmony import healing_patch
 from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.healing import apply_patch
 from ..prompt.render import TemplateError, encode
+from ..prompt.session_context import has_reply, scoped
 from ..runner.generate import feed
 from .diagnosis import keep_fingerprint
 from .request import ChatOutcome, Request
@@ -68,7 +69,7 @@ class TurnFinish:
         if store or aborted or job.prefill_only:     # an abort (a hang-up just now) salvages at once
             self._store_turn(seq, aborted, raw_ids)
         if not aborted and not job.prefill_only:
-            st.turns.update(seq.session.session_id, prep.record_canonical, history=prep.history_end)
+            st.turns.update(self.record_session(seq), prep.record_canonical, history=prep.history_end)
             self._remember_reply(seq, raw_text, visible)
 
         if not seq.t_first:
@@ -80,7 +81,7 @@ class TurnFinish:
             text=visible, raw_text=raw_text, finish_reason=seq.finish_reason,
             prompt_tokens=len(prep.model_tokens), cached_tokens=seq.start,
             completion_tokens=len(seq.generated), match_type=seq.match.match_type if seq.match.hit else "miss",
-            thinking_started=seq.thinking_started, session_id=seq.session.session_id, aborted=aborted,
+            thinking_started=seq.thinking_started, session_id=self.record_session(seq), aborted=aborted,
             logprobs=self._logprobs(seq),
             timings={
                 "prepare_ms": round((seq.t_prep - seq.t0) * 1000, 2),
@@ -118,6 +119,7 @@ class TurnFinish:
         if not stores:
             report.segments = ()
         reply = [] if aborted or seq.job.prefill_only or seq.stopped_by_string else raw_ids
+        self.record_session(seq)
         keep_fingerprint(self.state, seq, seq.prep.model_tokens + reply)
         return report
 
@@ -199,7 +201,8 @@ class TurnFinish:
         parsed, healed = self._healed(seq, raw_text, visible)
         if healed is None:
             return
-        healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages]), parsed.content,
+        healing.remember(history_digest([healing.view(m) for m in seq.prep.history_messages], seq.job.scope),
+                         parsed.content,
                          parsed.tool_calls, healed)
 
     def _healed(self, seq: Request, raw_text: str, visible: str) -> tuple[Any, Any]:
@@ -216,16 +219,37 @@ class TurnFinish:
             return parsed, healing_patch(generated)
         return parsed, self.renderer.generation_extra(job.enable_thinking, bool(job.tools)) + generated
 
-    def echoed_message(self, seq: Request, content_ids: list[int]) -> dict:
-        """The assistant message the next turn's prompt renders for this reply: as the client
-        sends it back (visible content, its tool calls), healed as the healing store will heal it."""
-        raw_text = seq.forced + self.loaded.tokenizer.decode(content_ids)
-        parsed, healed = self._healed(seq, raw_text, "".join(seq.visible))
+    def record_session(self, seq: Request) -> str:
+        """The session a turn's records (entries, turn store, fingerprint) are kept under: its own,
+        but a conversation's first turn in an implicit session keeps them under the id its reply
+        gives the conversation (prompt/session_context.py ``opening_end``): the id its next turn has."""
+        if seq.record_session is None:
+            seq.record_session = seq.session.session_id
+            job = seq.job
+            if seq.session.source == "message-prefix" and not has_reply(job.messages) and not job.prefill_only:
+                sent = self.client_reply(seq)
+                seq.record_session = scoped(self.implicit_session(job.messages + [sent]), job.scope).session_id
+        return seq.record_session
+
+    def client_reply(self, seq: Request) -> dict:
+        """The reply as the client sends it back: its visible content and tool calls."""
+        from ..parsing.output import split_reply
+
+        parsed = split_reply("".join(seq.visible), thinking_started=seq.thinking_started, tools=seq.job.tools,
+                             family=self.loaded.family)
         sent: dict = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             sent["tool_calls"] = [{"id": c.id or f"call_{i}", "type": "function",
                                    "function": {"name": c.name, "arguments": c.arguments}}
                                   for i, c in enumerate(parsed.tool_calls)]
+        return sent
+
+    def echoed_message(self, seq: Request, content_ids: list[int]) -> dict:
+        """The assistant message the next turn's prompt renders for this reply: as the client
+        sends it back (visible content, its tool calls), healed as the healing store will heal it."""
+        raw_text = seq.forced + self.loaded.tokenizer.decode(content_ids)
+        _parsed, healed = self._healed(seq, raw_text, "".join(seq.visible))
+        sent = self.client_reply(seq)
         if self.state.healing is None or healed is None:
             return sent          # healing leaves it as the client sent it
         if self.harmony:
@@ -253,10 +277,11 @@ class TurnFinish:
                   {"role": "user", "content": "C3"})
         encoded: list[list[int]] = []
         for nxt in follow:
+            self.state.counters.bump("echo_renders")
             try:
                 text = self.renderer.render(history + [nxt], job.tools, job.enable_thinking, add_generation_prompt=False)
             except TemplateError:
-                continue
+                continue         # e.g. a template that refuses a tool result without a call before it
             encoded.append(encode(self.loaded.tokenizer, text))
             if len(encoded) == 2:
                 break
@@ -368,7 +393,7 @@ class TurnFinish:
     def _store_entries(self, seq: Request, continuation: list[int], prompt_depth: int | None,
                        inserted: list[int]) -> None:
         st = self.state
-        prep, match, session_id = seq.prep, seq.match, seq.session.session_id
+        prep, match, session_id = seq.prep, seq.match, self.record_session(seq)
         parent = match.entry.session_id if match.hit else None
         n_prompt = len(prep.model_tokens) if prompt_depth is None else prompt_depth
         all_model = prep.model_tokens[:n_prompt] + continuation
@@ -381,10 +406,12 @@ class TurnFinish:
         # (the request's own; a breakpoint's where it can be cut back there)
         asked = [seq.job.cache_ttl] + [t for k, t in seq.prep.breakpoints if state.can_serve(k)]
         ttl = max(self.lifetime(a) for a in asked) if any(a is not None for a in asked) else None
+        scope = seq.job.scope
         st.kv.store(key, all_model[:depth], state, pool=POOL_KV, session_id=session_id, parent=parent, ttl=ttl,
-                    inserted=inserted, fault=seq.job.request_id)
+                    inserted=inserted, fault=seq.job.request_id, scope=scope)
         for snap in seq.snapshots:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
             st.kv.store(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth], snap, pool=POOL_SNAPSHOT,
-                        session_id=session_id, parent=parent, ttl=seq.lifetimes.get(snap.depth), inserted=inserted)
+                        session_id=session_id, parent=parent, ttl=seq.lifetimes.get(snap.depth), inserted=inserted,
+                        scope=scope)

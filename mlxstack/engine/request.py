@@ -71,6 +71,10 @@ class ChatJob:
     breakpoints: tuple[CacheBreakpoint, ...] = ()
     cache_ttl: float | None = None
     api: str = ""                                # the front it came in by: chat | responses | messages
+    # the cache scope (cache/summary.py scope_of: the tenant the front door vouched for and the
+    # request's cache_salt; "" = the default scope): entries, sessions, healing and diagnoses of
+    # one scope are never seen, reused or timed by another
+    scope: str = ""
 
 
 @dataclass
@@ -210,3 +214,4 @@ class Request:
     fingerprint: Any = None           # cache/diagnosis.Fingerprint of the prompt (None: not taken)
     cache_report: CacheReport | None = None
     lifetimes: dict[int, float] = field(default_factory=dict)   # snapshot depth -> applied lifetime (breakpoints)
+    record_session: str | None = None # the session its records are kept under (finish.py ``record_session``)

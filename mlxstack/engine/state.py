@@ -189,8 +189,8 @@ class EngineState:
         is bound to the exact history, never to a canonical one two conversations can share."""
         return canonicalize_messages([message], enabled=False, strip_billing_header=self.settings.strip_billing_header)[0][0]
 
-    def heal(self, messages: list[dict]) -> list[dict]:
-        return self.healing.heal(messages) if self.healing is not None else messages
+    def heal(self, messages: list[dict], scope: str = "") -> list[dict]:
+        return self.healing.heal(messages, scope) if self.healing is not None else messages
 
     def new_cache(self, model: Any) -> LiveCache:
         return LiveCache(make_prompt_cache(model), 0, self.kv_quant)

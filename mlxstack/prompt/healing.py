@@ -52,8 +52,14 @@ def extend_digest(digest: str, message: Any) -> str:
     return hashlib.sha256((digest + "\x00" + blob).encode()).hexdigest()
 
 
-def history_digest(messages: Sequence[Any]) -> str:
-    digest = EMPTY_DIGEST
+def scope_digest(scope: str) -> str:
+    """Where a scope's history digests start: a reply remembered in one cache scope is never
+    healed into another's conversation, however alike."""
+    return EMPTY_DIGEST if not scope else hashlib.sha256((EMPTY_DIGEST + "\x00scope\x00" + scope).encode()).hexdigest()
+
+
+def history_digest(messages: Sequence[Any], scope: str = "") -> str:
+    digest = scope_digest(scope)
     for m in messages:
         digest = extend_digest(digest, m)
     return digest
@@ -128,13 +134,13 @@ class HealingStore:
         with self._lock:
             return self._items.get(key)
 
-    def heal(self, messages: list[dict]) -> list[dict]:
-        """A new list where every recognised assistant turn carries what was generated."""
+    def heal(self, messages: list[dict], scope: str = "") -> list[dict]:
+        """A new list where every recognised assistant turn carries what was generated (in ``scope``)."""
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
         if last < 0 or not self._items:  # nothing could be healed: skip the history digests
             return list(messages)
         out = []
-        digest = EMPTY_DIGEST
+        digest = scope_digest(scope)
         for i, m in enumerate(messages):
             if i > last:  # no assistant turn follows: later digests are never looked up
                 out.extend(messages[i:])

@@ -16,9 +16,10 @@ Lookup order (first non-empty value wins):
   3. Claude Code's ``metadata.user_id``, which embeds the session (``user_…_session_<uuid>`` or a JSON
      string with ``session_id``) (source ``"body.metadata.user_id"``) — only reaches us on direct calls.
   4. The caller's ``implicit`` id: the engine and the router both pass the digest of the
-     conversation's opening (``session_opening``: canonical messages up to the end of the first user
-     message, scrubbed; ``msg:<digest>``, source ``"message-prefix"``), so requests sharing their
-     opening (system prompt + first user turn) share a session, spelled the same on both sides.
+     conversation's opening (``session_opening``: canonical messages through the first user
+     message and the first reply after it, scrubbed; ``msg:<digest>``, source ``"message-prefix"``),
+     so the turns of one conversation share a session, spelled the same on both sides, and two
+     conversations that open alike part at their first reply.
      Without one, SHA-1 of the canonical tokens the caller passes (source ``"prefix-hash"``).
 
 Ids are strings (ints are accepted and stringified), stripped; ids longer than 256 characters
@@ -92,15 +93,35 @@ def prefix_hash_session_id(canonical_tokens: Sequence[int]) -> str:
     return hashlib.sha1(head.tobytes()).hexdigest()
 
 
-def session_opening(canonical: Sequence[Any]) -> list[dict]:
-    """The opening an implicit session id hashes: the canonical messages up to and including the
-    first user message (all of them when there is none), their text scrubbed as the cache key's
-    is (prompt/scrub.py: a reminder, a billing line or a clock does not start a new session).
-    The router hashes the same opening (routing/session_key.py), so one id means one session on
-    both sides, and the engine needs no render of its own for it."""
-    usable = [m for m in canonical if isinstance(m, Mapping)]
+def opening_end(messages: Sequence[Any]) -> int:
+    """How many leading messages an implicit session id covers: through the first user message
+    and the first reply after it, when the conversation has one (all of them when there is no user
+    message). Two conversations that open alike part at their first reply, so their turns from
+    the second on never share a session (nor compare with each other in a diagnosis); a first
+    turn, which has no reply yet, stores its records under the id its reply gives the
+    conversation (``opening_with_reply``)."""
+    usable = [m for m in messages if isinstance(m, Mapping)]
     first_user = next((i for i, m in enumerate(usable) if m.get("role") == "user"), len(usable) - 1)
-    return [_scrubbed(m) for m in usable[: first_user + 1]]
+    reply = next((i for i in range(first_user + 1, len(usable)) if usable[i].get("role") == "assistant"), None)
+    return (first_user if reply is None else reply) + 1
+
+
+def has_reply(messages: Sequence[Any]) -> bool:
+    """Whether the opening of ``messages`` already holds its first reply."""
+    usable = [m for m in messages if isinstance(m, Mapping)]
+    end = opening_end(usable)
+    return end > 0 and usable[end - 1].get("role") == "assistant"
+
+
+def session_opening(canonical: Sequence[Any]) -> list[dict]:
+    """The opening an implicit session id hashes: the canonical messages ``opening_end`` covers,
+    their text scrubbed as the cache key's is (prompt/scrub.py: a reminder, a billing line or a
+    clock does not start a new session). The router hashes the same opening of the messages as
+    the client sent them (routing/session_key.py), so one id means one session on both sides, and
+    the engine needs no render of its own for it. A reply is hashed by its visible text and tool
+    calls (cache/summary.py ``message_fingerprint``: reasoning left out), which clients echo."""
+    usable = [m for m in canonical if isinstance(m, Mapping)]
+    return [_scrubbed(m) for m in usable[: opening_end(usable)]]
 
 
 def _scrubbed(message: Mapping[str, Any]) -> dict:
@@ -115,6 +136,20 @@ def _scrubbed(message: Mapping[str, Any]) -> dict:
             for part in content
         ]
     return out
+
+
+_SCOPED_ID = re.compile(r"^s[0-9a-f]{23}/")
+
+
+def scoped(ctx: SessionContext, scope: str) -> SessionContext:
+    """``ctx`` in a cache scope (cache/summary.py ``scope_of``): the same id in another scope is
+    another session. A client's own id spelled like a scoped one is hashed, so no request of the
+    default scope can name a session of another."""
+    if scope:
+        return SessionContext(f"{scope}/{ctx.session_id}", ctx.source)
+    if _SCOPED_ID.match(ctx.session_id):
+        return SessionContext("sha1:" + hashlib.sha1(ctx.session_id.encode("utf-8")).hexdigest(), ctx.source)
+    return ctx
 
 
 def extract_session_context(
@@ -160,4 +195,5 @@ def extract_session_context(
     return SessionContext(prefix_hash_session_id(canonical_tokens), "prefix-hash")
 
 
-__all__ = ["SessionContext", "extract_session_context", "prefix_hash_session_id", "session_opening"]
+__all__ = ["SessionContext", "extract_session_context", "has_reply", "scoped", "opening_end", "prefix_hash_session_id",
+           "session_opening"]

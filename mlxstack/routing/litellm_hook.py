@@ -36,7 +36,8 @@ import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
 from mlxstack.routing.placement import BackendView, place
-from mlxstack.routing.session_key import request_digests, routing_session
+from mlxstack.prompt.session_context import has_reply
+from mlxstack.routing.session_key import request_digests, request_scope, routing_session
 
 log = logging.getLogger("mlxstack.routing")
 if not log.handlers:  # LiteLLM's own logging setup does not show INFO lines from other packages
@@ -165,10 +166,12 @@ class MlxRoutingHook(CustomLogger):
             return data
         headers = (data.get("proxy_server_request") or {}).get("headers") or {}
         messages = data.get("messages") or data.get("input") or []
-        ctx = routing_session(data, headers, messages if isinstance(messages, list) else [], **self.canon)
+        scope = request_scope(data, headers)
+        ctx = routing_session(data, headers, messages if isinstance(messages, list) else [], scope, **self.canon)
         for metadata in _metadata_dicts(data) or [data.setdefault("metadata", {})]:
             metadata["session_id"] = ctx.session_id
             metadata["mlxstack_session_source"] = ctx.source
+            metadata["mlxstack_scope"] = scope
             metadata.pop(GENERATED_FLAG, None)
         return data
 
@@ -177,7 +180,15 @@ class MlxRoutingHook(CustomLogger):
         for metadata in _metadata_dicts(kwargs):
             if metadata.get("session_id") and not metadata.get(GENERATED_FLAG):
                 return str(metadata["session_id"])
-        return routing_session(kwargs, {}, messages or [], **self.canon).session_id
+        return routing_session(kwargs, {}, messages or [], self._scope_of(kwargs), **self.canon).session_id
+
+    @staticmethod
+    def _scope_of(kwargs: dict) -> str:
+        """The cache scope the pre-call hook found (placement only ever reads that scope's digests)."""
+        for metadata in _metadata_dicts(kwargs):
+            if isinstance(metadata.get("mlxstack_scope"), str):
+                return metadata["mlxstack_scope"]
+        return request_scope(kwargs, {})
 
     def _expire(self, now: float) -> None:
         if now - self._expired < 60.0:  # a sweep a minute keeps the tables bounded at no per-request cost
@@ -217,7 +228,7 @@ class MlxRoutingHook(CustomLogger):
             if pin_url in by_url and await self.monitor.alive(pin_url, fresh=retry):
                 choice = place(pin_url, [BackendView(pin_url, True)], [])
             else:
-                digests = request_digests(messages or [], **self.canon)
+                digests = request_digests(messages or [], self._scope_of(kwargs), **self.canon)
                 summaries = await asyncio.gather(*(self.monitor.summary(u, _api_key(by_url[u])) for u in urls))
                 views = [self._view(u, s, now) for u, s in zip(urls, summaries)]
                 choice = place(pin_url, views, digests)
@@ -269,7 +280,35 @@ class MlxRoutingHook(CustomLogger):
         if call:
             self.inflight.pop(str(call), None)
 
+    def pin_next_turn(self, kwargs: dict, response_obj: Any) -> str | None:
+        """A conversation's first turn under an implicit session: its next turn's id is the digest
+        of the opening *and this reply* (prompt/session_context.py ``opening_end``), so the next
+        turn is pinned where this one ran -- as the server keeps this turn's records under that id.
+        Returns the id pinned (None when there is nothing to pin)."""
+        messages = (kwargs or {}).get("messages")
+        if not isinstance(messages, list) or has_reply(messages):
+            return None
+        call = str((kwargs or {}).get("litellm_call_id") or "")
+        placed = self.inflight.get(call) or self.attempts.get(call, ([None], 0.0))
+        url = placed[0][-1] if isinstance(placed[0], list) else placed[0]
+        try:
+            message = response_obj.choices[0].message
+            reply = {"role": "assistant", "content": message.content or "",
+                     "tool_calls": [{"function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                    for c in (message.tool_calls or [])]}
+        except (AttributeError, IndexError, TypeError):
+            return None
+        ctx = routing_session(kwargs, {}, [*messages, reply], self._scope_of(kwargs), **self.canon)
+        if url is None or ctx.source != "message-prefix":
+            return None
+        self.pins[ctx.session_id] = (url, time.monotonic())
+        return ctx.session_id
+
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
+        try:
+            self.pin_next_turn(kwargs, response_obj)
+        except Exception:  # noqa: BLE001 - a pin is a hint: never let it cost the request
+            log.exception("could not pin the next turn")
         self._done(kwargs)
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001

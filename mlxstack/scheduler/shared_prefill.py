@@ -24,12 +24,13 @@ from ..cache.lcp import lcp
 def plan_follow(seq: Any, prefilling: list[Any], min_tokens: int) -> tuple[Any, int] | None:
     """The request ``seq`` should take its first tokens from, and how many: the one still
     prefilling (and not itself waiting) that shares the most tokens with it, when that is at least
-    ``min_tokens`` more than ``seq`` already reused; never its last prompt token."""
+    ``min_tokens`` more than ``seq`` already reused, of the same cache scope; never its last
+    prompt token."""
     best: tuple[Any, int] | None = None
     tokens = seq.prep.model_tokens
     for other in prefilling:
-        if other is seq or other.follows is not None:
-            continue
+        if other is seq or other.follows is not None or other.job.scope != seq.job.scope:
+            continue            # a prompt of another cache scope is never shared, however alike
         theirs = other.prep.model_tokens
         n = min(lcp(tokens, theirs), len(tokens) - 1, len(theirs) - 1)
         if n - seq.start >= min_tokens and (best is None or n > best[1]) and _can_reach(other, n):

@@ -96,7 +96,7 @@ class DiskBacking:
                                             nbytes=int(meta.get("ram_bytes", info.nbytes)),
                                             floor=int(meta.get("floor", info.depth)),
                                             pool=str(meta.get("pool", "kv")), session_id=str(meta.get("session", "")),
-                                            last_used=time.monotonic())
+                                            last_used=time.monotonic(), scope=str(meta.get("scope", "")))
             if entry is not None:
                 self._meta[info.entry_id] = meta
                 n += 1

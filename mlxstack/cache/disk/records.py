@@ -36,7 +36,7 @@ def entry_to_record(entry: CacheEntry) -> DiskRecord:
     mx.eval(list(views.values()))
     tensors = {name: np.asarray(memoryview(a)) for name, a in views.items()}   # zero-copy views
     meta = {"state": meta, "bfloat16": bf16, "floor": entry.floor, "pool": entry.pool,
-            "session": entry.session_id, "ram_bytes": entry.nbytes}
+            "session": entry.session_id, "scope": entry.scope, "ram_bytes": entry.nbytes}
     return DiskRecord(entry.key_tokens, entry.model_tokens, tensors, meta)
 
 

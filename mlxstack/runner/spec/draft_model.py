@@ -54,51 +54,54 @@ class DraftModel:
         self.step = int(step)                 # catch-up chunk (the draft's prefill step)
         self.window = int(window)             # most tokens a catch-up feeds (0: no bound)
         self.name = name
-        # entries: (cache, held, base): the cache holds held[base:] (held[:base] is context it skipped)
-        self.store: SizedLRU[int, tuple[list[Any], list[int], int]] = SizedLRU(max_entries, max_bytes)
+        # entries: (cache, held, base, scope): the cache holds held[base:] (held[:base] is context it
+        # skipped), taken again only by a request of the same cache scope
+        self.store: SizedLRU[int, tuple[list[Any], list[int], int, str]] = SizedLRU(max_entries, max_bytes)
         self._keys = count()
         self.fed = 0                          # tokens fed to catch up (prompt prefill included)
         self.drafted = 0                      # draft tokens decoded
         self.reused = 0                       # tokens a row found in a stored cache
 
-    def drafter(self, tokens: Sequence[int]) -> "ModelDrafter":
-        """A row's drafter over ``tokens`` (its prompt), starting from the stored cache that shares
-        the longest prefix with them past its skipped context (taken out of the store: a cache has
-        one owner at a time)."""
+    def drafter(self, tokens: Sequence[int], scope: str = "") -> "ModelDrafter":
+        """A row's drafter over ``tokens`` (its prompt), starting from the stored cache of its cache
+        scope that shares the longest prefix with them past its skipped context (taken out of the
+        store: a cache has one owner at a time)."""
         tokens = [int(t) for t in tokens]
         best_key, best = None, 0
-        for key, (_, held, base) in self.store.items():
-            n = lcp(held, tokens)
+        for key, (_, held, base, owner_scope) in self.store.items():
+            n = lcp(held, tokens) if owner_scope == scope else 0
             if n > base and n - base > best:
                 best_key, best = key, n - base
         if best_key is not None:
-            cache, held, base = self.store.pop(best_key)
+            cache, held, base, _ = self.store.pop(best_key)
             self._count("reused", min(best, max(0, len(tokens) - 1 - base)))
-            return ModelDrafter(self, tokens, cache, held, base)
-        return ModelDrafter(self, tokens, make_prompt_cache(self.model), [], 0)
+            return ModelDrafter(self, tokens, cache, held, base, scope)
+        return ModelDrafter(self, tokens, make_prompt_cache(self.model), [], 0, scope)
 
     def _count(self, what: str, n: int) -> None:
         setattr(self, what, getattr(self, what) + n)
         if self.counters is not None:
             self.counters.bump(f"draft_{'tokens' if what == 'drafted' else what}", n)
 
-    def put_back(self, cache: list[Any], held: list[int], base: int) -> None:
+    def put_back(self, cache: list[Any], held: list[int], base: int, scope: str = "") -> None:
         if len(held) > base:
-            self.store.put(next(self._keys), (cache, held, base), resident_bytes([cache]))
+            self.store.put(next(self._keys), (cache, held, base, scope), resident_bytes([cache]))
 
 
 class ModelDrafter:
     """One request's drafts from the draft model (``extend`` / ``plan`` / ``propose`` /
     ``close``: the verbs of ``NgramDrafter``)."""
 
-    __slots__ = ("owner", "tokens", "cache", "held", "base", "closed")
+    __slots__ = ("owner", "tokens", "cache", "held", "base", "closed", "scope")
 
-    def __init__(self, owner: DraftModel, tokens: list[int], cache: list[Any], held: list[int], base: int) -> None:
+    def __init__(self, owner: DraftModel, tokens: list[int], cache: list[Any], held: list[int], base: int,
+                 scope: str = "") -> None:
         self.owner = owner
         self.tokens = tokens        # the request's tokens: prompt, then the reply as it is accepted
         self.cache = cache          # the draft model's cache: it holds held[base:] ...
         self.held = held            # ... (may end in drafts not kept; held[:base] was skipped)
         self.base = base
+        self.scope = scope
         self.closed = False
 
     def __len__(self) -> int:
@@ -160,4 +163,4 @@ class ModelDrafter:
         """The request ended: its cache goes back to the store for the next turn."""
         if not self.closed:
             self.closed = True
-            self.owner.put_back(self.cache, self.held, self.base)
+            self.owner.put_back(self.cache, self.held, self.base, self.scope)

@@ -102,7 +102,8 @@ class Speculation:
         lo, hi = self.ngram
         tokens = seq.prep.model_tokens
         lookup = NgramDrafter(tokens, max_n=max(lo, hi), min_n=min(lo, hi)) if self.lookup else None
-        model = self.draft.drafter(tokens) if self.draft is not None else None
+        scope = getattr(getattr(seq, "job", None), "scope", "")
+        model = self.draft.drafter(tokens, scope) if self.draft is not None else None
         drafter = Chained(lookup, model) if lookup and model else (lookup or model)
         return RowSpec(drafter, DraftControl(self.max_draft))
 

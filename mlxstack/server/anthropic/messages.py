@@ -42,7 +42,7 @@ from typing import Any
 
 from ...engine.request import CacheBreakpoint
 from ...parsing.reasoning import REASONING
-from ..common.chat_body import copy_fields, function_tool, joined
+from ..common.chat_body import copy_cache_salt, copy_fields, function_tool, joined
 from ..common.error_shapes import answer_errors
 from ..common.error_shapes import messages_error as error_body
 from ..http.errors import APIError, bad_request
@@ -352,6 +352,7 @@ def to_chat_body(body: dict, marks: Marks | None = None) -> dict:
     fmt = output_format(body)
     if fmt is not None:
         chat["response_format"] = fmt
+    copy_cache_salt(body, chat)
     copy_fields(body, chat, (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                              ("top_k", "top_k"), ("stop_sequences", "stop"), ("metadata", "metadata")))
     # Anthropic semantics: no `thinking` field means no extended thinking (Claude Code with

@@ -37,4 +37,13 @@ def copy_fields(body: dict, chat: dict, pairs: Iterable[tuple[str, str]]) -> Non
             chat[dst] = body[src]
 
 
-__all__ = ["copy_fields", "function_tool", "joined"]
+def copy_cache_salt(body: dict, chat: dict) -> None:
+    """The client's ``cache_salt`` (top level or ``extra_body``) onto the translated chat body,
+    unvalidated: the chat validation names it for every front alike."""
+    if body.get("cache_salt") is not None:
+        chat["cache_salt"] = body["cache_salt"]
+    elif isinstance(body.get("extra_body"), dict) and body["extra_body"].get("cache_salt") is not None:
+        chat["extra_body"] = {"cache_salt": body["extra_body"]["cache_salt"]}
+
+
+__all__ = ["copy_cache_salt", "copy_fields", "function_tool", "joined"]

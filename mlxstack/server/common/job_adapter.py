@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from ...cache.summary import TENANT_HEADER, scope_of
 from ...engine.chat import ChatJob, PromptReady
 from ...engine.worker import QueueFull
 from ...prompt.images import ImageError
@@ -90,6 +91,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         sampling_origin=req.sampling_origin,
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
         breakpoints=d.breakpoints, cache_ttl=d.cache_ttl, api=api,
+        scope=scope_of(headers.get(TENANT_HEADER, ""), req.cache_salt),
     )
 
 
@@ -131,7 +133,14 @@ def submit_chat(app: Any, job: ChatJob) -> Any:
 
 
 def request_headers(handler: Any) -> dict[str, str]:
-    return {k.lower(): v for k, v in handler.headers.items()}
+    """The request's headers, lower-case. The tenant header is the front door's word, proven by
+    the backend key the request carried: on a server without MLX_API_KEY nothing proves it, and
+    it is dropped (every request is then in the default tenant)."""
+    headers = {k.lower(): v for k, v in handler.headers.items()}
+    app = getattr(handler, "app", None)
+    if not getattr(getattr(app, "settings", None), "mlx_api_key", ""):
+        headers.pop(TENANT_HEADER, None)
+    return headers
 
 
 API_ROUTES = (("/chat/completions", "chat"), ("/responses", "responses"), ("/messages", "messages"))

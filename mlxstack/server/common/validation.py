@@ -67,6 +67,7 @@ class ChatRequest:
     # where each sampling value came from (runner/sampling_defaults.py): request log, stats
     sampling_origin: dict[str, str] = field(default_factory=dict)
     repetition_scope: str = "reply"
+    cache_salt: str = ""       # vLLM's field: requests reuse each other's cache only with the same salt
 
 
 # ---------------------------------------------------------------------------- JSON
@@ -352,6 +353,24 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
+MAX_CACHE_SALT = 1024
+
+
+def cache_salt(body: dict) -> str:
+    """The request's ``cache_salt`` (vLLM's field; at the top level or under ``extra_body``): a
+    non-empty string, "" when absent. Requests share cached prompts only within one salt."""
+    where, value = "cache_salt", body.get("cache_salt")
+    extra = body.get("extra_body")
+    if value is None and isinstance(extra, dict):
+        where, value = "extra_body.cache_salt", extra.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_CACHE_SALT:
+        raise bad_request(f"'{where}' must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                          param=where)
+    return value
+
+
 def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = None,
                        defaults: SamplingDefaults | None = None) -> ChatRequest:
     """Validate a chat-completions body. ``vocab_size`` (the logits width) bounds top_k and logit_bias."""
@@ -436,6 +455,7 @@ def parse_chat_request(body: dict, settings: Settings, vocab_size: int | None = 
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         sampling_origin=origin,
         repetition_scope=defaults.penalty_scope,
+        cache_salt=cache_salt(body),
     )
 
 

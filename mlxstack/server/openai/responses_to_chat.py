@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.request import CacheBreakpoint
-from ..common.chat_body import copy_fields, function_tool, joined
+from ..common.chat_body import copy_cache_salt, copy_fields, function_tool, joined
 from ..http.errors import bad_request
 from ..common.opaque import decode_opaque, encode_opaque
 
@@ -342,6 +342,7 @@ def to_chat_body(body: dict, history: list[dict] | None = None) -> ResponsesCall
     copy_fields(body, chat, (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                              ("top_k", "top_k"), ("seed", "seed"), ("metadata", "metadata"),
                              ("enable_thinking", "enable_thinking"), ("chat_template_kwargs", "chat_template_kwargs")))
+    copy_cache_salt(body, chat)
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise bad_request("'reasoning' must be an object like {\"effort\": \"medium\"}", param="reasoning")
