@@ -165,12 +165,16 @@ def test_config_names_the_front_door_and_its_shim_imports_without_the_repo_on_th
 # ------------------------------------------------------------------ the real stack
 ALIASES = {
     "chat": ["/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions", "/openai/chat/completions",
-             "/engines/m/chat/completions", "/openai/deployments/m/chat/completions", "/v1/chat/completions/"],
+             "/engines/m/chat/completions", "/openai/deployments/m/chat/completions", "/v1/chat/completions/",
+             # {model:path}: a model id with a "/" (openai/<name>, the first id /v1/models lists)
+             "/engines/openai/m/chat/completions", "/openai/deployments/openai/m/chat/completions",
+             "/engines/a/b/c/chat/completions"],
     "responses": ["/v1/responses", "/responses", "/openai/v1/responses"],
     "messages": ["/v1/messages", "/v1/messages/count_tokens", "/anthropic/v1/messages"],
     "keyed": ["/v1/completions", "/engines/m/completions", "/openai/deployments/m/embeddings", "/v1/models",
-              "/models/m", "/v1/responses/resp_1", "/model/info"],
-    None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other"],
+              "/models/m", "/v1/responses/resp_1", "/model/info", "/engines/openai/m/completions",
+              "/openai/deployments/openai/m/embeddings", "/engines/openai/m/embeddings"],
+    None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other", "/engines/openai/m/other"],
 }
 
 
@@ -297,6 +301,42 @@ def test_openai_sdk_gets_typed_errors_through_4000(stack):
             status, body = raw_post(stack, path, json.dumps({"model": MODEL, "messages": messages}).encode(), STACK_KEY)
             assert (status, body["error"]["param"]) == (400, param), (path, body)
         assert raw_post(stack, path, b"{}", "sk-wrong")[0] == 401
+
+
+def test_every_chat_alias_litellm_serves_answers_a_list_body_400(stack):
+    """A JSON list on /engines/openai/<m>/chat/completions (or /openai/deployments/...) was a 500:
+    the front door took {m} for one path segment, so the alias with a model id holding a "/" was not
+    watched (its key check neither). The aliases come from the running LiteLLM's own route table."""
+    from tests.conftest import http_json
+    from tests.test_e2e_stack import KEY as STACK_KEY, MODEL
+
+    status, spec, _ = http_json(stack.base + "/openapi.json")
+    assert status == 200
+    posts = {p for p, ops in spec["paths"].items() if "post" in ops}
+    # /cursor/chat/completions takes Responses bodies too, /queue/ is LiteLLM's experimental queue
+    chat = sorted(p for p in posts if p.endswith("/chat/completions") and not p.startswith("/cursor/"))
+    assert chat == ["/chat/completions", "/engines/{model}/chat/completions",
+                    "/openai/deployments/{model}/chat/completions", "/v1/chat/completions"]
+    listing = http_json(stack.base + "/v1/models", headers={"Authorization": f"Bearer {STACK_KEY}"})[1]
+    models = [m["id"] for m in listing["data"]]
+    assert models[0] == f"openai/{MODEL}" and MODEL in models
+    want = {"error": {"message": "The request body must be a JSON object, got list", "type": "invalid_request_error",
+                      "param": "body", "code": None}}
+    for template in chat:
+        for model in models:
+            path = template.replace("{model}", model)
+            assert raw_post(stack, path, b'[{"model": "x"}]', STACK_KEY) == (400, want), path
+            status, body = raw_post(stack, path, b"{}", "sk-wrong")
+            assert (status, body["error"]["type"]) == (401, "authentication_error"), path
+    ok = json.dumps({"model": f"openai/{MODEL}", "messages": [{"role": "user", "content": "Say hi."}],
+                     "max_tokens": 4}).encode()
+    status, body = raw_post(stack, f"/engines/openai/{MODEL}/chat/completions", ok, STACK_KEY)
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    responses = sorted(p for p in posts if p.endswith("/responses"))
+    assert responses == ["/openai/v1/responses", "/responses", "/v1/responses"]
+    for path in responses:
+        status, body = raw_post(stack, path, b"[1]", STACK_KEY)
+        assert (status, body["error"]["param"]) == (400, "body"), path
 
 
 def test_anthropic_sdk_gets_typed_errors_through_4000(stack):

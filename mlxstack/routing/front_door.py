@@ -50,9 +50,11 @@ log = logging.getLogger("mlxstack.front_door")
 
 MAX_BODY = 256 * 1024 * 1024       # bytes buffered for a check; larger bodies go to LiteLLM unchecked
 # LiteLLM serves each route under aliases (1.106.2): with and without /v1, under /openai, as Azure's
-# /openai/deployments/{model}/... and as /engines/{model}/...: every alias gets the same checks
+# /openai/deployments/{model}/... and as /engines/{model}/...: every alias gets the same checks. The
+# model is a path parameter there ({model:path}): a model id with a "/" (openai/<name>, as /v1/models
+# lists first) is still that alias
 _PREFIX = r"(?:/openai)?(?:/v1)?"
-_MODEL_SCOPED = r"(?:/openai/deployments/[^/]+|/engines/[^/]+)"
+_MODEL_SCOPED = r"(?:/openai/deployments|/engines)/.*"     # Starlette's path convertor: .*
 ROUTES: tuple[tuple[str, re.Pattern], ...] = (
     ("chat", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/chat/completions/?$")),
     ("responses", re.compile(rf"^{_PREFIX}/responses/?$")),
