@@ -228,6 +228,17 @@ def test_answered_tool_calls_pass_both_doors():
     assert len(parse_chat_request({"messages": messages}, load_settings(env={})).messages) == 5
 
 
+def test_the_banner_names_the_port_litellm_was_told_to_bind():
+    """The start-up banner named port 4000 whatever PROXY_PORT was: the port LiteLLM's command line
+    resolves (``--port``, then ``PORT``, then its default), as the launcher passes it."""
+    from mlxstack.routing.front_door import proxy_port
+
+    assert proxy_port(["litellm", "--config", "c.yaml", "--host", "127.0.0.1", "--port", "41234"], {}) == "41234"
+    assert proxy_port(["litellm", "--port=41235"], {"PORT": "9"}) == "41235"
+    assert proxy_port(["litellm", "--config", "c.yaml"], {"PORT": "41236"}) == "41236"
+    assert proxy_port(["litellm"], {}) == "4000"
+
+
 def test_a_strangers_body_is_never_read():
     """The key is checked from the headers before the first body byte: an unauthenticated 200 MB
     upload is answered 401 without a single receive() (it used to buffer up to 256 MiB first)."""
@@ -337,6 +348,12 @@ def test_every_chat_alias_litellm_serves_answers_a_list_body_400(stack):
     for path in responses:
         status, body = raw_post(stack, path, b"[1]", STACK_KEY)
         assert (status, body["error"]["param"]) == (400, "body"), path
+
+
+def test_the_banner_names_the_proxy_port(stack):
+    """The stack runs LiteLLM on a free PROXY_PORT: the banner names that port, not 4000."""
+    banners = [line for line in stack.log_path.read_text().splitlines() if "mlxstack front door:" in line]
+    assert banners == [f"[litellm] mlxstack front door: checking keys and request shapes on port {stack.proxy_port}"]
 
 
 def test_anthropic_sdk_gets_typed_errors_through_4000(stack):

@@ -425,6 +425,23 @@ def keep_original_tools(data: Any) -> Any:
     return data
 
 
+LITELLM_DEFAULT_PORT = 4000
+
+
+def proxy_port(argv: list[str] | None = None, environ: dict | None = None) -> str:
+    """The port the LiteLLM proxy this runs in was told to bind, as its command line resolves it:
+    ``--port N`` / ``--port=N``, else ``PORT`` from the environment, else LiteLLM's default 4000 (the
+    launcher passes ``--port PROXY_PORT``)."""
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--port="):
+            return arg.split("=", 1)[1]
+    return environ.get("PORT") or str(LITELLM_DEFAULT_PORT)
+
+
 class FrontDoorHook(CustomLogger):
     """What LiteLLM's config names; constructing it installs the ASGI layer in the running proxy."""
 
@@ -434,7 +451,7 @@ class FrontDoorHook(CustomLogger):
         proxy = sys.modules.get("litellm.proxy.proxy_server")
         if proxy is not None and getattr(proxy, "app", None) is not None:
             self.installed = install(proxy.app) or getattr(proxy.app, "_mlxstack_front_door", False)
-            print("mlxstack front door: checking keys and request shapes on port 4000", file=sys.stderr)
+            print(f"mlxstack front door: checking keys and request shapes on port {proxy_port()}", file=sys.stderr)
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):  # noqa: ANN001
         if call_type in ("completion", "acompletion"):
