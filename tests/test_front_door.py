@@ -239,6 +239,30 @@ def test_the_banner_names_the_port_litellm_was_told_to_bind():
     assert proxy_port(["litellm"], {}) == "4000"
 
 
+def test_a_pass_through_is_logged_under_the_deployments_provider():
+    """LiteLLM's /messages pass-through logging prices the reply's model through the provider on the
+    request's logging object, which a config pass-through cannot name: the pre-call hook names the
+    provider every deployment of the generated config has, and leaves one already named alone."""
+    from mlxstack.config.settings import load_settings
+    from mlxstack.routing.front_door import PASS_THROUGH_PROVIDER, front_door
+
+    class LoggingObj:
+        def __init__(self, details):
+            self.model_call_details = details
+
+    named, unnamed = LoggingObj({"custom_llm_provider": "anthropic"}), LoggingObj({"model": "m"})
+    for obj in (named, unnamed):
+        data = {"model": "m", "messages": [], "litellm_logging_obj": obj}
+        assert asyncio.run(front_door.async_pre_call_hook(None, None, data, "pass_through_endpoint")) is data
+    assert named.model_call_details == {"custom_llm_provider": "anthropic"}
+    assert unnamed.model_call_details == {"model": "m", "custom_llm_provider": PASS_THROUGH_PROVIDER}
+    other = LoggingObj({})
+    asyncio.run(front_door.async_pre_call_hook(None, None, {"litellm_logging_obj": other}, "acompletion"))
+    assert other.model_call_details == {}                                   # LiteLLM's router names it there
+    config = lc.build_config(load_settings(env={}), "m")
+    assert {d["litellm_params"]["model"] for d in config["model_list"]} == {f"{PASS_THROUGH_PROVIDER}/m"}
+
+
 def test_a_strangers_body_is_never_read():
     """The key is checked from the headers before the first body byte: an unauthenticated 200 MB
     upload is answered 401 without a single receive() (it used to buffer up to 256 MiB first)."""

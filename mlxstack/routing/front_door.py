@@ -461,7 +461,31 @@ class FrontDoorHook(CustomLogger):
                 log.exception("front door: copying the request's tools failed")
         if call_type in ("responses", "aresponses"):
             comparison_to_backend_id(data, lambda rid: litellm_backend_response_id(rid, user_api_key_dict))
+        if call_type == "pass_through_endpoint":
+            try:
+                name_pass_through_provider(data)
+            except Exception:  # noqa: BLE001 - never cost a request: LiteLLM logs it as it would have
+                log.exception("front door: naming the pass-through's provider failed")
         return data
+
+
+# ------------------------------------------------------------------ pass-through logging
+PASS_THROUGH_PROVIDER = "hosted_vllm"   # = the provider of every deployment in launcher/litellm_config.py
+
+
+def name_pass_through_provider(data: Any) -> Any:
+    """Name the provider on a pass-through request's LiteLLM logging object. LiteLLM 1.106.2 logs a
+    ``/messages`` pass-through with its Anthropic handler, which prices the reply's ``model`` (the
+    MLX server's id, no provider prefix) through the provider on that object: a config
+    pass-through cannot name one (only LiteLLM's own provider routes do), so every non-streamed
+    ``/v1/messages`` logged "LLM Provider NOT provided" with a traceback and reached the callbacks
+    without its cost. Every pass-through in the generated config targets an MLX server, which LiteLLM
+    knows as ``hosted_vllm`` (self-hosted: priced 0); a provider already named is left alone."""
+    logging_obj = data.get("litellm_logging_obj") if isinstance(data, dict) else None
+    details = getattr(logging_obj, "model_call_details", None)
+    if isinstance(details, dict) and not details.get("custom_llm_provider"):
+        details["custom_llm_provider"] = PASS_THROUGH_PROVIDER
+    return data
 
 
 # ------------------------------------------------------------------ Responses ids inside other fields
