@@ -160,6 +160,23 @@ def sse_events(raw: str) -> list[tuple[str, dict]]:
     return out
 
 
+def blas_preload_missing() -> str | None:
+    """Why this process has no optimised BLAS preloaded for MLX, or None. The host path
+    (backends/cpu/host_forward.py) is off without one, by design; LD_PRELOAD is read at exec only,
+    so a plain ``pytest`` runs without it and the test runner (mlxstack.launcher.test_runner)
+    re-executes with it. A BLAS named in LD_PRELOAD counts as present even when it did not take:
+    the tests that need it then fail, as they must."""
+    from mlxstack.system.blas import INSTALL_HINT, find_optimized_blas, optimized_blas_active, preloaded_blas
+
+    if optimized_blas_active() or preloaded_blas():
+        return None
+    lib = find_optimized_blas()
+    if lib is None:
+        return f"no optimised BLAS installed here, so the host path is off ({INSTALL_HINT})"
+    return (f"no optimised BLAS preloaded in this process (LD_PRELOAD, read at exec), so the host path is off: "
+            f"run the tests through `python -m mlxstack.launcher.test_runner`, which preloads {lib}")
+
+
 def http_json(url: str, body=None, headers=None, method=None, timeout=120):
     """(status, parsed JSON or raw text, headers) with no exception for 4xx/5xx."""
     import json

@@ -179,3 +179,36 @@ def test_share_cores_sets_the_preloaded_pool(tmp_path: Path):
     before, one, three, now, env, cores = json.loads(out.stdout.strip().splitlines()[-1])
     assert before == 2 and one == 2
     assert three == now == int(env) == max(1, min(2, cores // 3))
+
+
+def test_preloaded_blas_reads_what_ld_preload_asked_for():
+    lib = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    assert blas.preloaded_blas({"LD_PRELOAD": f"{lib}:/usr/lib/libjemalloc.so.2"}) == lib
+    assert blas.preloaded_blas({"LD_PRELOAD": f"/usr/lib/libjemalloc.so.2 {lib}"}) == lib
+    assert blas.preloaded_blas({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) is None
+    assert blas.preloaded_blas({}) is None
+
+
+@pytest.mark.skipif(_REAL is None, reason="no OpenBLAS installed (apt-get install libopenblas0-pthread)")
+def test_host_path_tests_skip_only_without_the_preload():
+    """A plain ``pytest`` has no OpenBLAS preloaded: the host path is off and its tests skip, naming
+    why; with the test runner's environment (the preload) they run -- and a preload that is asked
+    for but does not take still runs them, so they fail rather than skip."""
+    pytest.importorskip("mlx.core")
+    code = ("from tests.conftest import blas_preload_missing; from mlxstack.backends.cpu import host_forward as hf; "
+            "print(repr(blas_preload_missing())); print(hf.blas() is not None)")
+    root = Path(__file__).resolve().parents[1]
+    plain = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLXSTACK_BLAS_APPLIED")}
+    preloaded = {**plain, **blas.blas_preload_env(load_settings(env={}), environ={})}
+    untaken = {**plain, "LD_PRELOAD": "/nowhere/libopenblas.so.0"}
+
+    def run(env):
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[-2:]
+
+    assert run(plain) == [repr("no optimised BLAS preloaded in this process (LD_PRELOAD, read at exec), so the host "
+                               "path is off: run the tests through `python -m mlxstack.launcher.test_runner`, which "
+                               f"preloads {_REAL}"), "False"]
+    assert run(preloaded) == ["None", "True"]
+    assert run(untaken)[0] == "None"

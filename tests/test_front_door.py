@@ -165,12 +165,16 @@ def test_config_names_the_front_door_and_its_shim_imports_without_the_repo_on_th
 # ------------------------------------------------------------------ the real stack
 ALIASES = {
     "chat": ["/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions", "/openai/chat/completions",
-             "/engines/m/chat/completions", "/openai/deployments/m/chat/completions", "/v1/chat/completions/"],
+             "/engines/m/chat/completions", "/openai/deployments/m/chat/completions", "/v1/chat/completions/",
+             # {model:path}: a model id with a "/" (openai/<name>, the first id /v1/models lists)
+             "/engines/openai/m/chat/completions", "/openai/deployments/openai/m/chat/completions",
+             "/engines/a/b/c/chat/completions"],
     "responses": ["/v1/responses", "/responses", "/openai/v1/responses"],
     "messages": ["/v1/messages", "/v1/messages/count_tokens", "/anthropic/v1/messages"],
     "keyed": ["/v1/completions", "/engines/m/completions", "/openai/deployments/m/embeddings", "/v1/models",
-              "/models/m", "/v1/responses/resp_1", "/model/info"],
-    None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other"],
+              "/models/m", "/v1/responses/resp_1", "/model/info", "/engines/openai/m/completions",
+              "/openai/deployments/openai/m/embeddings", "/engines/openai/m/embeddings"],
+    None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other", "/engines/openai/m/other"],
 }
 
 
@@ -222,6 +226,41 @@ def test_answered_tool_calls_pass_both_doors():
                 {"role": "user", "content": "thanks"}]
     assert refused(CHAT, {"model": "m", "messages": messages}) is None
     assert len(parse_chat_request({"messages": messages}, load_settings(env={})).messages) == 5
+
+
+def test_the_banner_names_the_port_litellm_was_told_to_bind():
+    """The start-up banner named port 4000 whatever PROXY_PORT was: the port LiteLLM's command line
+    resolves (``--port``, then ``PORT``, then its default), as the launcher passes it."""
+    from mlxstack.routing.front_door import proxy_port
+
+    assert proxy_port(["litellm", "--config", "c.yaml", "--host", "127.0.0.1", "--port", "41234"], {}) == "41234"
+    assert proxy_port(["litellm", "--port=41235"], {"PORT": "9"}) == "41235"
+    assert proxy_port(["litellm", "--config", "c.yaml"], {"PORT": "41236"}) == "41236"
+    assert proxy_port(["litellm"], {}) == "4000"
+
+
+def test_a_pass_through_is_logged_under_the_deployments_provider():
+    """LiteLLM's /messages pass-through logging prices the reply's model through the provider on the
+    request's logging object, which a config pass-through cannot name: the pre-call hook names the
+    provider every deployment of the generated config has, and leaves one already named alone."""
+    from mlxstack.config.settings import load_settings
+    from mlxstack.routing.front_door import PASS_THROUGH_PROVIDER, front_door
+
+    class LoggingObj:
+        def __init__(self, details):
+            self.model_call_details = details
+
+    named, unnamed = LoggingObj({"custom_llm_provider": "anthropic"}), LoggingObj({"model": "m"})
+    for obj in (named, unnamed):
+        data = {"model": "m", "messages": [], "litellm_logging_obj": obj}
+        assert asyncio.run(front_door.async_pre_call_hook(None, None, data, "pass_through_endpoint")) is data
+    assert named.model_call_details == {"custom_llm_provider": "anthropic"}
+    assert unnamed.model_call_details == {"model": "m", "custom_llm_provider": PASS_THROUGH_PROVIDER}
+    other = LoggingObj({})
+    asyncio.run(front_door.async_pre_call_hook(None, None, {"litellm_logging_obj": other}, "acompletion"))
+    assert other.model_call_details == {}                                   # LiteLLM's router names it there
+    config = lc.build_config(load_settings(env={}), "m")
+    assert {d["litellm_params"]["model"] for d in config["model_list"]} == {f"{PASS_THROUGH_PROVIDER}/m"}
 
 
 def test_a_strangers_body_is_never_read():
@@ -297,6 +336,48 @@ def test_openai_sdk_gets_typed_errors_through_4000(stack):
             status, body = raw_post(stack, path, json.dumps({"model": MODEL, "messages": messages}).encode(), STACK_KEY)
             assert (status, body["error"]["param"]) == (400, param), (path, body)
         assert raw_post(stack, path, b"{}", "sk-wrong")[0] == 401
+
+
+def test_every_chat_alias_litellm_serves_answers_a_list_body_400(stack):
+    """A JSON list on /engines/openai/<m>/chat/completions (or /openai/deployments/...) was a 500:
+    the front door took {m} for one path segment, so the alias with a model id holding a "/" was not
+    watched (its key check neither). The aliases come from the running LiteLLM's own route table."""
+    from tests.conftest import http_json
+    from tests.test_e2e_stack import KEY as STACK_KEY, MODEL
+
+    status, spec, _ = http_json(stack.base + "/openapi.json")
+    assert status == 200
+    posts = {p for p, ops in spec["paths"].items() if "post" in ops}
+    # /cursor/chat/completions takes Responses bodies too, /queue/ is LiteLLM's experimental queue
+    chat = sorted(p for p in posts if p.endswith("/chat/completions") and not p.startswith("/cursor/"))
+    assert chat == ["/chat/completions", "/engines/{model}/chat/completions",
+                    "/openai/deployments/{model}/chat/completions", "/v1/chat/completions"]
+    listing = http_json(stack.base + "/v1/models", headers={"Authorization": f"Bearer {STACK_KEY}"})[1]
+    models = [m["id"] for m in listing["data"]]
+    assert models[0] == f"openai/{MODEL}" and MODEL in models
+    want = {"error": {"message": "The request body must be a JSON object, got list", "type": "invalid_request_error",
+                      "param": "body", "code": None}}
+    for template in chat:
+        for model in models:
+            path = template.replace("{model}", model)
+            assert raw_post(stack, path, b'[{"model": "x"}]', STACK_KEY) == (400, want), path
+            status, body = raw_post(stack, path, b"{}", "sk-wrong")
+            assert (status, body["error"]["type"]) == (401, "authentication_error"), path
+    ok = json.dumps({"model": f"openai/{MODEL}", "messages": [{"role": "user", "content": "Say hi."}],
+                     "max_tokens": 4}).encode()
+    status, body = raw_post(stack, f"/engines/openai/{MODEL}/chat/completions", ok, STACK_KEY)
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    responses = sorted(p for p in posts if p.endswith("/responses"))
+    assert responses == ["/openai/v1/responses", "/responses", "/v1/responses"]
+    for path in responses:
+        status, body = raw_post(stack, path, b"[1]", STACK_KEY)
+        assert (status, body["error"]["param"]) == (400, "body"), path
+
+
+def test_the_banner_names_the_proxy_port(stack):
+    """The stack runs LiteLLM on a free PROXY_PORT: the banner names that port, not 4000."""
+    banners = [line for line in stack.log_path.read_text().splitlines() if "mlxstack front door:" in line]
+    assert banners == [f"[litellm] mlxstack front door: checking keys and request shapes on port {stack.proxy_port}"]
 
 
 def test_anthropic_sdk_gets_typed_errors_through_4000(stack):

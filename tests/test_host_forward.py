@@ -19,9 +19,15 @@ from mlxstack.cache.slab import SlabKVCache
 from mlxstack.backends.cpu import host_forward as hf
 from mlxstack.backends.cpu.backend import CpuBackend
 from mlxstack.runner.forward import attach, backend_of, feed_rows, forward
-from tests.conftest import build_engine, engine_settings
+from tests.conftest import blas_preload_missing, build_engine, engine_settings
 from tests.test_batching import run_batched
 from tests.test_engine import job
+
+
+# The host path runs only with an optimised BLAS preloaded for MLX (its products are that BLAS's
+# sgemm); without one it is off and every test of what it computes skips, saying why
+NO_BLAS = blas_preload_missing()
+needs_blas = pytest.mark.skipif(NO_BLAS is not None, reason=NO_BLAS or "")
 
 
 def tiny_llama(seed=0, **over):
@@ -79,6 +85,7 @@ def test_rope_is_bit_for_bit_mlx(traditional, dims, offset):
 
 @pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": False}, {"attention_bias": True, "mlp_bias": True},
                                   {"rope_traditional": True, "head_dim": 32}])
+@needs_blas
 def test_same_logits_and_kv_as_mlx_lm(over):
     model = tiny_llama(**over)
     assert host(model) and hf.enabled(model)
@@ -96,6 +103,7 @@ def test_same_logits_and_kv_as_mlx_lm(over):
         close(a.values[..., :9, :], b.values[..., :9, :])
 
 
+@needs_blas
 def test_batched_layouts_match_mlx_lm():
     """Left-padded batch rows (mlx-lm's BatchKVCache), a slab with ragged ends after a rewind
     (speculation), a shared prefix held once, a prefixed single cache: the same as mlx-lm."""
@@ -139,6 +147,7 @@ def test_batched_layouts_match_mlx_lm():
     assert backend_of(model).host_calls == taken + 3
 
 
+@needs_blas
 def test_takes_only_what_it_can_do():
     model = tiny_llama(2)
     fresh = lambda: [KVCache() for _ in range(3)]  # noqa: E731
@@ -161,6 +170,7 @@ def test_takes_only_what_it_can_do():
     assert backend.host_calls == 1
 
 
+@needs_blas
 def test_nothing_is_patched_on_the_model_class():
     """The host path is the attached backend's: mlx-lm's class keeps its own ``__call__``, a model
     called directly runs mlx-lm's forward (the backend never sees it), and a model the backend was
@@ -179,6 +189,7 @@ def test_nothing_is_patched_on_the_model_class():
     assert backend.host_calls == 0
 
 
+@needs_blas
 def test_models_it_does_not_take():
     assert not hf.install(tiny_llama(3, layer_types=["full_attention", "sliding_attention", "full_attention"],
                                      sliding_window=4))
@@ -194,6 +205,7 @@ def test_models_it_does_not_take():
     assert not hf.install(other)
 
 
+@needs_blas
 def test_replaced_weights_fall_back_at_once():
     """Weights swapped after install (a reload, an adapter): never the old views -- mlx-lm's
     forward from then on, with the new weights."""
@@ -208,6 +220,7 @@ def test_replaced_weights_fall_back_at_once():
     close(got, mlx_forward(model, tokens, [KVCache() for _ in range(3)]), tol=0)
 
 
+@needs_blas
 @pytest.mark.slow
 def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
     """The embedded model (SmolLM2, a Llama), 4 agents under one system prompt decoding together
@@ -248,6 +261,7 @@ def test_batched_replies_are_the_same_on_and_off(embedded_model_path):
     assert on == off and all(on)
 
 
+@needs_blas
 def test_replaced_bias_falls_back():
     model = tiny_llama(5, attention_bias=True)
     assert host(model)
@@ -265,6 +279,7 @@ def _prompted(model, tokens):
     return cache
 
 
+@needs_blas
 def test_feed_rows_on_each_rows_own_cache():
     """Three rows at different depths (one holding its prefix by reference) fed 3, 1 and 2 tokens
     in one pass on their own layers: the KV each row's own mlx-lm forward writes, in place."""
@@ -293,6 +308,7 @@ def test_feed_rows_on_each_rows_own_cache():
         close(ours(model, step, a_row), mlx_forward(model, step, b_row))
 
 
+@needs_blas
 def test_feed_rows_declines_or_puts_everything_back(monkeypatch):
     model = tiny_llama(7)
     assert host(model)
@@ -318,6 +334,7 @@ def test_feed_rows_declines_or_puts_everything_back(monkeypatch):
     assert [c.offset for c in caches[0]] == [5] * 3 and [c.offset for c in caches[1]] == [3] * 3
 
 
+@needs_blas
 def test_a_positions_kv_is_the_same_bits_however_its_prompt_was_cut():
     """With the native products and the native attention kernel, the host path is batch-invariant:
     64 tokens fed in calls of 16, one at a time or cut anywhere leave the same bits in every

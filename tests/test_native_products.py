@@ -11,7 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxstack.backends.cpu import host_forward as hf
 from mlxstack.backends.cpu import native_products
-from tests.test_host_forward import close, host, mlx_forward, ours, tiny_llama
+from tests.test_host_forward import close, host, mlx_forward, needs_blas, ours, tiny_llama
 
 products = native_products.load()
 needs_kernel = pytest.mark.skipif(products is None, reason="no C compiler here: the loop is not built")
@@ -123,6 +123,7 @@ def native_on():
 
 
 @needs_kernel
+@needs_blas
 def test_host_forward_with_the_loop_matches_mlx_lm(native_on):
     model = tiny_llama(4, tie_word_embeddings=False)
     assert host(model)
@@ -139,6 +140,7 @@ def test_host_forward_with_the_loop_matches_mlx_lm(native_on):
 
 @pytest.mark.slow
 @needs_kernel
+@needs_blas
 def test_embedded_model_replies_are_the_same_with_the_loop_and_sgemm(embedded_model_path):
     """4 agents decoding together on the embedded model: the same replies with the host path's
     products in the native loop, through OpenBLAS's sgemm, and through mlx-lm's forward."""

@@ -50,9 +50,11 @@ log = logging.getLogger("mlxstack.front_door")
 
 MAX_BODY = 256 * 1024 * 1024       # bytes buffered for a check; larger bodies go to LiteLLM unchecked
 # LiteLLM serves each route under aliases (1.106.2): with and without /v1, under /openai, as Azure's
-# /openai/deployments/{model}/... and as /engines/{model}/...: every alias gets the same checks
+# /openai/deployments/{model}/... and as /engines/{model}/...: every alias gets the same checks. The
+# model is a path parameter there ({model:path}): a model id with a "/" (openai/<name>, as /v1/models
+# lists first) is still that alias
 _PREFIX = r"(?:/openai)?(?:/v1)?"
-_MODEL_SCOPED = r"(?:/openai/deployments/[^/]+|/engines/[^/]+)"
+_MODEL_SCOPED = r"(?:/openai/deployments|/engines)/.*"     # Starlette's path convertor: .*
 ROUTES: tuple[tuple[str, re.Pattern], ...] = (
     ("chat", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/chat/completions/?$")),
     ("responses", re.compile(rf"^{_PREFIX}/responses/?$")),
@@ -423,6 +425,23 @@ def keep_original_tools(data: Any) -> Any:
     return data
 
 
+LITELLM_DEFAULT_PORT = 4000
+
+
+def proxy_port(argv: list[str] | None = None, environ: dict | None = None) -> str:
+    """The port the LiteLLM proxy this runs in was told to bind, as its command line resolves it:
+    ``--port N`` / ``--port=N``, else ``PORT`` from the environment, else LiteLLM's default 4000 (the
+    launcher passes ``--port PROXY_PORT``)."""
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--port="):
+            return arg.split("=", 1)[1]
+    return environ.get("PORT") or str(LITELLM_DEFAULT_PORT)
+
+
 class FrontDoorHook(CustomLogger):
     """What LiteLLM's config names; constructing it installs the ASGI layer in the running proxy."""
 
@@ -432,7 +451,7 @@ class FrontDoorHook(CustomLogger):
         proxy = sys.modules.get("litellm.proxy.proxy_server")
         if proxy is not None and getattr(proxy, "app", None) is not None:
             self.installed = install(proxy.app) or getattr(proxy.app, "_mlxstack_front_door", False)
-            print("mlxstack front door: checking keys and request shapes on port 4000", file=sys.stderr)
+            print(f"mlxstack front door: checking keys and request shapes on port {proxy_port()}", file=sys.stderr)
 
     async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):  # noqa: ANN001
         if call_type in ("completion", "acompletion"):
@@ -442,7 +461,31 @@ class FrontDoorHook(CustomLogger):
                 log.exception("front door: copying the request's tools failed")
         if call_type in ("responses", "aresponses"):
             comparison_to_backend_id(data, lambda rid: litellm_backend_response_id(rid, user_api_key_dict))
+        if call_type == "pass_through_endpoint":
+            try:
+                name_pass_through_provider(data)
+            except Exception:  # noqa: BLE001 - never cost a request: LiteLLM logs it as it would have
+                log.exception("front door: naming the pass-through's provider failed")
         return data
+
+
+# ------------------------------------------------------------------ pass-through logging
+PASS_THROUGH_PROVIDER = "hosted_vllm"   # = the provider of every deployment in launcher/litellm_config.py
+
+
+def name_pass_through_provider(data: Any) -> Any:
+    """Name the provider on a pass-through request's LiteLLM logging object. LiteLLM 1.106.2 logs a
+    ``/messages`` pass-through with its Anthropic handler, which prices the reply's ``model`` (the
+    MLX server's id, no provider prefix) through the provider on that object: a config
+    pass-through cannot name one (only LiteLLM's own provider routes do), so every non-streamed
+    ``/v1/messages`` logged "LLM Provider NOT provided" with a traceback and reached the callbacks
+    without its cost. Every pass-through in the generated config targets an MLX server, which LiteLLM
+    knows as ``hosted_vllm`` (self-hosted: priced 0); a provider already named is left alone."""
+    logging_obj = data.get("litellm_logging_obj") if isinstance(data, dict) else None
+    details = getattr(logging_obj, "model_call_details", None)
+    if isinstance(details, dict) and not details.get("custom_llm_provider"):
+        details["custom_llm_provider"] = PASS_THROUGH_PROVIDER
+    return data
 
 
 # ------------------------------------------------------------------ Responses ids inside other fields

@@ -339,6 +339,16 @@ def _mapped_libraries(maps_path: str = "/proc/self/maps") -> list[str]:
     return seen
 
 
+def preloaded_blas(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The optimised BLAS this process's ``LD_PRELOAD`` names (``blas_preload_env`` puts it first),
+    or None: what was asked for at exec, whether or not it took (``optimized_blas_active``)."""
+    env = os.environ if environ is None else environ
+    for entry in env.get("LD_PRELOAD", "").replace(":", " ").split():
+        if any(m in os.path.basename(entry).lower() for m in _OPTIMISED_MARKERS):
+            return entry
+    return None
+
+
 def optimized_blas_active() -> Optional[str]:
     """Path of an optimised BLAS that provides the global ``cblas_sgemm`` in this process, or None."""
     provider = global_symbol_provider("cblas_sgemm")

@@ -134,11 +134,12 @@ class ServerProcess:
 
 
 # ----------------------------------------------------------------------------- the whole stack
-def launch_stack(env: dict, log_path: Path, timeout: float = 300.0) -> tuple[subprocess.Popen, object]:
+def launch_stack(env: dict, log_path: Path, timeout: float = 300.0, prelude: str = "") -> tuple[subprocess.Popen, object]:
     """Start the whole stack (the launcher: MLX server(s) + LiteLLM) in a child process with
     ``env`` as its settings, logging to ``log_path``; return (process, open log) once it printed
-    READY. Raises RuntimeError with the log's tail if it exits or times out first."""
-    code = ("import sys; from mlxstack.config.settings import load_settings; "
+    READY. ``prelude``: Python run in that child before the launcher (a test's observer).
+    Raises RuntimeError with the log's tail if it exits or times out first."""
+    code = (prelude + "\n" if prelude else "") + ("import sys; from mlxstack.config.settings import load_settings; "
             "from mlxstack.launcher.stack import run_stack; "
             f"sys.exit(run_stack(load_settings(env={env!r}), repo=__import__('pathlib').Path({str(REPO_ROOT)!r})))")
     log = open(log_path, "w+")
