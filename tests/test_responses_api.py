@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from mlxstack.engine.request import CacheBreakpoint
 from mlxstack.server.http.errors import APIError
 from mlxstack.server.openai.responses import (OutputItems, ResponseStore, ToolNames, chat_tool_choice,
                                               decode_reasoning_blob, encode_reasoning_blob, input_to_messages,
@@ -137,6 +138,26 @@ def test_to_chat_body_maps_every_field():
     again = to_chat_body({"input": "next", "instructions": "New rules."}, history)
     assert again.chat_body["messages"] == [{"role": "system", "content": "New rules."}, *history,
                                            {"role": "user", "content": "next"}]
+
+
+def test_a_breakpoint_on_an_assistant_message_marks_that_message_not_an_equal_earlier_one():
+    # two assistant turns with the same text: the mark is on the second (chat index 4 after the
+    # instructions' system message), never on the first equal one (index 2)
+    mark = {"prompt_cache_breakpoint": {"mode": "explicit"}}
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "one?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"role": "user", "content": "two?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", **mark}]},
+        {"role": "user", "content": "three?"}]}
+    call = to_chat_body(body)
+    assert [m["role"] for m in call.chat_body["messages"]] == ["system", "user", "assistant", "user", "assistant",
+                                                              "user"]
+    assert call.breakpoints == (CacheBreakpoint(4, None, None),)
+    # after a previous_response_id history (with an equal assistant message) the index counts it
+    history = [{"role": "user", "content": "zero?"}, {"role": "assistant", "content": "ok"}]
+    again = to_chat_body({"input": body["input"][2:]}, history)
+    assert again.breakpoints == (CacheBreakpoint(3, None, None),)
 
 
 @pytest.mark.parametrize("body, param, fragment", [
