@@ -507,6 +507,37 @@ def test_responses_through_litellm(stack):
     assert done["usage"]["input_tokens_details"]["cached_tokens"] == r["usage"]["input_tokens"] - 1
 
 
+def test_stored_responses_through_litellm(stack):
+    """LiteLLM forwards retrieve / delete / input_items to the backend with its own ids decoded;
+    the front door carries input_items' query (LiteLLM drops it), hands the server's own 404 body
+    through, and answers 404 for an id LiteLLM never issued (LiteLLM: a 400 "model=None")."""
+    from tests.test_e2e_stack import KEY, MODEL
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    s, created, _ = stack.post("/v1/responses", {"model": MODEL, "max_output_tokens": 3, "input": [
+        {"role": "user", "content": "Say hi."}, {"role": "user", "content": "Again."}]})
+    assert s == 200, created
+    rid = created["id"]
+    s, got, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="GET")
+    assert s == 200 and got["output"] == created["output"] and got["usage"] == created["usage"]
+    s, page, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?order=asc&limit=1", headers=auth,
+                           method="GET")
+    assert s == 200 and [it["content"][0]["text"] for it in page["data"]] == ["Say hi."] and page["has_more"] is True
+    s, rest, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?order=asc&after={page['last_id']}",
+                           headers=auth, method="GET")
+    assert s == 200 and [it["content"][0]["text"] for it in rest["data"]] == ["Again."] and rest["has_more"] is False
+    s, err, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?limit=0", headers=auth, method="GET")
+    assert s == 400 and err["error"]["param"] == "limit"
+    s, gone, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="DELETE")
+    assert s == 200 and gone["deleted"] is True and gone["object"] == "response"
+    s, err, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="GET")
+    ours = gone["id"]     # the MLX server's own id, as the delete answered it
+    assert (s, err) == (404, not_found_body(ours))
+    assert http_json(stack.base + "/v1/responses/resp_nope", headers=auth, method="GET")[:2] == \
+        (404, not_found_body("resp_nope"))
+    assert http_json(stack.base + "/v1/responses/resp_nope", method="GET")[0] == 401      # the key first
+
+
 def test_response_store_is_bounded_in_bytes_too():
     # issue 23 #6: the count alone let 256 chained turns each keep a 64 MB body with its images
     from mlxstack.server.openai.responses import conversation_bytes
