@@ -35,7 +35,9 @@ four whitespace characters ("</think>\n\n{"). Harmony reasons in its analysis ch
 required / JSON grammars allow before the answer.
 
 JSON is compact with ", " and ": " separators (llguidance ``whitespace_flexible`` off): the Hermes
-shape the models were trained on, and no room for a small model to loop on whitespace. A strict
+shape the models were trained on, and no room for a small model to loop on whitespace; and every
+number is one a JSON client holds (``bounded_numbers``: integers within 2^53-1, numbers below 1e16
+with at most 9 fraction digits), no room to loop on digits either. A strict
 schema (``strict: true``) must compile exactly (an unsupported keyword is an error); a non-strict one
 is compiled leniently (unsupported keywords ignored, the rest enforced). In the Qwen XML and GLM
 formats arguments are text: keys come in the schema's order (required ones present, no others),
