@@ -196,6 +196,8 @@ def test_numbers_anywhere_a_value_is_free_are_bounded_too(smol):
     assert _accepts(smol, obj, '{"a": [1234567890123456, 2.5, {"b": -0.125}], "c": "x", "d": null}')
     for bad in ('{"a": 12345678901234567}', '{"a": [1, {"b": 0.1234567891}]}', '{"a": 1e5}'):
         assert not _accepts(smol, obj, bad), bad
+    anything = spec_for_request(response_format={"type": "json_schema", "json_schema": {"schema": {}}})
+    assert _accepts(smol, anything, "[1234567890123456]") and not _accepts(smol, anything, "[12345678901234567]")
     call = spec_for_request(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"q": {"description": "anything"}}}}}], tool_choice="required")
     assert _accepts(smol, call, '<tool_call>\n{"name": "f", "arguments": {"q": [7], "extra": 1.5}}\n</tool_call>')

@@ -183,7 +183,8 @@ def bounded_numbers(schema: dict) -> dict:
     defs = schema.get("$defs", {})
     if free_values and (not isinstance(defs, dict) or ANY_VALUE in defs):
         free_values = False
-    out = _bound(schema, step, free_values)
+    out = {**schema, "$ref": f"#/$defs/{ANY_VALUE}"} if free_values and _is_free(schema) \
+        else _bound(schema, step, free_values)
     if free_values:
         any_number = _bound({"type": "number"}, step, False)
         ref = {"$ref": f"#/$defs/{ANY_VALUE}"}
