@@ -317,6 +317,59 @@ def test_bad_input_gets_anthropic_error_and_server_keeps_serving(server, path, b
     assert s == 200 and ok["usage"]["output_tokens"] == 2
 
 
+TTL_ORDER = ("a ttl='1h' cache_control block must not come after a ttl='5m' cache_control block. Note that blocks "
+             "are processed in the following order: `tools`, `system`, `messages`.")
+BUDGET = ("`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our documentation at "
+          "https://docs.claude.com/en/docs/build-with-claude/extended-thinking#max-tokens-and-context-window-size")
+H1, M5 = {"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral"}     # no ttl: 5m
+
+
+def _marked(system: dict | None, user: dict | None, tool: dict | None = None, top: dict | None = None) -> dict:
+    """A request whose tool, system block and user block carry these cache_control marks."""
+    body = {"max_tokens": 2, "system": [{"type": "text", "text": "You are terse.",
+                                         **({"cache_control": system} if system else {})}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi.",
+                                                       **({"cache_control": user} if user else {})}]}],
+            "tools": [{"name": "ls", "input_schema": {"type": "object"}, **({"cache_control": tool} if tool else {})}]}
+    return {**body, "cache_control": top} if top else body
+
+
+@pytest.mark.parametrize("body, where", [
+    (_marked(M5, H1), "messages.0.content.0"),
+    (_marked(H1, H1, tool=M5), "system.0"),                # tools come first, whatever their place in the body
+    (_marked(None, H1, tool=M5), "messages.0.content.0"),
+    (_marked(M5, None, top=H1), ""),                        # the top-level mark is the last block's
+])
+def test_a_1h_cache_control_after_a_5m_one_is_anthropics_400(server, body, where):
+    s, err, _ = http_json(server.base + "/v1/messages", body)
+    assert s == 400 and err == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": f"{where + '.' if where else ''}cache_control.ttl: {TTL_ORDER}"}}
+
+
+@pytest.mark.parametrize("body", [_marked(H1, M5), _marked(H1, H1, tool=H1), _marked(M5, M5, tool=M5, top=M5),
+                                  _marked(None, M5, tool=H1, top=M5), _marked(None, None)])
+def test_cache_control_ttls_that_never_grow_are_accepted(server, body):
+    s, ok, _ = http_json(server.base + "/v1/messages", body)
+    assert s == 200 and ok["type"] == "message", ok
+
+
+def test_a_thinking_budget_not_below_max_tokens_is_anthropics_400_unless_thinking_is_interleaved(server):
+    ask = {"messages": [{"role": "user", "content": "Why?"}]}
+    for budget, max_tokens in ((4, 4), (5, 4)):
+        s, err, _ = http_json(server.base + "/v1/messages", {**ask, "max_tokens": max_tokens,
+                                                             "thinking": {"type": "enabled", "budget_tokens": budget}})
+        assert s == 400 and err == {"type": "error", "error": {"type": "invalid_request_error", "message": BUDGET}}
+    s, ok, _ = http_json(server.base + "/v1/messages", {**ask, "max_tokens": 4,
+                                                        "thinking": {"type": "enabled", "budget_tokens": 3}})
+    assert s == 200 and ok["usage"]["output_tokens"] == 4
+    # interleaved thinking: the budget covers every thinking block of the turn and may exceed max_tokens
+    # (Claude Code sends this beta with budget 1024 on small max_tokens: tests/fixtures/agent_shapes.py)
+    s, ok, _ = http_json(server.base + "/v1/messages", {**ask, "max_tokens": 4,
+                                                        "thinking": {"type": "enabled", "budget_tokens": 1024}},
+                         headers={"anthropic-beta": "fine-grained-tool-streaming-2025-05-14,interleaved-thinking-2025-05-14"})
+    assert s == 200 and ok["usage"]["output_tokens"] == 4
+
+
 # ============================================================================ through the real LiteLLM proxy
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, embedded_model_path):

@@ -143,6 +143,67 @@ def test_json_schema_walks_validate(smol):
         jsonschema.validate(json.loads(smol.text(ids)), schema)
 
 
+def _accepts(tok: Tok, spec, text: str) -> bool:
+    """Whether the grammar lets ``text`` through whole and then allows the end of the reply."""
+    row = tok.row(spec)
+    try:
+        write(tok, row, text)
+    except AssertionError:
+        return False
+    return bool(set(row.allowed().tolist()) & set(tok.stop))
+
+
+def _field(sub: dict, strict: bool = True):
+    schema = {"type": "object", "properties": {"n": sub}, "required": ["n"], "additionalProperties": False}
+    return spec_for_request(response_format={"type": "json_schema", "json_schema": {"schema": schema, "strict": strict}})
+
+
+SAFE = 2**53 - 1     # 9007199254740991: the largest integer every JSON client holds exactly
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_integer_has_at_most_the_safe_range_16_digits(smol, strict):
+    spec = _field({"type": "integer"}, strict)
+    for n in ("1234567890123456", str(SAFE), str(-SAFE), "0", "-7"):
+        assert _accepts(smol, spec, '{"n": %s}' % n), n
+    for n in ("12345678901234567", str(SAFE + 1), str(-SAFE - 1), "1" * 60):
+        assert not _accepts(smol, spec, '{"n": %s}' % n), n
+
+
+def test_the_schemas_own_integer_bounds_are_kept_and_loose_ones_capped(smol):
+    tight = _field({"type": "integer", "minimum": 1, "exclusiveMaximum": 15})
+    assert [_accepts(smol, tight, '{"n": %d}' % n) for n in (0, 1, 14, 15)] == [False, True, True, False]
+    beyond = _field({"type": "integer", "minimum": 10**17, "maximum": 10**18})   # nothing in the safe range:
+    assert _accepts(smol, beyond, '{"n": %d}' % (10**17 + 5))                     # the schema's own, unchanged
+    capped = _field({"type": ["integer", "null"], "maximum": 10**30})
+    assert _accepts(smol, capped, '{"n": %d}' % SAFE) and _accepts(smol, capped, '{"n": null}')
+    assert not _accepts(smol, capped, '{"n": %d}' % (SAFE + 1))
+    assert not _accepts(smol, capped, '{"n": %d}' % -(SAFE + 1))
+
+
+def test_a_number_has_at_most_16_integer_and_9_fraction_digits_and_no_exponent(smol):
+    spec = _field({"type": "number"})
+    for n in ("3", "-2.5", "9999999999999999.123456789", "-0.000000001", "1234567890123456"):
+        assert _accepts(smol, spec, '{"n": %s}' % n), n
+    for n in ("10000000000000000", "0.1234567891", "1.5e3", "1E-7", "3." + "3" * 40):
+        assert not _accepts(smol, spec, '{"n": %s}' % n), n
+    own = _field({"type": "number", "multipleOf": 0.25, "minimum": 0})            # its own multipleOf decides the fraction
+    assert [_accepts(smol, own, '{"n": %s}' % n) for n in ("0.75", "0.7", "-0.25")] == [True, False, False]
+
+
+def test_numbers_anywhere_a_value_is_free_are_bounded_too(smol):
+    obj = spec_for_request(response_format={"type": "json_object"})
+    assert _accepts(smol, obj, '{"a": [1234567890123456, 2.5, {"b": -0.125}], "c": "x", "d": null}')
+    for bad in ('{"a": 12345678901234567}', '{"a": [1, {"b": 0.1234567891}]}', '{"a": 1e5}'):
+        assert not _accepts(smol, obj, bad), bad
+    anything = spec_for_request(response_format={"type": "json_schema", "json_schema": {"schema": {}}})
+    assert _accepts(smol, anything, "[1234567890123456]") and not _accepts(smol, anything, "[12345678901234567]")
+    call = spec_for_request(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"q": {"description": "anything"}}}}}], tool_choice="required")
+    assert _accepts(smol, call, '<tool_call>\n{"name": "f", "arguments": {"q": [7], "extra": 1.5}}\n</tool_call>')
+    assert not _accepts(smol, call, '<tool_call>\n{"name": "f", "arguments": {"q": [%s]}}\n</tool_call>' % ("9" * 17))
+
+
 def test_strict_schema_with_an_unsupported_keyword_is_an_error_non_strict_ignores_it(smol):
     schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
     with pytest.raises(SchemaError) as err:

@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from mlxstack.engine.request import CacheBreakpoint
 from mlxstack.server.http.errors import APIError
 from mlxstack.server.openai.responses import (OutputItems, ResponseStore, ToolNames, chat_tool_choice,
                                               decode_reasoning_blob, encode_reasoning_blob, input_to_messages,
@@ -137,6 +138,26 @@ def test_to_chat_body_maps_every_field():
     again = to_chat_body({"input": "next", "instructions": "New rules."}, history)
     assert again.chat_body["messages"] == [{"role": "system", "content": "New rules."}, *history,
                                            {"role": "user", "content": "next"}]
+
+
+def test_a_breakpoint_on_an_assistant_message_marks_that_message_not_an_equal_earlier_one():
+    # two assistant turns with the same text: the mark is on the second (chat index 4 after the
+    # instructions' system message), never on the first equal one (index 2)
+    mark = {"prompt_cache_breakpoint": {"mode": "explicit"}}
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "one?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"role": "user", "content": "two?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok", **mark}]},
+        {"role": "user", "content": "three?"}]}
+    call = to_chat_body(body)
+    assert [m["role"] for m in call.chat_body["messages"]] == ["system", "user", "assistant", "user", "assistant",
+                                                              "user"]
+    assert call.breakpoints == (CacheBreakpoint(4, None, None),)
+    # after a previous_response_id history (with an equal assistant message) the index counts it
+    history = [{"role": "user", "content": "zero?"}, {"role": "assistant", "content": "ok"}]
+    again = to_chat_body({"input": body["input"][2:]}, history)
+    assert again.breakpoints == (CacheBreakpoint(3, None, None),)
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -333,6 +354,110 @@ def test_reasoning_items_and_their_round_trip(server):
     assert off["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
 
 
+def not_found_body(response_id: str) -> dict:
+    return {"error": {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error",
+                      "param": None, "code": "response_not_found"}}
+
+
+def test_a_stored_response_is_retrieved_its_input_listed_and_it_is_deleted(server):
+    items = [{"type": "message", "role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]},
+             {"type": "message", "role": "assistant", "id": "msg_client1",
+              "content": [{"type": "output_text", "text": "Hi!"}]},
+             {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+             {"role": "user", "content": "Again."}]
+    s, created, _ = http_json(server.base + "/v1/responses", {"input": items, "max_output_tokens": 3})
+    assert s == 200
+    rid = created["id"]
+    assert http_json(server.base + f"/v1/responses/{rid}", method="GET")[:2] == (200, created)
+    assert http_json(server.base + f"/responses/{rid}", method="GET")[:2] == (200, created)
+
+    s, listed, _ = http_json(server.base + f"/v1/responses/{rid}/input_items")
+    assert s == 200 and set(listed) == {"object", "data", "first_id", "last_id", "has_more"}
+    data = listed["data"]
+    ids = [it["id"] for it in data]
+    assert listed["object"] == "list" and listed["has_more"] is False
+    assert (listed["first_id"], listed["last_id"]) == (ids[0], ids[-1]) and len(set(ids)) == 6
+    assert ids[3] == "msg_client1" and all(i.startswith(p) for i, p in zip(ids, ("msg_", "fco_", "fc_", "msg_",
+                                                                                 "msg_", "msg_")))
+    # newest first (OpenAI's default order); string content as its content part
+    assert [{k: v for k, v in it.items() if k != "id"} for it in data] == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again."}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi!"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hi."}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]}]
+    # pages: limit, order, after
+    s, page, _ = http_json(server.base + f"/v1/responses/{rid}/input_items?order=asc&limit=4")
+    assert s == 200 and [it["id"] for it in page["data"]] == ids[::-1][:4] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[5], ids[2])
+    s, rest, _ = http_json(server.base + f"/v1/responses/{rid}/input_items?order=asc&limit=4&after={ids[2]}")
+    assert s == 200 and [it["id"] for it in rest["data"]] == ids[::-1][4:] and rest["has_more"] is False
+    s, tail, _ = http_json(server.base + f"/v1/responses/{rid}/input_items?after={ids[-1]}")
+    assert s == 200 and tail == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after")):
+        s, err, _ = http_json(server.base + f"/v1/responses/{rid}/input_items?{query}")
+        assert s == 400 and err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error", query
+
+    s, gone, _ = http_json(server.base + f"/v1/responses/{rid}", method="DELETE")
+    assert (s, gone) == (200, {"id": rid, "object": "response", "deleted": True})
+    for method, path in (("GET", rid), ("DELETE", rid), ("GET", f"{rid}/input_items")):
+        assert http_json(server.base + f"/v1/responses/{path}", method=method)[:2] == (404, not_found_body(rid))
+    s, err, _ = http_json(server.base + "/v1/responses", {"previous_response_id": rid, "input": "y"})
+    assert s == 400 and err["error"]["code"] == "previous_response_not_found"
+    assert http_json(server.base + "/v1/responses/resp_nope", method="GET")[:2] == (404, not_found_body("resp_nope"))
+
+
+def test_a_streamed_response_is_retrieved_as_its_last_event_showed_it_and_an_unstored_one_is_not(server):
+    raw = post_stream(server.base + "/v1/responses", {"input": "Stream me.", "max_output_tokens": 3})
+    final = sse_events(raw)[-1][1]["response"]
+    assert http_json(server.base + f"/v1/responses/{final['id']}", method="GET")[:2] == (200, final)
+    s, listed, _ = http_json(server.base + f"/v1/responses/{final['id']}/input_items")
+    assert s == 200 and [{k: v for k, v in it.items() if k != "id"} for it in listed["data"]] == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Stream me."}]}]
+    _, unstored, _ = http_json(server.base + "/v1/responses", {"input": "x", "store": False, "max_output_tokens": 2})
+    assert http_json(server.base + f"/v1/responses/{unstored['id']}", method="GET")[:2] == \
+        (404, not_found_body(unstored["id"]))
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("PUT", "/v1/responses", 405, "POST"),
+    ("PATCH", "/v1/chat/completions", 405, "POST"),
+    ("DELETE", "/v1/models", 405, "GET"),
+    ("POST", "/v1/responses/resp_x", 405, "DELETE, GET"),
+    ("DELETE", "/v1/responses/resp_x/input_items", 405, "GET"),
+    ("OPTIONS", "/v1/messages", 405, "POST"),
+    ("DELETE", "/nowhere", 404, None),
+    ("PUT", "/nowhere", 404, None),
+    ("BREW", "/v1/responses", 501, None),
+])
+def test_every_method_on_every_path_answers_json(server, method, path, status, allow):
+    body = b"{}" if method in ("POST", "PUT", "PATCH") else None
+    s, err, headers = http_json(server.base + path, body, method=method)
+    assert s == status and isinstance(err, dict) and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert headers.get("Content-Type") == "application/json" and headers.get("Allow") == allow
+    assert method in err["error"]["message"]
+
+
+def test_a_request_http_server_cannot_read_is_answered_in_json_not_an_html_page(server):
+    import socket
+
+    for line in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/9.9\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(line)
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert b"Content-Type: application/json" in head and b"<html" not in raw.lower(), raw[:200]
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and int(head.split()[1]) >= 400
+
+
 @pytest.mark.parametrize("body, status, code", [
     ({"input": [{"type": "local_shell_call"}]}, 400, None),
     ({"input": "x", "previous_response_id": "resp_nope"}, 400, "previous_response_not_found"),
@@ -380,6 +505,37 @@ def test_responses_through_litellm(stack):
                                                                                        "response.incomplete")
     done = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")][-1]["response"]
     assert done["usage"]["input_tokens_details"]["cached_tokens"] == r["usage"]["input_tokens"] - 1
+
+
+def test_stored_responses_through_litellm(stack):
+    """LiteLLM forwards retrieve / delete / input_items to the backend with its own ids decoded;
+    the front door carries input_items' query (LiteLLM drops it), hands the server's own 404 body
+    through, and answers 404 for an id LiteLLM never issued (LiteLLM: a 400 "model=None")."""
+    from tests.test_e2e_stack import KEY, MODEL
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    s, created, _ = stack.post("/v1/responses", {"model": MODEL, "max_output_tokens": 3, "input": [
+        {"role": "user", "content": "Say hi."}, {"role": "user", "content": "Again."}]})
+    assert s == 200, created
+    rid = created["id"]
+    s, got, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="GET")
+    assert s == 200 and got["output"] == created["output"] and got["usage"] == created["usage"]
+    s, page, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?order=asc&limit=1", headers=auth,
+                           method="GET")
+    assert s == 200 and [it["content"][0]["text"] for it in page["data"]] == ["Say hi."] and page["has_more"] is True
+    s, rest, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?order=asc&after={page['last_id']}",
+                           headers=auth, method="GET")
+    assert s == 200 and [it["content"][0]["text"] for it in rest["data"]] == ["Again."] and rest["has_more"] is False
+    s, err, _ = http_json(stack.base + f"/v1/responses/{rid}/input_items?limit=0", headers=auth, method="GET")
+    assert s == 400 and err["error"]["param"] == "limit"
+    s, gone, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="DELETE")
+    assert s == 200 and gone["deleted"] is True and gone["object"] == "response"
+    s, err, _ = http_json(stack.base + f"/v1/responses/{rid}", headers=auth, method="GET")
+    ours = gone["id"]     # the MLX server's own id, as the delete answered it
+    assert (s, err) == (404, not_found_body(ours))
+    assert http_json(stack.base + "/v1/responses/resp_nope", headers=auth, method="GET")[:2] == \
+        (404, not_found_body("resp_nope"))
+    assert http_json(stack.base + "/v1/responses/resp_nope", method="GET")[0] == 401      # the key first
 
 
 def test_response_store_is_bounded_in_bytes_too():

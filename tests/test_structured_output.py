@@ -452,6 +452,37 @@ def test_a_schema_too_large_to_compile_is_400_quickly(server):
     assert status == 200                                       # the inference thread was never involved
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_dense_path):
+    s = LiveServer(engine_settings(tiny_dense_path, log_root=str(tmp_path_factory.mktemp("logs"))))
+    yield s
+    s.close()
+
+
+def test_a_model_that_wants_digits_forever_still_answers_numbers_a_json_client_holds(tiny_server):
+    """The random-weight fixture pushed to digits 1-9 (logit_bias +100): an unbounded integer grammar let it
+    write digits until max_tokens (no JSON at all); the bounded one closes each number in time."""
+    tok = tiny_server.app.loaded.tokenizer
+    digits = [tok.encode(d, add_special_tokens=False) for d in "123456789"]
+    assert all(len(ids) == 1 for ids in digits)
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}, "area": {"type": "number"}},
+              "required": ["population", "area"], "additionalProperties": False}
+    status, body, _ = http_json(tiny_server.base + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "How many people live in Paris, on how many km2? Answer in JSON."}],
+        "max_tokens": 96, "temperature": 0, "enable_thinking": False,
+        "logit_bias": {str(ids[0]): 100 for ids in digits},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    reply = json.loads(choice["message"]["content"])
+    jsonschema.validate(reply, schema)
+    population, area = reply["population"], reply["area"]
+    assert isinstance(population, int) and 10**15 <= abs(population) <= 2**53 - 1   # the bound stopped it, not the model
+    integer, _, fraction = choice["message"]["content"].split('"area": ')[1].rstrip("}").partition(".")
+    assert len(integer.lstrip("-")) <= 16 and len(fraction) <= 9 and abs(area) < 1e16
+
+
 def test_auto_with_tools_the_grammar_cannot_take_is_served_unconstrained(server):
     """Agent clients send tool schemas of every kind: with tool_choice auto and no strict tool, a
     tool set that cannot become a grammar is served as before (and counted), never refused."""

@@ -35,7 +35,9 @@ four whitespace characters ("</think>\n\n{"). Harmony reasons in its analysis ch
 required / JSON grammars allow before the answer.
 
 JSON is compact with ", " and ": " separators (llguidance ``whitespace_flexible`` off): the Hermes
-shape the models were trained on, and no room for a small model to loop on whitespace. A strict
+shape the models were trained on, and no room for a small model to loop on whitespace; and every
+number is one a JSON client holds (``bounded_numbers``: integers within 2^53-1, numbers below 1e16
+with at most 9 fraction digits), no room to loop on digits either. A strict
 schema (``strict: true``) must compile exactly (an unsupported keyword is an error); a non-strict one
 is compiled leniently (unsupported keywords ignored, the rest enforced). In the Qwen XML and GLM
 formats arguments are text: keys come in the schema's order (required ones present, no others),
@@ -142,11 +144,127 @@ class _Lark:
 
 
 def _schema_json(schema: Any, strict: bool) -> str:
-    """The schema as inline JSON with our compile options (``x-guidance``) merged in."""
+    """The schema as inline JSON with our compile options (``x-guidance``) merged in, its numbers
+    bounded (``bounded_numbers``)."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     opts = dict(JSON_OPTIONS, lenient=not strict)
-    return json.dumps({**schema, "x-guidance": opts}, ensure_ascii=False, sort_keys=False)
+    return json.dumps({**bounded_numbers(schema), "x-guidance": opts}, ensure_ascii=False, sort_keys=False)
+
+
+# ------------------------------------------------------------------ numbers a JSON client can hold
+# Unbounded, llguidance's number lexeme lets a model write digits until max_tokens (a small model
+# does: a 90-digit population). Every number a grammar allows is one a JSON client holds:
+SAFE_INTEGER = 2**53 - 1        # integers: |n| <= 2^53-1, the IEEE-754 doubles' exact range (16 digits)
+NUMBER_LIMIT = 1e16             # numbers: |x| < 1e16 (16 integer digits); bounded, llguidance writes no exponent
+NUMBER_STEP = 1e-9              # and at most 9 fraction digits (multipleOf; none added where the schema has one)
+ANY_VALUE = "mlxstack_json_value"   # $defs entry: any JSON value, its numbers bounded as above
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema"})
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("additionalProperties", "items", "then", "else", "contains")   # never "not" / "if": a bound there inverts
+
+
+def bounded_numbers(schema: dict) -> dict:
+    """``schema`` (a copy) with every number it lets through bounded (pure):
+
+    - ``integer``: minimum / maximum at -/+ SAFE_INTEGER; ``number``: exclusive bounds at -/+
+      NUMBER_LIMIT and ``multipleOf`` NUMBER_STEP. A bound the schema sets itself is kept when it is
+      tighter (a looser one is capped); a schema whose own range lies wholly outside is left as it is.
+    - values the schema leaves free (``{}``, a missing ``additionalProperties`` or ``items``, json_object)
+      refer to ANY_VALUE, the same any-value with bounded numbers.
+
+    No ``multipleOf`` is added to a schema that names one anywhere (llguidance intersects two into
+    one coefficient of 32 bits); a schema with a nested ``$id`` (its own base for references) is
+    bounded where it types numbers but keeps its free values as they are."""
+    step = not _mentions(schema, "multipleOf")
+    free_values = not _mentions(schema, "$id", skip_root=True)
+    defs = schema.get("$defs", {})
+    if free_values and (not isinstance(defs, dict) or ANY_VALUE in defs):
+        free_values = False
+    out = {**schema, "$ref": f"#/$defs/{ANY_VALUE}"} if free_values and _is_free(schema) \
+        else _bound(schema, step, free_values)
+    if free_values:
+        any_number = _bound({"type": "number"}, step, False)
+        ref = {"$ref": f"#/$defs/{ANY_VALUE}"}
+        out["$defs"] = {**out.get("$defs", {}), ANY_VALUE: {"anyOf": [
+            {"type": ["null", "boolean", "string"]}, any_number,
+            {"type": "array", "items": ref}, {"type": "object", "additionalProperties": ref}]}}
+    return out
+
+
+def _mentions(node: Any, key: str, skip_root: bool = False) -> bool:
+    if isinstance(node, dict):
+        return (key in node and not skip_root) or any(_mentions(v, key) for v in node.values())
+    if isinstance(node, list):
+        return any(_mentions(v, key) for v in node)
+    return False
+
+
+def _is_free(node: Any) -> bool:
+    """A schema any value satisfies: ``true``, ``{}``, or annotations only."""
+    return node is True or (isinstance(node, dict) and set(node) <= _ANNOTATIONS)
+
+
+def _bound(node: Any, step: bool, free_values: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    ref = {"$ref": f"#/$defs/{ANY_VALUE}"}
+
+    def child(sub: Any) -> Any:
+        return dict(ref) if free_values and _is_free(sub) else _bound(sub, step, free_values)
+
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: child(sub) for name, sub in node[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [child(sub) for sub in node[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(node.get(key), (dict, bool)):
+            out[key] = child(node[key]) if node[key] is not False else False
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if free_values and "object" in types and "additionalProperties" not in node and "unevaluatedProperties" not in node:
+        out["additionalProperties"] = dict(ref)
+    if free_values and "array" in types and "items" not in node and "unevaluatedItems" not in node:
+        out["items"] = dict(ref)
+    if "number" in types:
+        _cap(out, -NUMBER_LIMIT, NUMBER_LIMIT, exclusive=True)
+        if step and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    elif "integer" in types:
+        _cap(out, -SAFE_INTEGER, SAFE_INTEGER, exclusive=False)
+    return out
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _cap(node: dict, low: float, high: float, *, exclusive: bool) -> None:
+    """Bound a numeric schema's two sides (in place): each side the schema bounds within
+    [low, high] itself is kept, a missing or looser side becomes ``low`` / ``high`` -- unless the
+    schema's own range lies outside [low, high] (nothing would be left), then nothing changes."""
+    before = dict(node)
+    for side, limit, inside in (("Minimum", low, lambda v: v >= low), ("Maximum", high, lambda v: v <= high)):
+        plain, strict = side.lower(), f"exclusive{side}"
+        own = [node[plain]] if _real(node.get(plain)) else []
+        own += [node[strict]] if _real(node.get(strict)) else []
+        if any(not _real(node[k]) and not isinstance(node[k], bool) for k in (plain, strict) if k in node):
+            continue                                  # not a number: llguidance names the error
+        if own and any(inside(v) for v in own):
+            continue                                  # the schema's own bound is as tight
+        node.pop(plain, None)
+        node.pop(strict, None)                        # (a draft-4 boolean goes with its bound)
+        node[strict if exclusive else plain] = limit
+    lows = [v for v in (node.get("minimum"), node.get("exclusiveMinimum")) if _real(v)]
+    highs = [v for v in (node.get("maximum"), node.get("exclusiveMaximum")) if _real(v)]
+    if lows and highs and max(lows) > min(highs):
+        node.clear()
+        node.update(before)
 
 
 def _object_schema(params: Any, where: str) -> dict:

@@ -40,6 +40,7 @@ import os
 import re
 import sys
 from typing import Any, Awaitable, Callable, NamedTuple
+from urllib.parse import parse_qs, unquote
 
 from litellm.integrations.custom_logger import CustomLogger
 
@@ -64,6 +65,9 @@ ROUTES: tuple[tuple[str, re.Pattern], ...] = (
     ("keyed", re.compile(rf"^{_PREFIX}/models(?:/.*)?$")),
     ("keyed", re.compile(r"^(?:/v1)?/model/info/?$")),
 )
+# a stored response and its input items (GET / DELETE; POST .../cancel and /compact are LiteLLM's own)
+STORED_RESPONSE = re.compile(rf"^{_PREFIX}/responses/(?P<id>[^/]+)(?P<items>/input_items)?/?$")
+INPUT_ITEMS_QUERY = ("after", "limit", "order")     # OpenAI's input_items parameters LiteLLM passes on
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions", "/openai/v1/chat/completions")     # examples
 RESPONSES_PATHS = ("/v1/responses", "/responses")
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -295,6 +299,10 @@ class FrontDoor:
         if refused is not None:        # before any body byte: a stranger's 200 MB costs nothing
             await _respond(send, refused)
             return
+        stored = STORED_RESPONSE.match(path) if method in ("GET", "DELETE") else None
+        if stored is not None:
+            await self._stored_response(scope, receive, send, stored)
+            return
         body: bytes | None = None
         replay: list[dict] = []
         if method == "POST":
@@ -321,6 +329,33 @@ class FrontDoor:
             return
         downstream = _unwrapping(send) if route_kind(path) in ("chat", "responses") else send
         await self.app(scope, _replaying(replay, receive), downstream)
+
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send, stored: re.Match) -> None:
+        """GET / DELETE /v1/responses/{id}[/input_items], which LiteLLM forwards to the backend
+        that made the response (measured on 1.106.2), with three repairs: an id LiteLLM never
+        issued is OpenAI's 404 here (LiteLLM: 400 "You passed in model=None"); input_items' query
+        (limit, order, after) goes to LiteLLM as the JSON body it reads them from (it ignores the
+        query string); the backend's own error body (its 404, its 400 naming ``limit``) is
+        answered instead of LiteLLM's wrapper."""
+        rid = unquote(stored["id"])
+        if not litellm_issued(rid):
+            await _respond(send, openai_error(404, f"Response with id '{rid}' not found.", code="response_not_found"))
+            return
+        query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+        carried = {k: v[-1] for k, v in query.items() if k in INPUT_ITEMS_QUERY}
+        if stored["items"] and carried:
+            if carried.get("limit", "").isdigit():
+                carried["limit"] = int(carried["limit"])
+            body = json.dumps(carried).encode()
+            while (await receive()).get("more_body"):     # a GET's (empty) body, replaced
+                pass
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() not in (b"content-length",
+                                                                                          b"content-type")]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json"),
+                                          (b"content-length", str(len(body)).encode())]}
+            receive = _replaying([{"type": "http.request", "body": body, "more_body": False}], receive)
+        await self.app(scope, receive, _unwrapping(send))
 
 
 def _replaying(messages: list[dict], receive: Receive) -> Receive:
@@ -521,6 +556,21 @@ def litellm_backend_response_id(response_id: str, user_api_key_dict: Any) -> str
         security.check_user_access_to_response_id(user_id, team_id, user_api_key_dict)   # 403 for another's
         response_id = managed
     return ResponsesAPIRequestUtils.decode_previous_response_id_to_original_previous_response_id(response_id)
+
+
+def litellm_issued(response_id: str) -> bool:
+    """Whether LiteLLM can route a Responses id: one it encrypted, a managed id naming the provider,
+    or a background poll id. Unsure (a LiteLLM without this layout): True, LiteLLM decides."""
+    try:
+        from litellm.proxy.hooks.responses_id_security import ResponsesIDSecurity
+        from litellm.responses.utils import ResponsesAPIRequestUtils
+
+        if response_id.startswith("litellm_poll_") or ResponsesIDSecurity()._is_encrypted_response_id(response_id):
+            return True
+        return bool(ResponsesAPIRequestUtils.decode_responses_api_response_id(response_id).get("custom_llm_provider"))
+    except Exception:  # noqa: BLE001 - never cost a request
+        log.exception("front door: reading a Responses id failed")
+        return True
 
 
 front_door = FrontDoorHook()

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
 from typing import Any, Callable
+from urllib.parse import unquote
 
 from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError
@@ -30,9 +32,12 @@ from .http.guard import Guard, bind_refusal
 from .http.handler import Handler
 from .http.pooled_server import PooledHTTPServer
 from .openai.chat import handle_chat_completions
-from .openai.responses import handle_responses
+from .openai.responses import handle_delete, handle_input_items, handle_responses, handle_retrieve
 
 log = logging.getLogger("mlxstack.app")
+
+# a stored response (GET / DELETE) and its input items (GET), with and without /v1
+STORED_RESPONSE = re.compile(r"^(?:/v1)?/responses/(?P<id>[^/]+)(?P<items>/input_items)?$")
 
 
 class App:
@@ -223,6 +228,21 @@ class App:
                 "/v1/responses": lambda: handle_responses(h), "/responses": lambda: handle_responses(h),
                 "/v1/messages": lambda: handle_messages(h),
                 "/v1/messages/count_tokens": lambda: handle_count_tokens(h)}
+
+    def route(self, h: Any, method: str, path: str) -> tuple[Callable[[], None] | None, tuple[str, ...]]:
+        """(the handler of ``method`` on ``path`` or None, the methods ``path`` answers -- empty:
+        an unknown path). Exact paths, then the stored responses' (/v1/responses/{id}[/input_items])."""
+        tables = {"GET": self.get_routes(h), "POST": self.post_routes(h)}
+        allowed = tuple(m for m, table in sorted(tables.items()) if path in table)
+        if allowed:
+            return tables.get(method, {}).get(path), allowed
+        stored = STORED_RESPONSE.match(path)
+        if stored is None:
+            return None, ()
+        rid = unquote(stored["id"])
+        handlers = ({"GET": lambda: handle_input_items(h, rid)} if stored["items"] else
+                    {"DELETE": lambda: handle_delete(h, rid), "GET": lambda: handle_retrieve(h, rid)})
+        return handlers.get(method), tuple(sorted(handlers))
 
     def _health_route(self, h: Any) -> None:
         body = self.health()

@@ -37,6 +37,7 @@ window answers 400 "prompt is too long: ..." (the phrase Claude Code compacts on
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -109,15 +110,18 @@ def cache_control_ttl(value: Any, where: str) -> float:
 class Marks:
     """The request's ``cache_control`` breakpoints as chat-message positions, collected while the
     messages are translated (a mark after ``chars`` characters of a text message; None: after
-    the whole message -- a tool_result, an assistant block, a turn with images)."""
+    the whole message -- a tool_result, an assistant block, a turn with images). ``wheres``: each
+    mark's block, in the same order."""
 
     def __init__(self) -> None:
         self.found: list[CacheBreakpoint] = []
+        self.wheres: list[str] = []
 
     def block(self, block: Any, where: str, message: int, chars: int | None = None) -> None:
         if isinstance(block, dict) and block.get("cache_control") is not None:
             ttl = cache_control_ttl(block["cache_control"], f"{where}.cache_control")
             self.found.append(CacheBreakpoint(message, chars, ttl))
+            self.wheres.append(where)
             if len(self.found) > MAX_BREAKPOINTS:
                 raise bad_request(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
                                   f"Found {len(self.found)}.", param=where)
@@ -271,20 +275,68 @@ def cache_marks(body: dict, chat: dict, marks: Marks) -> tuple[tuple[CacheBreakp
     of the last message, as Anthropic places it on the last cacheable block."""
     found = list(marks.found)
     messages = chat["messages"]
+    ordered: list[tuple[str, float]] = []      # (block, ttl) in Anthropic's order: tools, system, messages
     for k, tool in enumerate(body.get("tools") or []):
         if isinstance(tool, dict) and tool.get("cache_control") is not None:
             ttl = cache_control_ttl(tool["cache_control"], f"tools[{k}].cache_control")
+            ordered.append((f"tools[{k}]", ttl))
             if messages and messages[0].get("role") == "system":
                 found.append(CacheBreakpoint(0, None, ttl))
+    ordered += [(where, mark.ttl) for where, mark in zip(marks.wheres, marks.found)]
     top = body.get("cache_control")
     rest = None
     if top is not None:
         rest = cache_control_ttl(top, "cache_control")
         found.append(CacheBreakpoint(len(messages) - 1, None, rest))
+        ordered.append(("", rest))             # automatic caching marks the last block
     if len(found) > MAX_BREAKPOINTS:
         raise bad_request(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
                           f"Found {len(found)}.", param="cache_control")
+    check_ttl_order(ordered)
     return tuple(found), rest
+
+
+def check_ttl_order(ordered: list[tuple[str, float]]) -> None:
+    """Anthropic's rule: a longer-lived breakpoint never follows a shorter-lived one (1h after 5m
+    is a 400), in processing order -- tools, system, messages -- whatever the body's key order."""
+    shortest = None
+    for where, ttl in ordered:
+        if shortest is not None and ttl > shortest:
+            field = f"{where}.cache_control.ttl" if where else "cache_control.ttl"
+            dotted = re.sub(r"\[(\d+)\]", r".\1", field)          # messages[0].content[4] -> messages.0.content.4
+            raise bad_request(f"{dotted}: a ttl='{_ttl_name(ttl)}' cache_control block must not come after a "
+                              f"ttl='{_ttl_name(shortest)}' cache_control block. Note that blocks are processed in "
+                              "the following order: `tools`, `system`, `messages`.", param=field)
+        shortest = ttl if shortest is None else min(shortest, ttl)
+
+
+def _ttl_name(seconds: float) -> str:
+    return next(name for name, value in ANTHROPIC_TTLS.items() if value == seconds)
+
+
+INTERLEAVED_THINKING_BETA = "interleaved-thinking-2025-05-14"
+
+
+def check_thinking_budget(body: dict, headers: dict[str, str]) -> None:
+    """Anthropic's rule: ``thinking.budget_tokens`` must be below ``max_tokens`` (the thinking is
+    part of the reply) -- except with interleaved thinking (the ``anthropic-beta`` header names it),
+    where the budget covers every thinking block of the turn and may exceed ``max_tokens``."""
+    thinking, limit = body.get("thinking"), body.get("max_tokens")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if not (_is_int(budget) and _is_int(limit)) or limit < 1 or budget < limit:
+        return          # (a max_tokens out of range is its own validator's 400)
+    betas = {b.strip() for b in headers.get("anthropic-beta", "").split(",")}
+    if INTERLEAVED_THINKING_BETA in betas:
+        return
+    raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our documentation "
+                      "at https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
+                      "#max-tokens-and-context-window-size", param="thinking.budget_tokens")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def anthropic_tools(tools: Any) -> list[dict] | None:
@@ -509,6 +561,7 @@ def _messages(h: Any) -> None:
     marks = Marks()
     chat = to_chat_body(body, marks)
     breakpoints, ttl = cache_marks(body, chat, marks)
+    check_thinking_budget(body, request_headers(h))
     req = chat_request(app, chat, MESSAGES_FIELDS)
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)

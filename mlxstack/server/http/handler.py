@@ -15,8 +15,9 @@ import logging
 import re
 import time
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable
+from typing import Any
 
 from ...engine.chat import ClientGone, ContextLengthExceeded
 from ...engine.worker import WorkerDied
@@ -66,7 +67,8 @@ class Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
+        if getattr(self, "command", None) != "HEAD":      # a HEAD answer has the headers only
+            self.wfile.write(body)
         self.close_connection = True
 
     def _json(self, status: int, obj: Any) -> None:
@@ -79,7 +81,10 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _dispatch(self, routes: Callable[[], dict[str, Callable[[], None]]]) -> None:
+    def _dispatch(self) -> None:
+        """Route one request (the app's ``route``: the handler for this method and path, and the
+        methods the path answers): 404 for an unknown path, 405 with ``Allow`` for a known path
+        asked with another method -- JSON either way."""
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         self.connection.settimeout(self.app.settings.mlx_body_timeout_seconds)  # writes to a stalled reader end
         try:
@@ -88,8 +93,12 @@ class Handler(BaseHTTPRequestHandler):
             if refusal is not None:
                 self._drain_refused()
                 raise refusal
-            route = routes().get(path)
+            route, allowed = self.app.route(self, self.command, path)
             if route is None:
+                self._drain_refused()
+                if allowed:
+                    raise APIError(405, f"{self.command} is not allowed on {path}; use {' or '.join(allowed)}",
+                                   code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
                 raise not_found(f"unknown path {self.command} {path}")
             route()
         except APIError as err:
@@ -101,11 +110,23 @@ class Handler(BaseHTTPRequestHandler):
             log.exception("internal error (request id %s)", rid)
             self._error(internal(rid))
 
-    def do_GET(self) -> None:  # noqa: N802
-        self._dispatch(lambda: self.app.get_routes(self))
+    # every method a client may send is routed (404 / 405 in JSON); any other is http.server's 501,
+    # in JSON too (send_error below)
+    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = do_OPTIONS = do_HEAD = _dispatch  # noqa: N815
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch(lambda: self.app.post_routes(self))
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a request line or headers it cannot read, a method nothing
+        routes) as the same JSON errors as every other answer, never its HTML page."""
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "Error"
+        code_name = re.sub(r"[^a-z0-9]+", "_", phrase.lower()).strip("_")
+        if getattr(self, "request_version", "") == "HTTP/0.9":
+            self.request_version = self.protocol_version   # an unreadable line still gets a status line
+        self.close_connection = True
+        self._error(APIError(code, message or phrase, type="server_error" if code >= 500 else "invalid_request_error",
+                             code=code_name))
 
     def _start_body_deadline(self) -> None:
         self._reader.deadline = time.monotonic() + self.app.settings.mlx_body_timeout_seconds
@@ -135,7 +156,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _drain_refused(self) -> None:
         """A request refused before its body was read: read a small body so the answer arrives."""
-        if self.command != "POST":
+        if self.headers.get("Transfer-Encoding") is not None:
             return
         try:
             n = content_length(self.headers.get_all("Content-Length"))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import uuid
 from typing import Any, Callable
+from urllib.parse import parse_qs
 
 from ...parsing.reasoning import CONTENT, REASONING
 from ..common.error_shapes import responses_error
@@ -33,7 +34,8 @@ from ..common.finish import responses_status as reply_status
 from ..common.items import ReplyParts, ReplySplit, whole_reply_events
 from ..common.cache_diagnostics import openai_diagnostics
 from ..common.job_adapter import Diagnosis, JobRun, chat_request, require_ready
-from .response_store import ResponseStore, assistant_message, conversation_bytes, response_store  # noqa: F401
+from .response_store import (ResponseStore, assistant_message, conversation_bytes, input_items,  # noqa: F401
+                             response_store)
 from .responses_to_chat import (ResponsesCall, ToolNames, chat_tool_choice, decode_reasoning_blob,  # noqa: F401
                                 encode_reasoning_blob, input_to_messages, responses_tools, to_chat_body)
 from ..http.sse import event_frame
@@ -168,7 +170,8 @@ class ResponsesStream:
     """FrameEncoder for one streamed response (see job_adapter.FrameEncoder)."""
 
     def __init__(self, response_id: str, model: str, call: ResponsesCall, *, tools: list | None, family: str,
-                 count_tokens: Callable[[str], int], on_finish: Callable[[Any], None] = lambda _o: None) -> None:
+                 count_tokens: Callable[[str], int],
+                 on_finish: Callable[[Any, dict], None] = lambda _o, _r: None) -> None:
         self.response_id, self.model, self.call = response_id, model, call
         self.count_tokens, self.on_finish = count_tokens, on_finish
         self.created_at = int(time.time())
@@ -207,9 +210,9 @@ class ResponsesStream:
             payloads, self.items.items[:] = [], []   # prewarm: the prompt stored, no output
         status, reason = ("completed", None) if self.call.prewarm else reply_status(outcome)
         usage = usage_object(outcome_usage(outcome), self.count_tokens(reasoning_text(self.items.items)))
-        self.on_finish(outcome)  # before the last event: a client may chain on it at once
-        return self._frames(payloads + [{"type": f"response.{status}",
-                                         "response": self._response(status, usage, reason=reason)}])
+        final = self._response(status, usage, reason=reason)
+        self.on_finish(outcome, final)  # before the last event: a client may chain on it (or GET it) at once
+        return self._frames(payloads + [{"type": f"response.{status}", "response": final}])
 
     def error(self, err: APIError) -> list[bytes]:
         return self._frames([{"type": "response.failed", "response": self._response("failed",
@@ -244,12 +247,13 @@ def handle_responses(h: Any) -> None:
     def count_tokens(text: str) -> int:
         return len(app.loaded.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
-    def remember(outcome: Any) -> None:
-        """Store the conversation before the client can see the response (and chain on its id)."""
+    def remember(outcome: Any, response: dict) -> None:
+        """Store the conversation, the response object and its input items before the client can
+        see the response (and chain on its id, or retrieve it)."""
         if call.store and not outcome.aborted and not call.prewarm:
             reply = assistant_message(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
                                       family=app.family, response_id=response_id)
-            store.put(response_id, [*call.conversation, reply])
+            store.put(response_id, [*call.conversation, reply], response, input_items(body["input"], response_id))
 
     def whole(outcome: Any) -> dict:
         items = [] if call.prewarm else reply_items(
@@ -257,15 +261,87 @@ def handle_responses(h: Any) -> None:
             response_id=response_id, tool_names=call.tool_names, reasoning_blob=call.reasoning_blob)
         usage = usage_object(outcome_usage(outcome), count_tokens(reasoning_text(items)))
         status, reason = ("completed", None) if call.prewarm else reply_status(outcome)
-        remember(outcome)
-        return response_object(response_id, app.model_id, int(time.time()), call.echo, status=status,
-                               output=items, usage=usage, reason=reason, cache=outcome.cache)
+        response = response_object(response_id, app.model_id, int(time.time()), call.echo, status=status,
+                                   output=items, usage=usage, reason=reason, cache=outcome.cache)
+        remember(outcome, response)
+        return response
 
     run.answer(h, lambda: ResponsesStream(response_id, app.model_id, call, tools=req.tools, family=app.family,
                                           count_tokens=count_tokens, on_finish=remember), whole)
 
 
+# ============================================================================ stored responses
+INPUT_ITEMS_MAX_LIMIT = 100      # OpenAI's bounds for input_items ``limit`` (default 20)
+
+
+def stored_or_404(response_id: str, found: Any) -> Any:
+    """``found``, or OpenAI's 404 for an id the store does not hold (never stored, store: false,
+    evicted or deleted)."""
+    if found is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+    return found
+
+
+def handle_retrieve(h: Any, response_id: str) -> None:
+    """GET /v1/responses/{id}: the stored response object, as it was answered."""
+    store = response_store(h.app)
+    query = query_params(h)
+    if query.get("stream", "false") not in ("false", "0", ""):
+        raise bad_request("'stream' is not supported when retrieving a response here; retrieve it whole",
+                          param="stream", code="unsupported_parameter")
+    h.app.count_status(200)
+    h._json(200, stored_or_404(response_id, store.response(response_id)))
+
+
+def handle_delete(h: Any, response_id: str) -> None:
+    """DELETE /v1/responses/{id}: forget it (no longer retrievable nor a previous_response_id)."""
+    store = response_store(h.app)
+    stored_or_404(response_id, True if store.delete(response_id) else None)
+    h.app.count_status(200)
+    h._json(200, {"id": response_id, "object": "response", "deleted": True})
+
+
+def handle_input_items(h: Any, response_id: str) -> None:
+    """GET /v1/responses/{id}/input_items?limit=&order=&after=: the request's input items, a page."""
+    store = response_store(h.app)
+    items = stored_or_404(response_id, store.input_items(response_id))
+    q = query_params(h)
+    h.app.count_status(200)
+    h._json(200, input_items_page(items, q.get("limit"), q.get("order"), q.get("after")))
+
+
+def input_items_page(items: list[dict], limit: Any = None, order: Any = None, after: Any = None) -> dict:
+    """One page of input items in OpenAI's list shape (pure): ``order`` desc (default: newest
+    first) or asc, ``limit`` 1-100 (default 20), ``after`` an item id (the page starts after it)."""
+    try:
+        n = 20 if limit is None else int(limit)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= INPUT_ITEMS_MAX_LIMIT:
+        raise bad_request(f"'limit' must be an integer from 1 to {INPUT_ITEMS_MAX_LIMIT}", param="limit")
+    order = "desc" if order is None else order
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be 'asc' or 'desc'", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [it["id"] for it in ordered]
+        if after not in ids:
+            raise bad_request(f"'after' names no input item of this response: {after!r}", param="after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + n]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + n < len(ordered)}
+
+
+def query_params(h: Any) -> dict[str, str]:
+    """The request's query parameters (the last value of each)."""
+    query = h.path.split("?", 1)[1] if "?" in h.path else ""
+    return {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+
+
 __all__ = ["OutputItems", "ResponseStore", "ResponsesCall", "ResponsesStream", "ToolNames", "assistant_message",
-           "chat_tool_choice", "decode_reasoning_blob", "encode_reasoning_blob", "handle_responses",
+           "chat_tool_choice", "decode_reasoning_blob", "encode_reasoning_blob", "handle_delete", "handle_input_items",
+           "handle_responses", "handle_retrieve", "input_items_page",
            "input_to_messages", "reply_items", "response_object", "responses_tools", "to_chat_body",
            "usage_object"]

@@ -167,12 +167,14 @@ def input_to_messages(items: Any, tool_names: ToolNames | None = None,
         raise bad_request("'input' must be a non-empty string or a non-empty list of items", param="input")
     messages: list[dict] = []
     open_turn: dict | None = None     # the assistant message items are still being merged into
+    open_at = -1                      # its index in messages (by position: equal messages are not the same turn)
     reasoning: list[str] = []         # reasoning items waiting for their assistant message
 
     def assistant() -> dict:
-        nonlocal open_turn
+        nonlocal open_turn, open_at
         if open_turn is None:
             open_turn = {"role": "assistant", "content": ""}
+            open_at = len(messages)
             messages.append(open_turn)
         if reasoning:
             open_turn["reasoning_content"] = open_turn.get("reasoning_content", "") + "".join(reasoning)
@@ -196,7 +198,7 @@ def input_to_messages(items: Any, tool_names: ToolNames | None = None,
                     open_turn = None
                     turn = assistant()
                 turn["content"] = content
-                at = messages.index(turn)
+                at = open_at
                 found = [None] * len(found)   # an assistant turn is marked at its end
             else:
                 if reasoning:
