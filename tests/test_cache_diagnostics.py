@@ -5,16 +5,21 @@ The end-to-end cases (the SDKs through LiteLLM) are in tests/test_e2e_cache_diag
 from __future__ import annotations
 
 import base64
+import dataclasses
+import gc
 import json
+import sys
+import tracemalloc
 
 import pytest
 
 from mlxstack.server.common.cache_diagnostics import anthropic_diagnostics, anthropic_request, openai_diagnostics
 from mlxstack.server.http.errors import APIError
 from mlxstack.server.openai.responses_to_chat import backend_response_id, prompt_cache_options
-from mlxstack.cache.diagnosis import (BLOCK, Diagnosis, common_prefix, describe, diagnose, fingerprint,
-                                      with_tokens)
+from mlxstack.cache.diagnosis import (BLOCK, Diagnosis, FingerprintStore, common_prefix, describe, diagnose,
+                                      fingerprint, with_tokens)
 from mlxstack.prompt.session_context import extract_session_context
+import numpy as np
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Name a fruit."}
@@ -34,9 +39,92 @@ def previous():
 
 def test_fingerprint_holds_hashes_and_counts_never_text():
     f = previous()
-    blob = json.dumps([str(v) for v in vars(f).values()])
+    blob = json.dumps([str(getattr(f, field.name)) for field in dataclasses.fields(f)])
     assert "terse" not in blob and "fruit" not in blob
     assert (f.prompt_tokens, f.tokens, len(f.blocks), f.system_count, len(f.messages)) == (80, 90, 90 // BLOCK, 1, 2)
+
+
+def deep_sizeof(obj, seen=None) -> int:
+    """Bytes an object holds, following containers, instance dicts and slots; each object once
+    (numpy arrays: the header, and the buffer of a view)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    n = sys.getsizeof(obj)
+    if isinstance(obj, np.ndarray):
+        return n + (obj.nbytes if obj.base is not None else 0) + (deep_sizeof(obj.base, seen) if obj.base is not None else 0)
+    if isinstance(obj, dict):
+        n += sum(deep_sizeof(k, seen) + deep_sizeof(v, seen) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        n += sum(deep_sizeof(x, seen) for x in obj)
+    if hasattr(obj, "__dict__"):
+        n += deep_sizeof(vars(obj), seen)
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            n += deep_sizeof(getattr(obj, name), seen)
+    return n
+
+
+def long_session(n_messages=400, n_tokens=100_000, salt=0):
+    """A 100k-token, 400-message conversation's fingerprint (prompt, then a 1,000-token reply)."""
+    msgs = [{"role": "system" if i == 0 else ("user" if i % 2 else "assistant"),
+             "content": f"message {i} of session {salt}: " + "x" * (50 + (37 * i) % 350)} for i in range(n_messages)]
+    tokens = (np.arange(n_tokens, dtype=np.int64) * 7 + salt) % 50_000
+    return with_tokens(fingerprint(model="m", messages=msgs, tools=TOOLS, tokens=tokens[:-1000]), tokens)
+
+
+def test_a_fingerprint_is_charged_what_it_holds():
+    """100k tokens, 400 messages: the charge is within 10% of the bytes measured two ways (a deep
+    sizeof that follows containers, and what tracemalloc sees allocated and kept); the old
+    estimate charged 130 KB for 724 KB held, as hex strings and tuples of tuples."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    f = long_session()
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    measured = deep_sizeof(f)
+    assert abs(f.nbytes - measured) <= 0.1 * measured and abs(f.nbytes - traced) <= 0.1 * traced
+    assert measured < 100_000        # 8 bytes a block of 16 tokens, 64 a message, ~1 KB beside
+
+
+@pytest.mark.parametrize("n_messages, n_tokens, limit", [(100, 20_000, 2_000_000), (3, 100, 300_000)])
+def test_the_store_holds_at_most_its_limit_each_fingerprint_once(n_messages, n_tokens, limit):
+    """N fingerprints, each under a session key and a reply id, into a store with a byte limit:
+    what it holds, measured (tracemalloc: fingerprints, keys and the store's tables), stays within
+    the limit; a fingerprint is one object under both keys, charged once."""
+    fps = [long_session(n_messages, n_tokens, salt=k) for k in range(400)]
+    keys = [[f"session:{k:032x}", f"id:msg_{k:024x}"] for k in range(400)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    store = FingerprintStore(10_000, limit)
+    for k in range(400):
+        store.put(keys[k], fps[k])
+    fps = keys = None          # the store's references only
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert held <= limit and store.held <= limit and len(store) > 10
+    newest = store.get(f"session:{399:032x}")
+    assert newest is store.get(f"id:msg_{399:024x}") and newest is not None
+    assert store.get(f"session:{0:032x}") is None and store.get(f"id:msg_{0:024x}") is None   # evicted together
+
+
+def test_the_store_forgets_what_a_key_named_before():
+    store = FingerprintStore(10, 10**6)
+    a, b = previous(), fp([SYSTEM, USER], PROMPT)
+    store.put(["session:s", "id:1"], a)
+    one = store.held
+    store.put(["session:s", "id:2"], b)              # the session's next request
+    assert store.get("session:s") is b and store.get("id:1") is a and store.get("id:2") is b and len(store) == 2
+    store.put(["id:1"], b)                            # a's last key: a leaves; b is held once, three keys
+    assert len(store) == 1 and store.get("id:1") is b is store.get("session:s") and store.held < 2 * one
+    tiny = FingerprintStore(10, 2_000)
+    assert tiny.put(["session:s"], a) and not tiny.put(["session:s"], long_session(3, 5_000))
+    assert tiny.get("session:s") is None and len(tiny) == 0    # an older request is no comparison
 
 
 def test_common_prefix_is_exact_when_all_match_else_whole_blocks():

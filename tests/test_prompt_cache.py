@@ -316,7 +316,57 @@ def test_prefix_cull_only_removes_prefixes_the_new_entry_can_serve():
     ids = {x.entry_id for x in c.entries()}
     assert ids == {a.entry_id, d.entry_id, e.entry_id}
     assert [r for r in c.eviction_log if r[1] == "prefix_cull"][-1] == (b.entry_id, "prefix_cull")
-    assert c.get(a.entry_id).superseded and c.get(d.entry_id).superseded
+    # the one it covers is superseded; the one below its floor still serves its own depth
+    assert c.get(d.entry_id).superseded and not c.get(a.entry_id).superseded
+
+
+def test_a_deeper_exact_depth_snapshot_does_not_supersede_a_shallower_one():
+    """Floor rule: an entry is superseded only by a newer one of its pool that serves its depth
+    (newer floor <= its depth, its tokens a prefix). Exact-depth snapshots never cover each other,
+    and a deeper one does not take the hits of a depth it cannot serve."""
+    c = make(snapshot_max_entries=8)
+    mark = put(c, toks(16), trimmable=False, pool=POOL_SNAPSHOT, session_id="a")
+    c.lookup(toks(16) + [900] * 8, toks(16) + [900] * 8)
+    deeper = put(c, toks(16) + [900] * 8, trimmable=False, pool=POOL_SNAPSHOT, session_id="b")
+    assert not mark.superseded and deeper.hits == 0 and mark.hits == 1
+    cut_back = put(c, toks(16) + [900] * 12, floor=8, pool=POOL_SNAPSHOT, session_id="b")
+    assert mark.superseded and cut_back.hits == 1      # floor 8 <= 16: it serves the mark's depth
+
+
+def test_a_branch_point_outlives_the_branches_and_a_passed_turn_goes_first():
+    """Exact-depth snapshots (floor == depth), room for 4. A mark M that two later turns left on
+    lines of their own is a branch point: kept by its score, the branches' own snapshots go oldest
+    first. A snapshot one later turn of its own session continued past (its conversation's older
+    turn) goes before the live ones."""
+    clock = Clock()
+    c = make(clock=clock, snapshot_max_entries=4)
+
+    def turn(session, *depth_tokens):   # a request: its lookup (a branch reads M), then its stores
+        t = c.new_turn()
+        clock.t += 1
+        c.lookup(depth_tokens[-1] + [1], depth_tokens[-1] + [1])
+        return [put(c, tk, trimmable=False, pool=POOL_SNAPSHOT, session_id=session, turn=t) for tk in depth_tokens]
+
+    m, h1 = turn("s", toks(16), toks(16) + [901] * 4)
+    h2, = turn("s", toks(16) + [902] * 4)           # one line from M, same session: not yet a branch point
+    assert m.passed and m.stale and not h1.passed
+    h3, = turn("s", toks(16) + [903] * 4)           # a second line: a branch point
+    assert not m.stale and m.lines == (h2.turn, h3.turn)
+    h4, = turn("s", toks(16) + [904] * 4)
+    assert c.eviction_log == [(h1.entry_id, "count")]
+    # a conversation going on: h4's next turn continues past it, so h4 is stale and leaves first
+    nxt, = turn("s", toks(16) + [904] * 4 + [905] * 4)
+    assert h4.stale and c.eviction_log[-1] == (h4.entry_id, "count")
+    assert {e.entry_id for e in c.entries(POOL_SNAPSHOT)} == {m.entry_id, h2.entry_id, h3.entry_id, nxt.entry_id}
+
+
+def test_another_sessions_line_makes_a_branch_point_and_a_side_request_passes_nothing():
+    c = make(snapshot_max_entries=8)
+    m = put(c, toks(16), trimmable=False, pool=POOL_SNAPSHOT, session_id="a")
+    put(c, toks(16) + [7] * 4, trimmable=False, pool=POOL_SNAPSHOT, session_id="b")
+    assert m.passed and m.shared and not m.stale
+    side = put(c, toks(8, 500), trimmable=False, pool=POOL_SNAPSHOT, session_id="a")   # same session, unrelated
+    assert not side.passed and len(m.lines) == 1
 
 
 class Spill:

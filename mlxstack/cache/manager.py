@@ -5,7 +5,8 @@
     live = kv.checkout(found.match, found.stored, by_reference)   # -> LiveCache at exactly match.depth
     live = kv.fork(leader_live, depth)                # a follower's first tokens, by reference
     state = kv.snapshot(live)                         # -> KVState (a depth a later turn extends)
-    entry = kv.store(key, tokens, state, pool=..., session_id=..., parent=..., ttl=...)
+    turn = kv.new_turn()                              # one per request: its entries share it
+    entry = kv.store(key, tokens, state, pool=..., session_id=..., parent=..., ttl=..., turn=turn)
     kv.remove(entry_id, reason)
 
 The engine asks these verbs and never reaches into an entry's payload, a tier or a layer's own
@@ -117,11 +118,16 @@ class KVManager:
         return capture(live, depth)
 
     # ---------------------------------------------------------------- store
+    def new_turn(self) -> int:
+        """The turn the entries one request stores share (the index's eviction order reads it)."""
+        return self.index.new_turn()
+
     def store(self, key: list[int], tokens: list[int], state: KVState, *, pool: str, session_id: str,
               parent: str | None, ttl: float | None, inserted: list[int], fault: str | None = None,
-              scope: str = "") -> CacheEntry | None:
+              scope: str = "", turn: int | None = None) -> CacheEntry | None:
         """Insert ``state`` under ``key`` (the index may decline: None), record it in its session
-        and write it through to disk. The entry's id goes into ``inserted`` as soon as it exists,
+        and write it through to disk; ``turn``: the request's (``new_turn()``), None: its own.
+        The entry's id goes into ``inserted`` as soon as it exists,
         so a caller storing several can remove them all when a later step fails (all or nothing);
         ``fault`` names the request at the test fault point between insert and record. With
         RECURRENT_STATE_BITS the entry keeps its recurrent layers coded (cache/state_codes.py: lossy,
@@ -131,7 +137,7 @@ class KVManager:
                             nbytes=sum(s.nbytes for s in layers))
             eval_state(layers)         # the codes materialised: the float arrays' graph is not kept
         entry = self.index.insert(key, tokens, state, nbytes=self.group_bytes(state.nbytes), floor=state.floor,
-                                  pool=pool, session_id=session_id, ttl=ttl, scope=scope)
+                                  pool=pool, session_id=session_id, ttl=ttl, scope=scope, turn=turn)
         if entry is None:
             return None
         inserted.append(entry.entry_id)

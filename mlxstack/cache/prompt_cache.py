@@ -23,9 +23,13 @@ Invariants (each has a test in tests/test_prompt_cache.py):
   superseded and replaced only in it -- its block hashes hang from a seed the scope enters
   (``hashing.scoped_seed``), and every candidate is checked for its scope as well.
 - Eviction order is deterministic: TTL first (an entry's own lifetime, a client breakpoint's,
-  else its pool's), then highest cost score
+  else its pool's), then superseded entries (a newer entry of the pool serves their depth: its
+  floor is at or below it), then passed ones (a later turn continued past them on one line of its
+  own session: a conversation's older turns), then highest cost score
   ``age / (sqrt(length) * ln(e + hits))`` (ln(e + 0) = 1, so a never-hit entry is well defined),
-  ties broken by older entry id.
+  ties broken by older entry id. An entry a later turn continued past is still a branch point --
+  kept by its score -- when two later turns each went their own way from it, or another session
+  did (a shared prefix, a client's cache mark every branch reads).
 
     cache = PromptCache(PromptCacheConfig(...), seed=namespace_seed("model"))
     match = cache.lookup(key_tokens, model_tokens)
@@ -63,7 +67,11 @@ class CacheEntry:
     created: float
     last_used: float
     hits: int = 0
-    superseded: bool = False   # a longer entry now covers it (kept only as a safety net)
+    superseded: bool = False   # a newer entry of its pool serves its depth (kept only as a safety net)
+    turn: int = 0              # the store that made it: the entries one request stores share it
+    passed: bool = False       # a later turn's entry extends it (its conversation went on)
+    lines: tuple[int, ...] = ()  # later turns that went their own way from it (extending no deeper entry since)
+    shared: bool = False       # ... one of them another session's
     disk_id: int | None = None  # its copy on the disk tier (written through or spilled)
     ttl: float | None = None    # its own idle lifetime (a client's breakpoint ttl); None: the pool's
     scope: str = ""             # the cache scope it was stored in (tenant + cache_salt): served in it only
@@ -79,6 +87,12 @@ class CacheEntry:
     @property
     def on_disk_only(self) -> bool:
         return self.payload is None and self.disk_id is not None
+
+    @property
+    def stale(self) -> bool:
+        """Its conversation went on past it on one line of its own: no request is known to branch
+        here (evicted after the superseded, before the rest)."""
+        return self.passed and len(self.lines) < 2 and not self.shared
 
 
 class MatchResult(NamedTuple):
@@ -132,6 +146,7 @@ class PromptCache:
         self._entries: dict[int, CacheEntry] = {}
         self._index: dict[BlockHash, set[int]] = {}
         self._next_id = 1
+        self._next_turn = 1          # disk entries indexed at start-up are turn 0: older than any store
         self._lock = threading.RLock()  # readers of stats may be other threads
         self._limits = {
             POOL_KV: _PoolLimits(config.max_entries, config.ttl_seconds),
@@ -230,6 +245,12 @@ class PromptCache:
                 best.entry.last_used = self.clock()
             return best
 
+    def new_turn(self) -> int:
+        """A turn number for the entries one request stores (``insert(turn=...)``)."""
+        with self._lock:
+            self._next_turn += 1
+            return self._next_turn - 1
+
     def insert(
         self,
         key_tokens: Sequence[int],
@@ -242,8 +263,11 @@ class PromptCache:
         session_id: str = "",
         ttl: float | None = None,
         scope: str = "",
+        turn: int | None = None,
     ) -> CacheEntry | None:
-        """Store an entry in ``scope``; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its pool's."""
+        """Store an entry in ``scope``; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its
+        pool's; ``turn``: the request's (``new_turn()``: a request's turn entry and its snapshots
+        share one), None: a turn of its own."""
         if not self.enabled or self._limits[pool].max_entries <= 0:
             return None
         with self._lock:
@@ -258,7 +282,7 @@ class PromptCache:
                 entry_id=self._next_id, key_tokens=key, model_tokens=model,
                 block_hashes=self.hashes(key, scope), payload=payload, nbytes=int(nbytes),
                 floor=min(int(floor), len(model)), pool=pool, session_id=session_id, created=now, last_used=now,
-                ttl=ttl, scope=scope,
+                ttl=ttl, scope=scope, turn=self.new_turn() if turn is None else int(turn),
             )
             self._next_id += 1
             self._entries[entry.entry_id] = entry
@@ -449,7 +473,7 @@ class PromptCache:
                         and e.entry_id not in keep]
         if not pool_entries:
             return None
-        return max(pool_entries, key=lambda e: (e.superseded, self.score(e, now), -e.entry_id))
+        return max(pool_entries, key=lambda e: (e.superseded, e.stale, self.score(e, now), -e.entry_id))
 
     def _can_hold(self, pool: str, nbytes: int) -> bool:
         """Whether RAM can ever hold an entry of ``nbytes`` in ``pool`` (the limits, not the load)."""
@@ -494,22 +518,40 @@ class PromptCache:
             return left
 
     def _supersede_prefixes(self, new: CacheEntry) -> None:
-        """Entries whose model tokens are a strict prefix of ``new``'s are superseded by it:
-        ``new`` inherits their hit count (it is the same conversation, one turn further) and
-        they become the first eviction victims. Of those ``new`` can itself serve (their depth
-        >= its floor), all but the longest are culled (the longest stays as a safety net)."""
+        """Entries whose model tokens are a strict prefix of ``new``'s, in either pool and tier.
+
+        Superseded -- first eviction victims, ``new`` inheriting their hit count (the same
+        conversation, one turn further) -- are only those of its pool ``new`` can serve itself
+        (their depth >= its floor); all but the longest of them are culled (the longest stays as
+        a safety net). A prefix below ``new``'s floor (an exact-depth snapshot under a recurrent
+        state or a rotated window) is not: ``new`` cannot be cut back to it, so it still serves
+        what only it can -- a branch at its depth.
+
+        A prefix from an earlier turn is ``passed`` (its conversation went on); where ``new``
+        extends no deeper entry of a turn since, ``new``'s turn went its own way from it: a line.
+        Two lines, or one of another session, make it a branch point (``CacheEntry.stale``)."""
         prefixes = [
             e for e in self._entries.values()
-            if e.pool == new.pool and e.scope == new.scope and e.entry_id != new.entry_id and e.depth < new.depth
+            if e.entry_id != new.entry_id and e.scope == new.scope and e.depth < new.depth
             and lcp(e.model_tokens, new.model_tokens) == e.depth
         ]
         if not prefixes:
             return
-        new.hits = max(new.hits, max(e.hits for e in prefixes))
         prefixes.sort(key=lambda e: e.depth)
-        for e in prefixes:
+        for i, e in enumerate(prefixes):
+            if e.turn >= new.turn:
+                continue
+            e.passed = True
+            if new.turn not in e.lines and not any(e.turn <= f.turn < new.turn for f in prefixes[i + 1:]
+                                                   if f.depth > e.depth):
+                e.lines += (new.turn,)
+                e.shared = e.shared or bool(e.session_id and new.session_id and e.session_id != new.session_id)
+        covered = [e for e in prefixes if e.pool == new.pool and e.depth >= new.floor]
+        if not covered:
+            return
+        new.hits = max(new.hits, max(e.hits for e in covered))
+        for e in covered:
             e.superseded = True
-        covered = [e for e in prefixes if e.depth >= new.floor]
         for e in covered[:-1]:
             self._remove(e.entry_id, "prefix_cull")
 

@@ -407,11 +407,12 @@ class TurnFinish:
         asked = [seq.job.cache_ttl] + [t for k, t in seq.prep.breakpoints if state.can_serve(k)]
         ttl = max(self.lifetime(a) for a in asked) if any(a is not None for a in asked) else None
         scope = seq.job.scope
+        turn = st.kv.new_turn()   # the turn's entry and its snapshots: one turn (the eviction order)
         st.kv.store(key, all_model[:depth], state, pool=POOL_KV, session_id=session_id, parent=parent, ttl=ttl,
-                    inserted=inserted, fault=seq.job.request_id, scope=scope)
+                    inserted=inserted, fault=seq.job.request_id, scope=scope, turn=turn)
         for snap in seq.snapshots:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
             st.kv.store(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth], snap, pool=POOL_SNAPSHOT,
                         session_id=session_id, parent=parent, ttl=seq.lifetimes.get(snap.depth), inserted=inserted,
-                        scope=scope)
+                        scope=scope, turn=turn)

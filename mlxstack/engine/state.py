@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
-from ..cache.diagnosis import as_dict, describe
+from ..cache.diagnosis import FingerprintStore, as_dict, describe
 from ..cache.disk.backing import DiskBacking
 from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
@@ -32,7 +32,6 @@ from ..cache.state_codes import StateCodes
 from ..config.settings import Settings
 from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.healing import HealingStore
-from ..prompt.sized_lru import SizedLRU
 from ..models.memory import default_cache_budget
 
 log = logging.getLogger("mlxstack.request")
@@ -89,9 +88,10 @@ class EngineState:
         self.rows: deque[dict] = deque(maxlen=200)
         self.rows_lock = threading.Lock()
         # request fingerprints for cache diagnoses (cache/diagnosis.py): "id:<response id>" and
-        # "session:<session id>" -> Fingerprint; hashes and counts only, bounded
-        self.fingerprints: SizedLRU[str, Any] = SizedLRU(settings.cache_diagnostics_max_entries,
-                                                         settings.cache_diagnostics_max_bytes)
+        # "session:<session id>" -> Fingerprint (one held object under both); hashes and counts only,
+        # bounded by their measured bytes
+        self.fingerprints = FingerprintStore(settings.cache_diagnostics_max_entries,
+                                             settings.cache_diagnostics_max_bytes)
         self.fingerprints_lock = threading.Lock()
         self.request_logger: Any = None
         self.on_record: list[Callable[[dict], None]] = []
@@ -120,8 +120,7 @@ class EngineState:
 
     def keep_fingerprint(self, keys: list[str], fp: Any) -> None:
         with self.fingerprints_lock:
-            for key in keys:
-                self.fingerprints.put(key, fp, fp.nbytes)
+            self.fingerprints.put(keys, fp)
 
     def _open_disk(self, parts: dict | None) -> DiskBacking | None:
         """The disk tier for this model's namespace, or None (off, or another process holds it)."""
