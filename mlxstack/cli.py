@@ -30,6 +30,7 @@ COMMANDS = {
     "bench": "run the benchmark guard (benchmarks/bench_guard.py; ~10 min, not in CI)",
     "env-example": "regenerate .env.example and docs/configuration.md from the settings",
     "build-native": "build the CPU backend's native kernels with the system C compiler now (else at load)",
+    "tenant": "tenants of port 4000: 'tenant add NAME' gives NAME a key in TENANT_KEYS_FILE, 'tenant list' names them",
 }
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         _exec_python([_script("scripts/gen_env_example.py")])
     elif command == "build-native":
         return build_native(rest)
+    elif command == "tenant":
+        return tenant(rest)
     else:
         print(f"mlxstack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
@@ -93,6 +96,41 @@ def _no_arguments(command: str, rest: list[str]) -> int | None:
         print(f"mlxstack {command}: takes no arguments (got {' '.join(rest)})", file=sys.stderr)
         return 2
     return None
+
+
+def tenant(rest: list[str]) -> int:
+    """``tenant add NAME [--file F]`` / ``tenant list [--file F]`` over TENANT_KEYS_FILE (or ``--file``):
+    a new key is written to the file (created 0600) and shown masked -- its full value stays there."""
+    import argparse
+
+    from .config.settings import load_settings
+    from .config.tenants import TenantsError, add_tenant, read_tenants
+
+    ap = argparse.ArgumentParser(prog="mlxstack tenant", description=COMMANDS["tenant"])
+    ap.add_argument("action", choices=["add", "list"])
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("--file", help="the keys file (default: TENANT_KEYS_FILE from .env / the environment)")
+    args = ap.parse_args(rest)
+    path = args.file or load_settings().tenant_keys_file
+    if not path:
+        print("mlxstack tenant: no keys file: pass --file tenants.json, and set TENANT_KEYS_FILE=tenants.json in .env "
+              "so the stack reads it", file=sys.stderr)
+        return 2
+    try:
+        if args.action == "list":
+            for name in sorted(set(read_tenants(Path(path).expanduser()).values())):
+                print(name)
+            return 0
+        if not args.name:
+            print("mlxstack tenant add: name the tenant (mlxstack tenant add alice)", file=sys.stderr)
+            return 2
+        key = add_tenant(path, args.name)
+    except TenantsError as exc:
+        print(f"mlxstack tenant: {exc}", file=sys.stderr)
+        return 1
+    print(f"tenant {args.name}: new key {key[:6]}…{key[-3:]} (full value in {path}; hand it to {args.name} "
+          f"privately). The stack reads the file when it changes: no restart needed.")
+    return 0
 
 
 def build_native(rest: list[str]) -> int:

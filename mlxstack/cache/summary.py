@@ -22,6 +22,7 @@ it only takes C-level copies (``list(...)``) and the prompt cache's own lock.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import time
 import weakref
@@ -102,6 +103,22 @@ def message_digests(messages: Sequence[Mapping[str, Any]], scope: str = "") -> l
 IMPLICIT_PREFIX = "msg:"
 TENANT_HEADER = "x-mlxstack-tenant"  # set by the front door only (the backend key proves it)
 _SCOPE_ROOT = b"mlxstack.cache-scope.v1\x00"
+
+
+def sign_tenant(name: str, key: str) -> str:
+    """The tenant header's value: the tenant's name and an HMAC of it under the backend key
+    (MLX_API_KEY), so only who holds that key -- the front door -- can name a tenant; a client
+    that slips the header into a request (a body's ``extra_headers``) cannot."""
+    mac = hmac.new(key.encode(), b"mlxstack-tenant\x00" + name.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{name}.{mac}"
+
+
+def verify_tenant(value: str, key: str) -> str | None:
+    """The tenant a header value names, when ``key`` signed it; None otherwise."""
+    name, _, mac = str(value or "").strip().rpartition(".")
+    if not name or not key:
+        return None
+    return name if hmac.compare_digest(sign_tenant(name, key), f"{name}.{mac}") else None
 
 
 def scope_of(tenant: str, salt: str) -> str:

@@ -60,6 +60,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("PROXY_PORT", "int", 4000, "LiteLLM proxy port.", minimum=0, group="network"),
     Spec("PROXY_MODEL_ID", "str", "", "Model name exposed through LiteLLM. Empty = openai/<model name>; the bare name is listed too.", group="network"),
     Spec("LITELLM_MASTER_KEY", "str", "", "Key clients send as 'Authorization: Bearer …'. install_and_run.py generates one on first run.", group="network"),
+    Spec("TENANT_KEYS_FILE", "str", "", "JSON file of tenants' keys for port 4000 ({\"alice\": \"sk-…\"}, mode 0600; 'mlxstack tenant add NAME' writes it): each tenant's cache, sessions, healing and diagnoses are its own, never seen, reused or timed by another; the master key is the default tenant. Empty: one tenant.", group="network"),
     Spec("MLX_STARTUP_TIMEOUT_SECONDS", "float", 900.0, "How long start_llm.py waits for the MLX server to load/prepare the model (first run converts it).", minimum=1, group="network"),
     Spec("PROXY_STARTUP_TIMEOUT_SECONDS", "float", 120.0, "How long to wait for LiteLLM to report ready.", minimum=1, group="network"),
     Spec("PROXY_STARTUP_WAIT_SECONDS", "str", "", "The seed's name for PROXY_STARTUP_TIMEOUT_SECONDS (seconds, >= 1), read so a seed .env keeps working: set alone it is the limit; set together with PROXY_STARTUP_TIMEOUT_SECONDS to another value it is a start-up error. Empty = not set.", group="network"),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from mlxstack.config.settings import REPO_ROOT, Settings, SettingsError
+from mlxstack.config.tenants import TenantsError, read_tenants
 from mlxstack.launcher import litellm_config as lc
 from mlxstack.launcher import ports
 from mlxstack.launcher.backends import Backend, ModelGroup, load_backends, model_groups
@@ -115,8 +116,32 @@ def mlx_env(settings: Settings) -> dict[str, str]:
     return {**env, **server_env(settings, environ=env)}
 
 
+def tenants_path(settings: Settings, repo: Path = REPO_ROOT) -> Path | None:
+    """TENANT_KEYS_FILE as an absolute path (relative to the checkout), None when unset."""
+    if not settings.tenant_keys_file:
+        return None
+    path = Path(settings.tenant_keys_file).expanduser()
+    return path if path.is_absolute() else repo / path
+
+
+def check_tenants(settings: Settings, repo: Path = REPO_ROOT) -> int:
+    """How many tenants TENANT_KEYS_FILE names (0: unset); TenantsError for a file the front door
+    could not use (missing, readable by others, malformed) -- refused before anything starts."""
+    path = tenants_path(settings, repo)
+    if path is None:
+        return 0
+    if not settings.mlx_api_key:
+        raise TenantsError("TENANT_KEYS_FILE needs MLX_API_KEY: the MLX server believes the front door's tenant "
+                           "header only from a request that carries the backend key (install_and_run.py writes "
+                           "one into .env)")
+    return len(set(read_tenants(path).values()))
+
+
 def litellm_env(settings: Settings, backends: list[Backend] | None = None, repo: Path = REPO_ROOT) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HOST", "PORT")}
+    tenants = tenants_path(settings, repo)
+    if tenants is not None:          # the front door reads it (and again whenever it changes)
+        env["TENANT_KEYS_FILE"] = str(tenants)
     env.update(LITELLM_MASTER_KEY=settings.litellm_master_key, LITELLM_LOCAL_MODEL_COST_MAP="True",
                LITELLM_TELEMETRY="False", PYTHONUNBUFFERED="1")
     if settings.mlx_api_key:  # the generated config refers to it as os.environ/MLX_API_KEY
@@ -448,9 +473,12 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         return 2
     try:
         backends = load_backends(settings, repo)
-    except SettingsError as exc:
+        tenants = check_tenants(settings, repo)
+    except (SettingsError, TenantsError) as exc:
         say(f"ERROR: {exc}")
         return 2
+    if tenants:
+        say(f"tenants: {tenants} besides the master key's (TENANT_KEYS_FILE), each with a cache scope of its own")
     single = len(backends) == 1 and backends[0].local
     logs = make_private_dir(settings.log_root_path)  # request logs hold prompts
     config_path, proxy_pid = logs / "litellm_config.yaml", logs / ".litellm.pid"

@@ -44,10 +44,13 @@ from urllib.parse import parse_qs, unquote
 
 from litellm.integrations.custom_logger import CustomLogger
 
+from ..cache.summary import TENANT_HEADER, sign_tenant
 from ..prompt.content_parts import IMAGE_PART_TYPES, TEXT_PART_TYPES, unsupported_part
 from ..prompt.tool_results import orphan_tool_result
+from ..config.tenants import TenantKeys, TenantsError
 
 log = logging.getLogger("mlxstack.front_door")
+TENANT_HEADER_BYTES = TENANT_HEADER.encode()
 
 MAX_BODY = 256 * 1024 * 1024       # bytes buffered for a check; larger bodies go to LiteLLM unchecked
 # LiteLLM serves each route under aliases (1.106.2): with and without /v1, under /openai, as Azure's
@@ -113,15 +116,42 @@ def presented_keys(headers: list[tuple[bytes, bytes]]) -> list[str]:
     return out
 
 
-def check_key(path: str, headers: list[tuple[bytes, bytes]], master_key: str) -> Rejection | None:
+def check_key(path: str, headers: list[tuple[bytes, bytes]], master_key: str,
+              tenants: TenantKeys | None = None) -> Rejection | None:
+    return authenticate(path, headers, master_key, tenants)[0]
+
+
+def authenticate(path: str, headers: list[tuple[bytes, bytes]], master_key: str,
+                 tenants: TenantKeys | None = None) -> tuple[Rejection | None, str | None]:
+    """(a refusal, the tenant): the master key is the default tenant "", a key of TENANT_KEYS_FILE
+    its tenant's name (routing/tenants.py); anything else is 401."""
     keys = presented_keys(headers)
     if not keys:
         return _error(path, 401, "No API key provided. Send 'Authorization: Bearer <LITELLM_MASTER_KEY>' "
-                                 "(or 'x-api-key' for /v1/messages).", auth=True)
-    if not any(hmac.compare_digest(k.encode(), master_key.encode()) for k in keys):
-        return _error(path, 401, "Incorrect API key provided. Use the LITELLM_MASTER_KEY from the server's .env.",
-                      auth=True)
-    return None
+                                 "(or 'x-api-key' for /v1/messages).", auth=True), None
+    if any(hmac.compare_digest(k.encode(), master_key.encode()) for k in keys):
+        return None, ""
+    for k in keys:
+        name = tenants.tenant_of(k) if tenants is not None else None
+        if name is not None:
+            return None, name
+    return _error(path, 401, "Incorrect API key provided. Use the LITELLM_MASTER_KEY from the server's .env "
+                             "(or your tenant's key).", auth=True), None
+
+
+def as_tenant(headers: list[tuple[bytes, bytes]], master_key: str, tenant: str,
+              backend_key: str | None = None) -> list[tuple[bytes, bytes]]:
+    """A tenant's request as LiteLLM takes it: every key header carries the master key (LiteLLM
+    knows no other without a database) and ``x-mlxstack-tenant`` names the tenant, signed with the
+    backend key (cache/summary.py ``sign_tenant``), which LiteLLM forwards to the MLX server."""
+    key = os.environ.get("MLX_API_KEY", "") if backend_key is None else backend_key
+    out = []
+    for name, value in headers:
+        low = name.lower()
+        if low in KEY_HEADERS:
+            value = (b"Bearer " + master_key.encode()) if low == b"authorization" else master_key.encode()
+        out.append((name, value))
+    return out + [(TENANT_HEADER_BYTES, sign_tenant(tenant, key).encode())]
 
 
 def _content_problem(content: Any, where: str, allow_none: bool = True) -> tuple[str, str] | None:
@@ -231,11 +261,17 @@ def route_kind(path: str) -> str | None:
     return None
 
 
-def check_headers(method: str, path: str, headers: list[tuple[bytes, bytes]], master_key: str) -> Rejection | None:
+def check_headers(method: str, path: str, headers: list[tuple[bytes, bytes]], master_key: str,
+                  tenants: TenantKeys | None = None) -> Rejection | None:
     """The key, from the headers alone: answered before a byte of the body is read."""
+    return check_tenant(method, path, headers, master_key, tenants)[0]
+
+
+def check_tenant(method: str, path: str, headers: list[tuple[bytes, bytes]], master_key: str,
+                 tenants: TenantKeys | None = None) -> tuple[Rejection | None, str | None]:
     if method == "OPTIONS" or route_kind(path) is None or not master_key:
-        return None
-    return check_key(path, headers, master_key)
+        return None, None
+    return authenticate(path, headers, master_key, tenants)
 
 
 def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None,
@@ -275,9 +311,22 @@ Send = Callable[[dict], Awaitable[None]]
 class FrontDoor:
     """ASGI middleware: buffer a watched request's body, check it, answer or replay it downstream."""
 
-    def __init__(self, app: Callable, master_key: str | None = None) -> None:
+    def __init__(self, app: Callable, master_key: str | None = None, tenants: TenantKeys | None = None) -> None:
         self.app = app
         self.master_key = master_key
+        self._tenants = tenants
+
+    @property
+    def tenants(self) -> TenantKeys | None:
+        """TENANT_KEYS_FILE's tenants (read once, then again whenever the file changes); an unusable
+        file at start means no tenant key passes (logged once; the launcher refuses it first)."""
+        if self._tenants is None:
+            try:
+                self._tenants = TenantKeys(os.environ.get("TENANT_KEYS_FILE") or None)
+            except (TenantsError, OSError) as exc:
+                log.error("tenant keys not loaded: %s", exc)
+                self._tenants = TenantKeys(None)
+        return self._tenants
 
     def key(self) -> str:
         if self.master_key is not None:
@@ -287,18 +336,23 @@ class FrontDoor:
         return os.environ.get("LITELLM_MASTER_KEY", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http":   # only the front door names a tenant: a client's header goes
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers") or []
+                                          if k.lower() != TENANT_HEADER_BYTES]}
         if scope.get("type") != "http" or route_kind(scope.get("path") or "") is None:
             await self.app(scope, receive, send)
             return
         method, path = scope.get("method", "GET"), scope["path"]
         try:
-            refused = check_headers(method, path, list(scope.get("headers") or []), self.key())
+            refused, tenant = check_tenant(method, path, list(scope.get("headers") or []), self.key(), self.tenants)
         except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
             log.exception("front door key check failed; passing the request on")
-            refused = None
+            refused, tenant = None, None
         if refused is not None:        # before any body byte: a stranger's 200 MB costs nothing
             await _respond(send, refused)
             return
+        if tenant:
+            scope = {**scope, "headers": as_tenant(list(scope.get("headers") or []), self.key(), tenant)}
         stored = STORED_RESPONSE.match(path) if method in ("GET", "DELETE") else None
         if stored is not None:
             await self._stored_response(scope, receive, send, stored)
@@ -343,9 +397,12 @@ class FrontDoor:
             await _respond(send, openai_error(404, f"Response with id '{rid}' not found.", code="response_not_found"))
             return
         query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
-        carried = {k: v[-1] for k, v in query.items() if k in INPUT_ITEMS_QUERY}
-        if stored["items"] and carried:
-            if carried.get("limit", "").isdigit():
+        carried: dict[str, Any] = {k: v[-1] for k, v in query.items() if k in INPUT_ITEMS_QUERY} if stored["items"] else {}
+        tenant = [v for k, v in scope.get("headers") or [] if k.lower() == TENANT_HEADER_BYTES]
+        if tenant:   # LiteLLM forwards no client header on these routes, only the call's extra_headers
+            carried["extra_headers"] = {TENANT_HEADER: tenant[-1].decode("latin-1")}
+        if carried:
+            if str(carried.get("limit", "")).isdigit():
                 carried["limit"] = int(carried["limit"])
             body = json.dumps(carried).encode()
             while (await receive()).get("more_body"):     # a GET's (empty) body, replaced

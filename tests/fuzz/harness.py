@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mlxstack.cache.summary import scope_of
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.kv_bytes import measured_token_bytes
 from mlxstack.engine.request import ChatJob, ContextLengthExceeded
@@ -75,7 +76,7 @@ class Served:
 
 @dataclass
 class Finding:
-    what: str                          # "error" | "mismatch" | "prompt"
+    what: str                          # "error" | "mismatch" | "prompt" | "scope"
     req: Req
     detail: str
 
@@ -193,7 +194,8 @@ class Harness:
         return ChatJob(request_id=req.rid, messages=[dict(m) for m in req.messages], tools=None,
                        enable_thinking=False, params=params, stop=[], body={"session_id": req.session},
                        headers={}, emit=lambda _t: None, is_cancelled=cancelled,
-                       response_format={"type": "json_schema", "json_schema": {"schema": PERSON}} if req.grammar else None)
+                       response_format={"type": "json_schema", "json_schema": {"schema": PERSON}} if req.grammar else None,
+                       scope=scope_of("", req.scope))
 
     # ------------------------------------------------------------------ one wave
     def run(self, wave: list[Req]) -> list[Served]:
@@ -268,6 +270,10 @@ class Harness:
             self.stats.hung_up += 1
             return
         self.stats.reused_tokens += warm.cached
+        if req.fresh_scope and warm.cached:
+            self.findings.append(Finding("scope", req, f"the first request of scope {req.scope!r} reused "
+                                                       f"{warm.cached} tokens of another scope"))
+            return
         cold = self.serve_alone(self.cold, req)
         if cold.error is not None:
             self.findings.append(Finding("error", req, f"cold reference failed: {cold.error!r}"))

@@ -74,7 +74,8 @@ class Fuzz(RuleBasedStateMachine):
     def next_turn(self, pick: int, words: int, lines: int, tokens: int) -> None:
         c = self.convos[pick % len(self.convos)]
         text = sentence(self.n, words) + ("\n" + block(self.n, lines) if lines else "")
-        self._queue(Req(self._rid(), c.session, with_user(c.messages, text), max_tokens=tokens, origin="turn"))
+        self._queue(Req(self._rid(), c.session, with_user(c.messages, text), max_tokens=tokens, origin="turn",
+                        scope=c.scope))
 
     @precondition(lambda self: self.convos)
     @rule(pick=st.integers(0, 99), words=st.integers(2, 12), tokens=st.integers(6, 16))
@@ -83,7 +84,17 @@ class Fuzz(RuleBasedStateMachine):
         text's own encoding) is echoed by the turn after it -- the turn closes with the echo's tokens."""
         c = self.convos[pick % len(self.convos)]
         self._queue(Req(self._rid(), c.session, with_user(c.messages, sentence(self.n, words)), max_tokens=tokens,
-                        grammar=True, origin="structured-turn"))
+                        grammar=True, origin="structured-turn", scope=c.scope))
+
+    @precondition(lambda self: self.convos)
+    @rule(pick=st.integers(0, 99), words=st.integers(2, 12))
+    def other_scope(self, pick: int, words: int) -> None:
+        """A warm conversation's next turn sent in a scope nobody used yet (another tenant, another
+        cache_salt): it must reuse nothing -- not the entries, not a shared prefill -- and answer as
+        the cold reference; the conversation goes on in that scope."""
+        c = self.convos[pick % len(self.convos)]
+        self._queue(Req(self._rid(), c.session, with_user(c.messages, sentence(self.n, words)), max_tokens=8,
+                        origin="scope", scope=f"salt-{self.n}", fresh_scope=True))
 
     @precondition(lambda self: self.convos)
     @rule(pick=st.integers(0, 99), n=st.integers(2, 8), side=st.sampled_from(["below", "above", "far"]),
@@ -101,7 +112,7 @@ class Fuzz(RuleBasedStateMachine):
                       grammar=i < grammar, temperature=0.8 if grammar <= i < grammar + sampled else 0.0,
                       seed=self.n + i if grammar <= i < grammar + sampled else None,
                       origin=f"fanout-{side}" + ("-grammar" if i < grammar else "")
-                      + ("-sampled" if grammar <= i < grammar + sampled else ""))
+                      + ("-sampled" if grammar <= i < grammar + sampled else ""), scope=c.scope)
             self._queue(req)
 
     @precondition(lambda self: self.queue)
@@ -111,7 +122,7 @@ class Fuzz(RuleBasedStateMachine):
         last = self.queue[-1]
         for _ in range(k):
             self._queue(Req(self._rid(), last.session, [dict(m) for m in last.messages], last.max_tokens,
-                            last.temperature, last.seed, last.grammar, None, False, "retry"))
+                            last.temperature, last.seed, last.grammar, None, False, "retry", scope=last.scope))
 
     @precondition(lambda self: any(sum(m["role"] == "user" for m in c.messages) >= 2 for c in self.convos))
     @rule(pick=st.integers(0, 99), at=st.integers(0, 5), words=st.integers(2, 12))
@@ -120,7 +131,7 @@ class Fuzz(RuleBasedStateMachine):
         deep = [c for c in self.convos if sum(m["role"] == "user" for m in c.messages) >= 2]
         c = deep[pick % len(deep)]
         self._queue(Req(self._rid(), c.session, edited(c.messages, at, sentence(self.n, words)), max_tokens=8,
-                        origin="branch"))
+                        origin="branch", scope=c.scope))
 
     @rule(n=st.integers(2, 6), lines=st.integers(1, 8))
     def subagents(self, n: int, lines: int) -> None:
@@ -147,7 +158,8 @@ class Fuzz(RuleBasedStateMachine):
         for s in served:
             if s.req.extends and s.verified and s.text:
                 self.convos.append(Conversation(s.req.session, [*s.req.messages,
-                                                                {"role": "assistant", "content": s.text}]))
+                                                                {"role": "assistant", "content": s.text}],
+                                                scope=s.req.scope))
         del self.convos[:-MAX_CONVERSATIONS]
         self._report()
 

@@ -61,3 +61,20 @@ def test_a_fixed_seed_finds_the_fork_of_a_copy_free_leader(tiny_kind_paths, embe
     assert any(f.startswith("mismatch") for f in found)                 # it replays the defect
     monkeypatch.undo()
     assert replay(ns["CONFIG"], ns["ORDER"], ns["WAVES"], tiny_kind_paths, embedded_model_path, tmp_path / "fixed") == []
+
+
+def test_a_fixed_seed_finds_a_cache_without_scopes(tiny_kind_paths, embedded_model_path, tmp_path, monkeypatch):
+    """With every request's scope dropped at the engine's door (one cache for every tenant and
+    salt, as before scopes), the first request of a new scope reuses another's prompt: a finding."""
+    from mlxstack.engine.chat import ChatEngine
+
+    real = ChatEngine.start
+
+    def start_unscoped(self, job):
+        job.scope = ""
+        return real(self, job)
+
+    monkeypatch.setattr(ChatEngine, "start", start_unscoped)
+    with pytest.raises(AssertionError, match="differential fuzzer: scope"):
+        run_machine(Config("dense"), model_path("dense", tiny_kind_paths, embedded_model_path), tmp_path / "run",
+                    seed=1, examples=6, steps=15, shrink=False)

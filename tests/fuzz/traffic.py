@@ -41,6 +41,8 @@ class Req:
     hang_up: tuple[str, int] | None = None   # ("prefill" | "decode", after n scheduler steps)
     extends: bool = True              # its reply becomes a conversation the fuzzer may continue
     origin: str = ""                  # the rule that made it (coverage counts)
+    scope: str = ""                   # its cache_salt ("": the default scope)
+    fresh_scope: bool = False         # the first request of its scope: must reuse nothing
 
     def key(self) -> str:
         """What the request is, without its id (identical retries share it)."""
@@ -53,6 +55,7 @@ class Req:
 class Conversation:
     session: str
     messages: list[dict] = field(default_factory=list)
+    scope: str = ""
 
 
 def block(seed: int, lines: int) -> str:

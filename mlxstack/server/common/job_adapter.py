@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from ...cache.summary import TENANT_HEADER, scope_of
+from ...cache.summary import TENANT_HEADER, scope_of, verify_tenant
 from ...engine.chat import ChatJob, PromptReady
 from ...engine.worker import QueueFull
 from ...prompt.images import ImageError
@@ -133,13 +133,17 @@ def submit_chat(app: Any, job: ChatJob) -> Any:
 
 
 def request_headers(handler: Any) -> dict[str, str]:
-    """The request's headers, lower-case. The tenant header is the front door's word, proven by
-    the backend key the request carried: on a server without MLX_API_KEY nothing proves it, and
-    it is dropped (every request is then in the default tenant)."""
+    """The request's headers, lower-case, the tenant header as the tenant's name. That header is
+    the front door's word, signed with the backend key (cache/summary.py ``sign_tenant``): one
+    this server's MLX_API_KEY did not sign is refused (403), and on a server without a key it is
+    dropped (every request is then the default tenant's)."""
     headers = {k.lower(): v for k, v in handler.headers.items()}
     app = getattr(handler, "app", None)
-    if not getattr(getattr(app, "settings", None), "mlx_api_key", ""):
-        headers.pop(TENANT_HEADER, None)
+    key = getattr(getattr(app, "settings", None), "mlx_api_key", "")
+    claimed = headers.pop(TENANT_HEADER, None)
+    name = verify_tenant(claimed, key) if claimed is not None and key else None
+    if name is not None:       # the guard refused an unsigned one before the body was read
+        headers[TENANT_HEADER] = name
     return headers
 
 

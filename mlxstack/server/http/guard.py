@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from ...cache.summary import TENANT_HEADER, verify_tenant
 from .errors import APIError, forbidden, unauthorized, unsupported_media_type
 
 OPEN_PATHS = frozenset({"/health"})
@@ -140,6 +141,10 @@ class Guard:
                              "MLX_ALLOWED_ORIGINS to let that web page call this server", code="origin_not_allowed")
         if self.api_key and not self._authorised(method, path, headers, peer):
             return unauthorized("missing or wrong API key: send 'Authorization: Bearer <MLX_API_KEY from .env>'")
+        claimed = headers.get(TENANT_HEADER)
+        if self.api_key and claimed is not None and verify_tenant(claimed, self.api_key) is None:
+            return forbidden(f"the {TENANT_HEADER} header is set only by the front door of port 4000, signed with "
+                             "MLX_API_KEY; this one is not signed by it", code="tenant_not_signed")
         if method == "POST" and not is_json_content_type(headers.get("content-type")):
             return unsupported_media_type("POST bodies must be sent with 'Content-Type: application/json'")
         return None

@@ -33,7 +33,8 @@ from ..http.errors import APIError, bad_request
 from ..common.finish import responses_status as reply_status
 from ..common.items import ReplyParts, ReplySplit, whole_reply_events
 from ..common.cache_diagnostics import openai_diagnostics
-from ..common.job_adapter import Diagnosis, JobRun, chat_request, require_ready
+from ...cache.summary import TENANT_HEADER, scope_of
+from ..common.job_adapter import Diagnosis, JobRun, chat_request, request_headers, require_ready
 from .response_store import (ResponseStore, assistant_message, conversation_bytes, input_items,  # noqa: F401
                              response_store)
 from .responses_to_chat import (ResponsesCall, ToolNames, chat_tool_choice, decode_reasoning_blob,  # noqa: F401
@@ -231,7 +232,7 @@ def handle_responses(h: Any) -> None:
     if prev is not None:
         if not isinstance(prev, str):
             raise bad_request("'previous_response_id' must be a string", param="previous_response_id")
-        history = store.get(prev)
+        history = store.get(stored_key(h, prev))
         if history is None:
             raise APIError(400, f"Previous response with id '{prev}' not found (this server keeps the last "
                            f"{store.max_entries} stored responses in memory; send the full conversation in "
@@ -253,7 +254,8 @@ def handle_responses(h: Any) -> None:
         if call.store and not outcome.aborted and not call.prewarm:
             reply = assistant_message(outcome.text, thinking_started=outcome.thinking_started, tools=req.tools,
                                       family=app.family, response_id=response_id)
-            store.put(response_id, [*call.conversation, reply], response, input_items(body["input"], response_id))
+            store.put(stored_key(h, response_id), [*call.conversation, reply], response,
+                      input_items(body["input"], response_id))
 
     def whole(outcome: Any) -> dict:
         items = [] if call.prewarm else reply_items(
@@ -274,6 +276,14 @@ def handle_responses(h: Any) -> None:
 INPUT_ITEMS_MAX_LIMIT = 100      # OpenAI's bounds for input_items ``limit`` (default 20)
 
 
+def stored_key(h: Any, response_id: str) -> str:
+    """Where a response is stored: under its id in its tenant's space (the tenant the front door
+    vouched for): another tenant's retrieve, delete, input_items or previous_response_id of that
+    id finds nothing -- the same 404 as an id never issued."""
+    tenant = request_headers(h).get(TENANT_HEADER, "")
+    return f"{scope_of(tenant, '')}/{response_id}" if tenant else response_id
+
+
 def stored_or_404(response_id: str, found: Any) -> Any:
     """``found``, or OpenAI's 404 for an id the store does not hold (never stored, store: false,
     evicted or deleted)."""
@@ -290,13 +300,13 @@ def handle_retrieve(h: Any, response_id: str) -> None:
         raise bad_request("'stream' is not supported when retrieving a response here; retrieve it whole",
                           param="stream", code="unsupported_parameter")
     h.app.count_status(200)
-    h._json(200, stored_or_404(response_id, store.response(response_id)))
+    h._json(200, stored_or_404(response_id, store.response(stored_key(h, response_id))))
 
 
 def handle_delete(h: Any, response_id: str) -> None:
     """DELETE /v1/responses/{id}: forget it (no longer retrievable nor a previous_response_id)."""
     store = response_store(h.app)
-    stored_or_404(response_id, True if store.delete(response_id) else None)
+    stored_or_404(response_id, True if store.delete(stored_key(h, response_id)) else None)
     h.app.count_status(200)
     h._json(200, {"id": response_id, "object": "response", "deleted": True})
 
@@ -304,7 +314,7 @@ def handle_delete(h: Any, response_id: str) -> None:
 def handle_input_items(h: Any, response_id: str) -> None:
     """GET /v1/responses/{id}/input_items?limit=&order=&after=: the request's input items, a page."""
     store = response_store(h.app)
-    items = stored_or_404(response_id, store.input_items(response_id))
+    items = stored_or_404(response_id, store.input_items(stored_key(h, response_id)))
     q = query_params(h)
     h.app.count_status(200)
     h._json(200, input_items_page(items, q.get("limit"), q.get("order"), q.get("after")))

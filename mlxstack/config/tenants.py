@@ -1,4 +1,4 @@
-"""Tenants of the front door: which client key belongs to whom (TENANT_KEYS_FILE).
+"""Tenants of port 4000: which client key belongs to whom (TENANT_KEYS_FILE; read by the front door).
 
     tenants = TenantKeys(path)            # the file is read again whenever it changes
     tenants.tenant_of("sk-...")           # -> "alice", or None for a key nobody holds
