@@ -88,3 +88,22 @@ def test_pyproject_dependencies_are_requirements_txt():
                          ["tool"]["setuptools"]["package-data"]["mlxstack"])
 def test_package_data_patterns_match_files(pattern):
     assert list((REPO / "mlxstack").glob(pattern)), pattern
+
+
+def test_tenant_add_writes_a_private_key_and_list_names_the_tenants(tmp_path, capsys):
+    import stat
+
+    from mlxstack.config.tenants import read_tenants
+
+    path = tmp_path / "tenants.json"
+    assert cli.main(["tenant", "add", "alice", "--file", str(path)]) == 0
+    out = capsys.readouterr().out
+    (key,) = read_tenants(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert key not in out and key[:6] in out and str(path) in out        # shown masked, never whole
+    assert cli.main(["tenant", "add", "bob", "--file", str(path)]) == 0
+    capsys.readouterr()
+    assert cli.main(["tenant", "list", "--file", str(path)]) == 0
+    assert capsys.readouterr().out.split() == ["alice", "bob"]
+    assert cli.main(["tenant", "add", "no spaces", "--file", str(path)]) == 1
+    assert "tenant name" in capsys.readouterr().err
