@@ -29,7 +29,7 @@ from typing import Any
 from mlxstack.cache.summary import scope_of
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.kv_bytes import measured_token_bytes
-from mlxstack.engine.request import ChatJob, ContextLengthExceeded
+from mlxstack.engine.request import CacheBreakpoint, ChatJob, ContextLengthExceeded
 from mlxstack.engine.core import EngineCore
 from mlxstack.runner.sampling import SamplingParams
 from mlxstack.engine.factory import make_engine
@@ -195,7 +195,9 @@ class Harness:
                        enable_thinking=False, params=params, stop=[], body={"session_id": req.session},
                        headers={}, emit=lambda _t: None, is_cancelled=cancelled,
                        response_format={"type": "json_schema", "json_schema": {"schema": PERSON}} if req.grammar else None,
-                       scope=scope_of("", req.scope))
+                       scope=scope_of("", req.scope),
+                       breakpoints=tuple(CacheBreakpoint(int(m), None if c is None else int(c), t)
+                                         for m, c, t in req.marks))
 
     # ------------------------------------------------------------------ one wave
     def run(self, wave: list[Req]) -> list[Served]:
@@ -245,7 +247,7 @@ class Harness:
                                                      ("restart", self.stats.restarts)) if n}
         counters = eng.state.counters.snapshot()
         self.stats.features |= {k for k in ("spills", "evictions", "hits_disk", "spec_accepted", "salvaged_prefill_tokens", "disconnects",
-                                                 "echo_closes", "echo_refeeds") if counters.get(k)}
+                                                 "echo_closes", "echo_refeeds", "hits_snapshot") if counters.get(k)}
         for i, (served, f) in enumerate(zip(out, futures)):
             try:
                 o = f.result(timeout=0)

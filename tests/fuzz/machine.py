@@ -87,6 +87,24 @@ class Fuzz(RuleBasedStateMachine):
                         grammar=True, origin="structured-turn", scope=c.scope))
 
     @precondition(lambda self: self.convos)
+    @rule(pick=st.integers(0, 99), n=st.integers(2, 5), ttl=st.sampled_from([None, 300.0, 3600.0]),
+          cut=st.booleans())
+    def breakpoint_branches(self, pick: int, n: int, ttl: float | None, cut: bool) -> None:
+        """A client's cache breakpoint (cache_control / prompt_cache_breakpoint) on a warm
+        conversation's last message -- its end, or inside its text -- and ``n`` branches from
+        it, each with its own question: every branch reads the mark (an exact-depth snapshot for
+        a recurrent or windowed model) and answers as the cold reference."""
+        c = self.convos[pick % len(self.convos)]
+        last = len(c.messages) - 1
+        text = c.messages[last].get("content")
+        chars = len(text) // 2 if cut and isinstance(text, str) and len(text) > 8 else None
+        for i in range(n):
+            self._queue(Req(self._rid(), c.session if i == 0 else f"{c.session}.b{self.n}",
+                            with_user(c.messages, sentence(self.n + i, 5)), max_tokens=8,
+                            origin="breakpoint" + ("-cut" if chars is not None else ""), scope=c.scope,
+                            marks=[[last, chars, ttl]]))
+
+    @precondition(lambda self: self.convos)
     @rule(pick=st.integers(0, 99), words=st.integers(2, 12))
     def other_scope(self, pick: int, words: int) -> None:
         """A warm conversation's next turn sent in a scope nobody used yet (another tenant, another

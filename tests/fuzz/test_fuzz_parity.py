@@ -36,3 +36,36 @@ def test_concurrent_agent_traffic_answers_as_the_cold_reference(index, tiny_kind
                 shrink=False)
     print(config.name(), totals.line())
     assert totals.requests >= 12 and totals.compared >= 8, totals.line()   # it served real traffic
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "mamba2"])
+def test_breakpoint_branches_on_exact_depth_models_answer_as_the_cold_reference(kind, tiny_kind_paths,
+                                                                                embedded_model_path, tmp_path):
+    """Waves the machine draws only sometimes, always here: a conversation, a cache breakpoint on
+    its reply (its end, then inside its text), branches from the mark in several scopes, grammar
+    rows and echoes among them -- every reply equal to the cold reference, the mark read by every
+    branch of its scope and by none of another's."""
+    from .harness import Harness
+    from .traffic import SYSTEMS, Req, sentence, with_user
+
+    h = Harness(Config(kind, disk=True), model_path(kind, tiny_kind_paths, embedded_model_path), tmp_path)
+    try:
+        first = h.run([Req("r1", "s", with_user([{"role": "system", "content": SYSTEMS[0]}], sentence(1, 12)),
+                           max_tokens=10)])[0]
+        convo = [*first.req.messages, {"role": "assistant", "content": first.text}]
+        last = len(convo) - 1
+        read = 0
+        for wave, (chars, ttl) in enumerate(((None, 3600.0), (len(first.text) // 2 or None, 300.0))):
+            branches = [Req(f"w{wave}b{i}", f"s.b{i}", with_user(convo, sentence(10 * wave + i, 5)), max_tokens=8,
+                            grammar=i == 1, marks=[[last, chars, ttl]], origin="breakpoint") for i in range(4)]
+            branches += [Req(f"w{wave}x", "x", with_user(convo, sentence(99, 5)), max_tokens=8, scope=f"other{wave}",
+                             fresh_scope=True, marks=[[last, chars, ttl]], origin="scope")]
+            served = h.run(branches)
+            assert not h.findings, h.findings
+            assert all(s.cached > 0 for s in served[1:4]), [s.cached for s in served]
+            assert served[-1].cached == 0
+            read += h.warm.state.counters.get("hits_snapshot") + h.warm.state.counters.get("hits_disk")
+            h.restart()                       # the second wave reads the mark from the disk tier
+        assert read > 0
+    finally:
+        h.close()

@@ -43,6 +43,7 @@ class Req:
     origin: str = ""                  # the rule that made it (coverage counts)
     scope: str = ""                   # its cache_salt ("": the default scope)
     fresh_scope: bool = False         # the first request of its scope: must reuse nothing
+    marks: list = field(default_factory=list)   # cache breakpoints: [message index, chars or None, ttl]
 
     def key(self) -> str:
         """What the request is, without its id (identical retries share it)."""
