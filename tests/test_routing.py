@@ -87,6 +87,10 @@ def test_implicit_id_is_stable_over_a_conversation_and_ignores_volatile_metadata
     # two conversations that open alike part at their first reply: never one session
     other = turn1 + [{"role": "assistant", "content": "Which bug?"}, {"role": "user", "content": "Now b.py"}]
     assert routing_session({}, {}, other) != sid
+    # a JSON reply the client parsed and re-serialised (JSON.stringify drops the spaces) is the same reply
+    j1 = turn1 + [{"role": "assistant", "content": '{"name": "Ada", "age": 36}'}, turn2[-1]]
+    j2 = turn1 + [{"role": "assistant", "content": '{"name":"Ada","age":36}'}, turn2[-1]]
+    assert routing_session({}, {}, j1) == routing_session({}, {}, j2) != routing_session({}, {}, turn2)
     # reasoning the client kept or dropped is not part of the reply's digest
     kept = turn1 + [{"role": "assistant", "content": "Done.", "reasoning_content": "easy"}, turn2[-1]]
     assert routing_session({}, {}, kept) == sid

@@ -69,9 +69,22 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
+def _reply_text(text: str) -> Any:
+    """A reply's text, its JSON parsed when it is one object or array (a structured-output client
+    echoes the object it parsed, re-serialised: ``JSON.stringify`` drops the spaces)."""
+    stripped = text.strip()
+    if stripped[:1] in ("{", "[") and stripped[-1:] in ("}", "]"):
+        try:
+            return json.loads(stripped)
+        except ValueError:
+            pass
+    return text
+
+
 def message_fingerprint(message: Mapping[str, Any]) -> str:
-    """A message as both sides see it: role (developer = system), text, tool calls (arguments
-    parsed, so re-serialised JSON matches), tool_call_id and name. Reasoning is left out."""
+    """A message as both sides see it: role (developer = system), text (an assistant's JSON reply
+    parsed), tool calls (arguments parsed, so re-serialised JSON matches), tool_call_id and name.
+    Reasoning is left out."""
     role = message.get("role")
     role = "system" if role == "developer" else role
     calls = []
@@ -79,7 +92,10 @@ def message_fingerprint(message: Mapping[str, Any]) -> str:
         if isinstance(call, Mapping):
             fn = call.get("function") if isinstance(call.get("function"), Mapping) else call
             calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
-    return json.dumps([role, _text_of(message.get("content")), calls, message.get("tool_call_id"),
+    text: Any = _text_of(message.get("content"))
+    if role == "assistant":
+        text = _reply_text(text)
+    return json.dumps([role, text, calls, message.get("tool_call_id"),
                        message.get("name")], sort_keys=True, ensure_ascii=False, default=str)
 
 
