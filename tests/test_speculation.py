@@ -173,11 +173,11 @@ def test_every_slab_row_holds_exactly_its_depth_after_every_step(embedded_model_
     depth and its RoPE offset says the same; the replies equal SPECULATIVE=off."""
     from mlxstack.runner import batch as batch_mod
 
-    step = batch_mod.DecodeGroup.step
+    settle = batch_mod.DecodeGroup.settle     # a step ends once the core's verdicts are settled
     checked = []
 
-    def checking(self):
-        out = step(self)
+    def checking(self, *args, **kwargs):
+        out = settle(self, *args, **kwargs)
         if self.slab is not None:
             layer = self.slab[self.kv_idx[0]]
             pads, offsets = layer.left_padding.tolist(), layer.offset.tolist()
@@ -187,7 +187,7 @@ def test_every_slab_row_holds_exactly_its_depth_after_every_step(embedded_model_
                 checked.append(r)
         return out
 
-    monkeypatch.setattr(batch_mod.DecodeGroup, "step", checking)
+    monkeypatch.setattr(batch_mod.DecodeGroup, "settle", checking)
     on, off = engines(embedded_model_path, prompt_cache_max_entries_global=0)
     jobs = lambda: [job(m, max_tokens=40 + 3 * i, session=f"r{i}")[0]  # noqa: E731
                     for i, m in enumerate([COPY, FREE, COPY, FREE, COPY, LOOP, FREE, COPY])]

@@ -27,6 +27,7 @@ from ..parsing.reasoning import prompt_opens_thinking
 from ..prompt.render import encode
 from ..prompt.tokenize import encoder_for
 from ..runner.generate import Aborted, decode, feed, folds, last_logits, prefill
+from ..runner.rows import RunnerContext
 from ..runner.sampling import Sampler
 from ..runner.stopping import StopMatcher, stop_token_ids
 
@@ -72,6 +73,16 @@ class ChatEngine(PromptAssembly, TurnFinish):
         self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
         state.kv.fresh = self.new_cache   # a miss checks out this model's empty caches
+        self.runner = self.runner_context()
+
+    def runner_context(self) -> RunnerContext:
+        """What the runner knows of this model (plain data: runner/rows.py)."""
+        st = self.state
+        return RunnerContext(model=self.loaded.model, decode_model=self.loaded.model, layout=st.layout,
+                             kv_quant=st.kv_quant, speculation=self.speculation, counters=st.counters,
+                             shared_prefix_min_tokens=int(getattr(self.settings, "shared_prefix_min_tokens", 0) or 0),
+                             is_vlm=bool(getattr(self.loaded, "is_vlm", False)),
+                             rank_group=self.loaded.extra.get("group"), replicated=lambda: st.replicated)
 
     def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
         """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
@@ -132,7 +143,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
             return 0
         from ..runner.shared_prefix import shared_prefix_ok
 
-        return want if shared_prefix_ok(self) else 0
+        return want if shared_prefix_ok(self.runner) else 0
 
     def start(self, job: ChatJob) -> Request:
         """Render, tokenise, check the window, look the prompt up and check its KV out."""
@@ -351,8 +362,6 @@ class ChatEngine(PromptAssembly, TurnFinish):
         sequence is done (a stop token or string, harmony's stop rule, or max_tokens)."""
         seq.generated.append(tok)
         seq.produced += 1
-        if seq.spec is not None:
-            seq.spec.drafter.extend((tok,))
         if tok in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
             row = seq.sampler.constraint if seq.sampler is not None else None

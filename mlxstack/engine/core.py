@@ -43,6 +43,7 @@ from concurrent.futures import Future
 
 from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
+from ..runner.rows import Verdict
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
 from .chat import ChatEngine, ChatJob, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
@@ -78,7 +79,7 @@ class EngineCore:
     def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
         self.engine = engine
         self.max_sequences = max(1, int(max_sequences))
-        self.group = DecodeGroup(engine, batching)
+        self.group = DecodeGroup(engine.runner, batching)
         self.scheduler = Scheduler(prefill_budget, self.group.prefills_together)
         self.futures: dict[int, Future] = {}
         self.last_batch = 0
@@ -129,7 +130,7 @@ class EngineCore:
     def _per_token(self) -> tuple[int, int]:
         if self._token_bytes is None:
             try:
-                self._token_bytes = measured_token_bytes(self.engine)
+                self._token_bytes = measured_token_bytes(self.engine.runner)
             except Exception:  # noqa: BLE001 - admission then reads the measured bytes alone
                 log.warning("could not measure the KV bytes per token; admission by memory counts "
                             "only what is held", exc_info=True)
@@ -244,7 +245,9 @@ class EngineCore:
             self.last_batch = len(self.group) if self.group.batching else 1   # sequences per forward pass
             self.batch_peak = max(self.batch_peak, self.last_batch)
             try:
-                finished = self.group.step()
+                out = self.group.step()                       # execute: the forward(s), tokens read back
+                verdicts, failed = self._judge(out)           # update: streamed, the stop rules applied
+                finished = self.group.settle(verdicts, failed)   # rows keep what was used; ended ones leave
             except GroupReset as exc:   # the shared forward failed: the batch was dropped
                 self._lost(exc)
                 finished = []
@@ -263,6 +266,29 @@ class EngineCore:
             self._flush_closing()         # the batch emptied (rows failed, or the last ones ended)
         self.account()
         self._unpark()                    # room freed by this step: the parked request starts next
+
+    def _judge(self, out: dict) -> tuple[dict[int, Verdict], dict[int, BaseException]]:
+        """What the decode step read back, judged: each row's tokens consumed in order (streamed,
+        stop rules) until its reply ends; a hang-up or the watchdog ends it too. A row whose text
+        could not be handled (the detokenizer, the call gate) fails alone."""
+        verdicts: dict[int, Verdict] = {}
+        failed: dict[int, BaseException] = {}
+        for seq in self.group.seqs:
+            row = out.get(id(seq))
+            if row is None:
+                continue
+            try:
+                seq.batch_sizes.append(row.size)
+                used, done = 0, False
+                for tok in row.tokens:
+                    used += 1
+                    if self.engine.consume(seq, tok):
+                        done = True
+                        break
+                verdicts[id(seq)] = Verdict(used, done or self._stopped(seq))
+            except Exception as exc:  # noqa: BLE001 - this row only
+                failed[id(seq)] = exc
+        return verdicts, failed
 
     def _stopped(self, seq: Request) -> bool:
         return self.engine._should_stop(seq)()

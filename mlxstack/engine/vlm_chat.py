@@ -94,6 +94,12 @@ class VLMChatEngine(ChatEngine):
         self.limits = ImageLimits.from_settings(settings)
         self._decoder = DecodeLM(self.lm, self.mrope, 0)
 
+    def runner_context(self) -> Any:
+        """The language model is what caches and decode steps are made of (prefill: embeddings)."""
+        ctx = super().runner_context()
+        ctx.model = ctx.decode_model = self.loaded.model.language_model
+        return ctx
+
     # ---------------------------------------------------------------- pipeline
     def _tokenize(self, original: list[dict], canonical: list[dict], model_text: str,
                   key_text: str) -> tuple[list[int], list[int], dict, int]:

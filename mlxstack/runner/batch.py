@@ -1,8 +1,9 @@
 """Decode several sequences together: one forward pass, one token each, per step.
 
-    group = DecodeGroup(engine, batching=True)
+    group = DecodeGroup(ctx, batching=True)   # ctx: runner/rows.py RunnerContext
     group.add(seq, first_logits)   # after its prefill; samples its first token (lazy)
-    finished = group.step()        # feeds every pending token, samples the next, reads the previous
+    out = group.step()             # feeds every pending token, samples the next, reads the previous
+    finished = group.settle(verdicts)   # the engine core judged ``out``: rows that ended leave
 
 With ``batching`` the members' KV layers live in one ``SlabKVCache`` per layer (engine/
 batch_cache.py: mlx-lm's ``BatchKVCache`` layout -- rows right-aligned with per-row left padding,
@@ -43,7 +44,7 @@ from mlx_lm.models.cache import KVCache
 from ..config import faults
 from .mlx_stream import generation_stream
 from ..cache.slab import SlabKVCache, is_row_layer, merge_layer, place_batch_rows, place_own_layers, stack_layers
-from .rows import GroupReset, Owner, Row, row_ids, run_row
+from .rows import GroupReset, Row, RowOutput, RunnerContext, Verdict, context_of, row_ids, run_row
 from .shared_prefix import shared_prefix_ok
 from .spec.speculation import spec_budgets, speculative_step, wants_step
 from .forward import forward
@@ -56,12 +57,13 @@ BATCHABLE_KINDS = ("kv", "rotating", "arrays")   # cache kinds (cache/layer_kind
 
 
 class DecodeGroup:
-    def __init__(self, engine: Owner, batching: bool) -> None:
-        self.engine = engine
+    def __init__(self, ctx: RunnerContext, batching: bool) -> None:
+        ctx = context_of(ctx)
+        self.ctx = ctx
         self.batching = batching
         # plain-KV models: several short prefills in one forward, turns closed together
-        self.dense = batching and all(k == "kv" for k in engine.state.layout.kinds)
-        quant = engine.state.kv_quant
+        self.dense = batching and all(k == "kv" for k in ctx.layout.kinds)
+        quant = ctx.kv_quant
         # KV_QUANT_SCHEME=turboquant: slab rows coded as a lone TurboQuantKVCache is -- from exactly
         # QUANTIZED_KV_START, also inside a batched prefill's forward (cache/turboquant_rows.py)
         self.quant = quant if batching and quant is not None and quant.scheme == "turboquant" else None
@@ -78,9 +80,13 @@ class DecodeGroup:
         self.rollbacks = 0                     # joins / leaves undone after a failure
         self.last_width = 1                    # positions per row the last speculative step fed
         self._moved = False                    # members joined / left since the last step (not timed)
-        want = getattr(engine.settings, "shared_prefix_min_tokens", MIN_SHARED)
+        want = ctx.shared_prefix_min_tokens
         # shortest root a row leaves to a slab's shared prefix; None: this engine never shares
-        self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(engine) else None
+        self.min_shared: int | None = want if want > 0 and batching and shared_prefix_ok(ctx) else None
+        self._settle: dict[int, Any] = {}      # what step() left for settle(): per row, its next token ...
+        self._settle_after: Any = None         # ... what follows every row's (a speculative slab settles)
+        self._step_failed: dict[int, BaseException] = {}
+        self._step_info: tuple = ()            # ... and the step's shape and time (speculation's costs)
         # shortest common prompt a request arriving with others takes from another's prefill: the
         # same setting (under KV quantisation the leader's prefill is not cut for it: engine/core.py
         # ``_enter``, LESSONS 78)
@@ -321,41 +327,74 @@ class DecodeGroup:
         self._merge_other({id(s): states[id(s)] for s in rest})
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[Row]:
-        """Advance every member by one token; return the members that finished (removed). Rows
-        that failed left too: ``take_failed()``. GroupReset when the batch had to be dropped."""
+    def step(self) -> dict[int, RowOutput]:
+        """Advance every member by one forward and return what each row read back (by
+        ``id(row)``), unjudged: the engine core consumes the tokens (streaming, stop rules) and
+        answers with ``settle``. A row whose own work failed is left out (``settle`` discards it,
+        ``take_failed`` names it). GroupReset when the batch had to be dropped."""
+        self._settle, self._step_failed = {}, {}
         if not self.seqs:
-            return []
+            return {}
         budgets = spec_budgets(self.seqs)
         rows, members, t0 = self.forward_rows, len(self.seqs), time.perf_counter()
         settled, self._moved = not self._moved, False    # a join's lazy copies land in the next forward
         if wants_step(self, budgets):
-            done = speculative_step(self, budgets)
+            out = speculative_step(self, budgets)
             width = self.last_width
         else:
-            done, width = self._plain_step(), 1
-        clean = settled and not done and not self._failed and len(self.seqs) == members \
+            out, width = self._plain_step(), 1
+        self._step_info = (settled, rows, members, width, time.perf_counter() - t0)
+        return out
+
+    def settle(self, verdicts: dict[int, Verdict], failed: dict[int, BaseException] | None = None) -> list[Row]:
+        """Apply the engine core's verdicts on the last ``step``: each row keeps what it consumed
+        (a speculative row takes the rest back), a row whose reply ended leaves with its cache, a row
+        that failed (in the step, or in ``failed``: the core's own work on it) leaves without.
+        Returns the rows that ended (removed)."""
+        seqs = list(self.seqs)
+        failed = {**self._step_failed, **(failed or {})}
+        done: list[Row] = []
+        for s in seqs:
+            if id(s) in failed or id(s) not in self._settle:
+                continue
+            verdict = verdicts.get(id(s)) or Verdict(0, False)
+            if run_row(failed, s, lambda s=s, v=verdict: self._settle[id(s)](v)):
+                done.append(s)
+        after, self._settle_after = self._settle_after, None
+        if after is not None:
+            after()
+        settled, rows, members, width, seconds = self._step_info or (False, 0, 0, 1, 0.0)
+        clean = settled and not done and not failed and len(self.seqs) == members \
             and self.forward_rows == rows and (self.slab is not None or members == 1)
         if clean:   # what a step costs here, by rows and width: speculation's cost model (runner/spec/step_costs.py)
-            self.engine.speculation.costs.record(rows, width, time.perf_counter() - t0)
-        return done
+            self.ctx.speculation.costs.record(rows, width, seconds)
+        self._settle, self._step_info = {}, ()
+        return self.settle_rows(seqs, failed, done)
 
-    def _plain_step(self) -> list[Row]:
+    def _plain_step(self) -> dict[int, RowOutput]:
         """One token for every member (the forward, then the previous tokens read back); when every
         pending token is its row's last (max_tokens), only the read-back."""
         stream = generation_stream()
-        model = self.engine.decode_model
+        model = self.ctx.decode_model
         seqs = list(self.seqs)
         current = [s.pending for s in seqs]
-        failed: dict[int, BaseException] = {}
+        failed = self._step_failed
+        out: dict[int, RowOutput] = {}
 
         def row_work(s: Row, work: Callable[[], Any]) -> Any:
             return run_row(failed, s, work)
 
+        def ends(s: Row, v: Verdict) -> bool:
+            return v.done
+
         if all(not s.tail and s.produced + 1 >= s.params.max_tokens for s in seqs):
             # every row's pending token is its last (max_tokens): no forward, only the read-back
-            done = [s for s, t in zip(seqs, current) if row_work(s, lambda s=s, t=t: self._read_back(s, t))]
-            return self.settle_rows(seqs, failed, [s for s in done if id(s) not in failed])
+            for s, t in zip(seqs, current):
+                tok = row_work(s, lambda t=t: int(t.item()))
+                if id(s) not in failed:
+                    out[id(s)] = RowOutput([tok])
+                    self._settle[id(s)] = lambda v, s=s: ends(s, v) or self._keep(s, s.pending)
+            return out
         nxt: list[Any] = [None] * len(seqs)
         with mx.stream(stream):
             for s in seqs:
@@ -384,16 +423,22 @@ class DecodeGroup:
         except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost
             raise GroupReset(self.reset(), exc) from exc
         size = len(seqs) if self.slab is not None else 1
-        done: list[Row] = []
         for s, t, n in zip(seqs, current, nxt):
             if id(s) in failed:
                 continue
-            s.batch_sizes.append(size)
-            if row_work(s, lambda s=s, t=t: self._read_back(s, t)):
-                done.append(s)
-            elif id(s) not in failed:
-                s.pending = n
-        return self.settle_rows(seqs, failed, done)
+            tokens = row_work(s, lambda s=s, t=t: self._read_back(s, t))
+            if id(s) in failed:
+                continue
+            if s.spec is not None:               # the drafter reads the reply as it is written
+                s.spec.drafter.extend(tokens)
+            out[id(s)] = RowOutput(tokens, size)
+            self._settle[id(s)] = lambda v, s=s, n=n: ends(s, v) or self._keep(s, n)
+        return out
+
+    def _keep(self, s: Row, nxt: Any) -> bool:
+        """A row that goes on: its next token is the one this step sampled."""
+        s.pending = nxt
+        return False
 
     def settle_rows(self, seqs: list[Row], failed: dict[int, BaseException], done: list[Row]) -> list[Row]:
         """After a step: failed rows leave without their KV (take_failed() hands them over),
@@ -425,12 +470,13 @@ class DecodeGroup:
         s.live.advance(1)
         return self._sample(s, logits)
 
-    def _read_back(self, s: Row, t: mx.array) -> bool:
-        """Read the row's previous token (stream it, apply the stop rules); True when it is done."""
-        if s.tail:                                   # fed the last prompt token: nothing to read yet
+    @staticmethod
+    def _read_back(s: Row, t: mx.array) -> list[int]:
+        """The row's previous token, read back (none for a row that fed its last prompt token)."""
+        if s.tail:
             s.tail = False
-            return self.engine._should_stop(s)()
-        return self.engine.consume(s, int(t.item())) or self.engine._should_stop(s)()
+            return []
+        return [int(t.item())]
 
     def _discard(self, gone: list[Row]) -> None:
         """Failed members leave without their KV (never stored); GroupReset if even that fails."""
@@ -458,34 +504,35 @@ def _pow2(n: int) -> int:
     return 1 << max(1, (max(1, n) - 1).bit_length())
 
 
-def batching_support(engine: Owner) -> tuple[bool, str]:
+def batching_support(ctx: RunnerContext) -> tuple[bool, str]:
     """Whether this model decodes correctly in one batched forward: plain KV layers (slab rows),
     sliding windows and recurrent / conv state (mlx-lm's BatchRotatingKVCache and batched
     ArraysCache); not chunked attention or CacheList (no batched form in mlx-lm), no uniform KV
     quantisation (TurboQuant rows are float rows with codes beside them), not a VLM -- and a real
     check: two sequences of different lengths stepped together give the logits each gives alone."""
-    layout = engine.state.layout
-    if engine.loaded.is_vlm:
+    ctx = context_of(ctx)
+    layout = ctx.layout
+    if ctx.is_vlm:
         return False, "vision-language models prefill through mlx-vlm's own path"
     if not layout.supported or any(k not in BATCHABLE_KINDS for k in layout.kinds):
         return False, f"cache layout {layout.describe()} has no batched form"
-    quant = engine.state.kv_quant
+    quant = ctx.kv_quant
     if quant is not None and quant.scheme != "turboquant":
         return False, "KV_BITS (uniform): mlx-lm's quantised KV layers have no batched form"
     from .generate import feed
 
-    model = engine.loaded.model
+    model = ctx.model
     try:
         lives = []
         for n in (5, 9):
-            live = engine.new_cache()
+            live = ctx.new_cache()
             feed(model, live, list(range(100, 100 + n)), 16)
             lives.append(live)
         nxt = mx.array([[7], [11]], dtype=mx.int32)
         alone = [forward(model, nxt[i:i + 1], lv.layers)[:, -1, :] for i, lv in enumerate(lives)]
         lives2 = []
         for n in (5, 9):
-            live = engine.new_cache()
+            live = ctx.new_cache()
             feed(model, live, list(range(100, 100 + n)), 16)
             lives2.append(live)
         batch = stack_layers([live.layers for live in lives2], quant=quant)
@@ -496,7 +543,7 @@ def batching_support(engine: Owner) -> tuple[bool, str]:
         why = "" if ok else "batched logits differ from single-sequence logits"
     except Exception as exc:  # noqa: BLE001 - any failure: this model decodes one sequence at a time
         ok, why = False, f"batched forward failed ({type(exc).__name__}: {exc})"
-    group = engine.loaded.extra.get("group")
+    group = ctx.rank_group
     if group is not None:   # ranks decide alike (a rank batching alone runs other collectives)
         from ..models.sharding import agree
 

@@ -124,9 +124,13 @@ def token_bytes(live: LiveCache) -> tuple[int, int]:
     return grows, fixed
 
 
-def measured_token_bytes(engine: Any) -> tuple[int, int]:
-    """``token_bytes`` of ``engine``'s model: a fresh cache fed one token (one small forward)."""
+def measured_token_bytes(ctx: Any) -> tuple[int, int]:
+    """``token_bytes`` of the context's model (runner/rows.py RunnerContext, or an engine carrying
+    one): a fresh cache fed one token (one small forward)."""
+    from .rows import context_of
+
+    ctx = context_of(ctx)
     with mx.stream(generation_stream()):
-        live = engine.new_cache()
-        feed(engine.loaded.model, live, [0], 1)
+        live = ctx.new_cache()
+        feed(ctx.model, live, [0], 1)
     return token_bytes(live)

@@ -1,34 +1,65 @@
-"""What the runner knows of a request in flight, and how a row's failure travels.
+"""What the runner knows of the model it runs and of a request in flight, and how a row's failure
+travels.
 
-The runner never imports the engine (imports point down only): a row is the engine's request
-object (engine/request.py ``Request``), read and advanced through the attributes the runner
-uses -- its live cache, tokens, sampler, and the engine's ``consume`` / ``should_stop`` callbacks
-held by the group's owner.
+The runner never imports the engine (imports point down only) and never calls it: what it needs of
+the model comes as plain data (``RunnerContext``, built once by the engine), a row is the engine's
+request object (engine/request.py ``Request``) read and advanced through the attributes the runner
+owns -- its live cache, pending token, sampler, drafter -- and what a step produced goes back as
+data (``StepOutput``); the engine core judges it (stop rules, streaming) and hands its verdicts
+back (``Verdict``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 Row = Any     # engine/request.py Request: one request in flight
 
 
-class Owner(Protocol):
-    """What the decode group and the speculative step use of the engine that owns the rows
-    (engine/chat.py ChatEngine) -- the whole seam: nothing else of the engine is reached from
-    runner/."""
-    state: Any          # .layout (cache kinds), .kv_quant, .replicated (several ranks)
-    settings: Any       # SHARED_PREFIX_MIN_TOKENS
-    loaded: Any         # .model, .is_vlm, .extra (a rank group)
-    speculation: Any    # drafters, step costs, the draft model
+@dataclass
+class RunnerContext:
+    """The model the runner runs and the facts its steps depend on (engine/chat.py builds it)."""
+    model: Any                     # the module prompts are fed through (mlx-lm's model)
+    decode_model: Any              # the module decode steps call (a VLM: its language model)
+    layout: Any                    # cache/layer_kinds.py CacheLayout: the model's cache kinds
+    kv_quant: Any                  # cache/layer_kinds.py KVQuant or None (KV_BITS)
+    speculation: Any               # runner/spec/speculation.py Speculation: drafters, step costs
+    counters: Any                  # cache/counters.py CacheCounters
+    shared_prefix_min_tokens: int = 0
+    is_vlm: bool = False
+    rank_group: Any = None         # several ranks: the MLX group every decision is agreed over
+    replicated: Callable[[], bool] = lambda: False    # ranks in lockstep (decided after load)
+    memo: dict = field(default_factory=dict)          # load-time checks, answered once
 
-    @property
-    def decode_model(self) -> Any: ...
+    def new_cache(self) -> Any:
+        """A fresh LiveCache for the model (the KV quantisation policy with it)."""
+        from mlx_lm.models.cache import make_prompt_cache
 
-    def new_cache(self) -> Any: ...
+        from ..cache.kv_ops import LiveCache
 
-    def consume(self, row: Row, token: int) -> bool: ...
+        return LiveCache(make_prompt_cache(self.model), 0, self.kv_quant)
 
-    def _should_stop(self, row: Row) -> Callable[[], bool]: ...
+
+def context_of(owner: Any) -> RunnerContext:
+    """``owner`` itself, or the context an engine carries (``engine.runner``)."""
+    return owner if isinstance(owner, RunnerContext) else owner.runner
+
+
+@dataclass
+class RowOutput:
+    """What one decode step read back for one row: the tokens, in order (a plain step: the token
+    it sampled last step; a speculative step: its pending token, then the drafts it accepted; a row
+    that fed its last prompt token: none yet), and the rows of its forward."""
+    tokens: list[int]
+    size: int = 1
+
+
+@dataclass
+class Verdict:
+    """The engine core's word on a row's tokens: how many it consumed (streamed), and whether the
+    reply ended there (a stop token or string, max_tokens, a hang-up, the watchdog)."""
+    used: int
+    done: bool
 
 
 class GroupReset(RuntimeError):

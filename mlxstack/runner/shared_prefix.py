@@ -23,15 +23,18 @@ from ..backends.cascade import install
 from .generate import feed
 from .forward import forward
 
+from .rows import context_of
+
 log = logging.getLogger("mlxstack.shared_prefix")
 
 
-def shared_prefix_ok(engine: Any) -> bool:
-    """Checked once per engine (the answer is kept on it)."""
-    known = getattr(engine, "_shared_prefix_ok", None)
+def shared_prefix_ok(ctx: Any) -> bool:
+    """Checked once per model context (runner/rows.py RunnerContext; the answer is kept in its memo)."""
+    ctx = context_of(ctx)
+    known = ctx.memo.get("shared_prefix_ok")
     if known is None:
-        known = _check(engine)
-        engine._shared_prefix_ok = known
+        known = _check(ctx)
+        ctx.memo["shared_prefix_ok"] = known
         if known:
             log.info("shared prefixes: rows of a decode batch that share a cached prefix hold it once")
     return known
@@ -57,14 +60,14 @@ def _by_reference_agrees(model: Any, root: Any) -> bool:
     return _close(feed(model, again, [21, 22, 23], 16, logits=True), feed(model, copy, [21, 22, 23], 16, logits=True))
 
 
-def _check(engine: Any) -> bool:
+def _check(ctx: Any) -> bool:
     from ..cache.slab import stack_layers
 
-    quant = engine.state.kv_quant
-    if engine.loaded.is_vlm or quant is not None and quant.scheme != "turboquant":
+    quant = ctx.kv_quant
+    if ctx.is_vlm or quant is not None and quant.scheme != "turboquant":
         return False
     install()
-    model = engine.loaded.model
+    model = ctx.model
     try:
         # the model's attention over a prefix held once, on float caches: TurboQuant rows attend
         # floats too (their decoded vectors), the codes kept beside them (cache/turboquant_rows.py)

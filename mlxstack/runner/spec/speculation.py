@@ -7,8 +7,8 @@
         done = speculative_step(group, budgets)  # instead of DecodeGroup's one-token step
 
 A speculative step (runner/batch.py calls it when a row has a draft worth trying):
-1. every row's pending token is read back and consumed (streamed, stop rules) -- as the plain step
-   does, only before the forward instead of after it;
+1. every row's pending token is read back -- as the plain step does, only before the forward
+   instead of after it (a row it ends by plain data, a stop token or its last token, drafts nothing);
 2. each row proposes up to its budget of drafts (runner/spec/drafting.py: prompt lookup over the
    prompt and the reply so far; runner/spec/draft_model.py: a draft model's greedy tokens; a grammar
    cuts what it refuses and drafts the text it forces), capped by its token limit and by what its
@@ -23,7 +23,9 @@ A speculative step (runner/batch.py calls it when a row has a draft worth trying
    produces, sampled rows included (a draft is kept with probability p(draft), as the rejection
    rule would keep it, and a seeded reply is the same with or without speculation) -- and keeps
    the longest accepted prefix plus the model's own next token;
-5. each row takes back what it did not keep, on its own: a slab row moves its end back (ragged
+5. the tokens go back to the engine core, which consumes them (streaming, stop rules: a stop string
+   may end a reply inside its drafts) and says how many each row used; each row (``settle``) takes
+   back what it did not keep, on its own: a slab row moves its end back (ragged
    rows), an own cache is cut (``LiveCache.cut``). The prompt cache, snapshots and salvage later
    see exactly the accepted tokens: nothing else is in the KV.
 
@@ -45,7 +47,7 @@ from ..mlx_stream import generation_stream
 from ..sampling import Sampler
 from .step_costs import StepCosts
 from .draft_model import DraftModel
-from ..rows import GroupReset, Row, row_ids, run_row
+from ..rows import GroupReset, Row, RowOutput, Verdict, row_ids, run_row
 from ..forward import forward
 
 MODES = ("auto", "ngram", "draft")        # SPECULATIVE values that draft (off: never)
@@ -130,9 +132,9 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
     own caches are costed one by one."""
     if not budgets or (group.slab is not None and not group.dense):
         return False
-    costs = group.engine.speculation.costs
+    costs = group.ctx.speculation.costs
     price = costs.cost
-    if group.engine.state.replicated:
+    if group.ctx.replicated():
         # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
         # the same steps (each rank's clock differs: they would part and wait on each other's
         # collectives forever). A seeded row needs nothing of the kind: its draws are keyed by
@@ -187,36 +189,43 @@ def _fast(s: Row) -> bool:
             and not smp.p.logprobs and type(smp)._process is Sampler._process)
 
 
-def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
-    """One step of ``group`` (runner/batch.DecodeGroup) with drafts; returns the members that
-    finished (removed). Failures are handled as the plain step handles them."""
-
-    eng = group.engine
-    model = eng.decode_model
+def speculative_step(group: Any, budgets: dict[int, int]) -> dict[int, RowOutput]:
+    """One step of ``group`` (runner/batch.DecodeGroup) with drafts; returns what each row read
+    back -- its pending token, then the drafts it accepted -- unjudged, and leaves ``group`` what
+    its ``settle`` needs to keep what the engine core consumed and take the rest back. Failures
+    are handled as the plain step handles them."""
+    ctx = group.ctx
+    model = ctx.decode_model
     seqs = list(group.seqs)
-    failed: dict[int, BaseException] = {}
-    done: list[Row] = []
+    failed = group._step_failed
+    out: dict[int, RowOutput] = {}
 
     def row_work(s: Row, work: Any) -> Any:
         return run_row(failed, s, work)
 
-    # 1. read every pending token back (one evaluation) and consume it
+    # 1. read every pending token back (one evaluation); a row it ends by plain data (a stop token,
+    #    its last token) drafts nothing: its row is fed filler and rewound
     mx.eval([s.pending for s in seqs])
     firsts: dict[int, int] = {}
+    tails: dict[int, bool] = {}
+    ended: list[Row] = []
     for s in seqs:
         def read(s: Row = s) -> bool:
             tok = int(s.pending.item())
             firsts[id(s)] = tok
+            tails[id(s)] = s.tail
             if s.tail:
                 s.tail = False
-                return eng._should_stop(s)()
-            if eng.consume(s, tok) or eng._should_stop(s)():
+                return False
+            if tok in s.params.stop_token_ids or s.produced + 1 >= s.params.max_tokens:
                 return True
             s.sampler.accept(s.pending)
+            if s.spec is not None:               # the drafter reads the reply as it is written
+                s.spec.drafter.extend((tok,))
             return False
         if row_work(s, read):
-            done.append(s)
-    going = [s for s in seqs if id(s) not in failed and s not in done]
+            ended.append(s)
+    going = [s for s in seqs if id(s) not in failed and all(s is not e for e in ended)]
 
     # 2. drafts
     drafts: dict[int, list[int]] = {}
@@ -241,14 +250,14 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
                     first = firsts[id(s)]
                     d = drafts[id(s)]
                     rows[group.row[id(s)]] = [first] + d + [first] * (width - 1 - len(d))
-                out = forward(model, mx.array(rows, dtype=mx.int32), group.slab)
+                fwd = forward(model, mx.array(rows, dtype=mx.int32), group.slab)
             except Exception as exc:  # noqa: BLE001 - the shared forward: every member is lost
                 raise GroupReset(group.reset(), exc) from exc
             for s in going:
                 s.live.advance(width)
                 fed[id(s)] = width
-                logits[id(s)] = out[group.row[id(s)]]
-            for s in done:                  # ended on their pending token: their row was fed filler
+                logits[id(s)] = fwd[group.row[id(s)]]
+            for s in ended:                 # ended on their pending token: their row was fed filler
                 if id(s) in group.row:
                     _rewind_row(group, group.row[id(s)], width)
         else:
@@ -259,10 +268,10 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
                     toks = [firsts[id(s)]] + drafts[id(s)]
                     if len(toks) > s.live.room():          # cannot cut back: keep the state before
                         marks[id(s)] = s.live.mark()
-                    out = forward(model, mx.array([toks], dtype=mx.int32), s.live.layers)
+                    fwd = forward(model, mx.array([toks], dtype=mx.int32), s.live.layers)
                     s.live.advance(len(toks))
                     fed[id(s)] = len(toks)
-                    logits[id(s)] = out[0]
+                    logits[id(s)] = fwd[0]
                 row_work(s, alone)
         going = [s for s in going if id(s) not in failed]
 
@@ -291,9 +300,13 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
             else:
                 verdicts[id(s)] = row_work(s, lambda s=s, d=d: _verify_in_order(s, logits[id(s)], d))
 
-    # 5. keep the accepted prefix, take the rest back, row by row
+    # 5. the tokens read back; what each row keeps is the core's to say (``settle``)
     size = len(going) if group.slab is not None else 1
     proposed = accepted = 0
+    for s in ended:
+        if id(s) not in failed:
+            out[id(s)] = RowOutput([firsts[id(s)]], size)
+            group._settle[id(s)] = lambda v: True       # a stop token or its last token: it ends
     for s in going:
         if id(s) in failed:
             continue
@@ -303,38 +316,37 @@ def speculative_step(group: Any, budgets: dict[int, int]) -> list[Row]:
             s.spec.control.record(len(d), a)
             proposed += len(d)
             accepted += a
-        s.batch_sizes.append(size)
+        read = ([] if tails[id(s)] else [firsts[id(s)]]) + d[:a]
+        out[id(s)] = RowOutput(read, size)
+        if a and s.spec is not None:
+            s.spec.drafter.extend(d[:a])
 
-        def keep(s: Row = s, d: list[int] = d, a: int = a, nxt: mx.array = nxt) -> bool:
-            used, finished = 0, False
-            for tok in d[:a]:
-                used += 1
-                if eng.consume(s, tok):
-                    finished = True
-                    break
+        def keep(v: Verdict, s: Row = s, d: list[int] = d, nxt: mx.array = nxt, tail: bool = tails[id(s)]) -> bool:
+            used = max(0, v.used - (0 if tail else 1))      # drafts the core consumed
             if id(s) in marks:
                 if used < fed[id(s)] - 1:
                     _replay(model, s, marks[id(s)], [firsts[id(s)]] + d[:used])
-                    eng.state.counters.bump("spec_replays")
+                    ctx.counters.bump("spec_replays")
             else:
                 _take_back(group, s, fed[id(s)] - 1 - used)
-            if finished or eng._should_stop(s)():
+            if v.done:
                 return True
             s.pending = nxt
             return False
-        if row_work(s, keep):
-            done.append(s)
-    if group.slab is not None:
-        alive = [group.row[id(s)] for s in seqs if id(s) not in failed and id(s) in group.row]
-        for i in group.kv_idx:
-            group.slab[i].settle(alive)
-    counters = eng.state.counters
+        group._settle[id(s)] = keep
+
+    def settled() -> None:
+        if group.slab is not None:
+            alive = [group.row[id(s)] for s in seqs if id(s) not in failed and id(s) in group.row]
+            for i in group.kv_idx:
+                group.slab[i].settle(alive)
+    group._settle_after = settled
+    counters = ctx.counters
     counters.bump("spec_steps")
     if proposed:
         counters.bump("spec_proposed", proposed)
         counters.bump("spec_accepted", accepted)
-
-    return group.settle_rows(seqs, failed, done)
+    return out
 
 
 def plan(s: Row, k: int) -> tuple[int, float]:
