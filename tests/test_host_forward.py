@@ -157,7 +157,7 @@ def test_takes_only_what_it_can_do():
     assert hf.forward(model, mx.array([list(range(hf.MAX_POSITIONS + 1))]), fresh()) is None   # a prefill
     assert hf.forward(model, mx.array([[1]]), None) is None
     assert hf.forward(model, mx.array([[1]]), fresh(), input_embeddings=mx.zeros((1, 1, 64))) is None
-    assert hf.forward(model, mx.array([[1]]), [QuantizedKVCache() for _ in range(3)]) is None
+    assert hf.forward(model, mx.array([[1]]), [QuantizedKVCache() for _ in range(3)]) is None   # groups of 64, heads of 16
     assert hf.forward(model, mx.array([[1]]), [RotatingKVCache(max_size=8) for _ in range(3)]) is None
     assert hf.forward(model, mx.array([[1]]), fresh()[:2]) is None
     # a long call still runs (mlx-lm's forward) through the same entry point, not on the host path
@@ -372,6 +372,64 @@ def test_a_positions_kv_is_the_same_bits_however_its_prompt_was_cut():
         assert backend_of(model).host_calls - calls == 4 + 64 + 6 + 5 + 22   # every call on the host path
         hf.use_native_products(False)
         assert backend_of(model).exact_positions(model) is None
+    finally:
+        hf.use_products(products)
+        if not was:
+            use_native(None)
+
+
+def _codes_of(cache, n):
+    return [x[..., :n, :] for c in cache for t in (c.keys, c.values) for x in t]
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_uniform_kv_codes_are_the_same_bytes_however_the_prompt_was_cut(bits):
+    """KV_BITS uniform on the host path: a ``QuantizedKVCache`` layer is written by its own
+    ``update_and_fetch`` (mx.quantize per token) and attended through the native kernel over the
+    floats mx.dequantize gives back -- so, as for float layers, 64 tokens fed in calls of 16, one at
+    a time or cut anywhere leave the same codes, scales and biases in every layer, every call on the
+    host path; a step over the same codes is within float rounding of mlx-lm's forward (its quantised
+    attention), and a model whose heads the groups do not divide is not taken."""
+    from mlxstack.backends.cpu import kernels as cpu_kernels
+    from mlxstack.backends.cascade import native_in_use, use_native
+
+    products = hf.products_in_use()
+    if cpu_kernels.native_kernel() is None or not hf.use_native_products(True):
+        hf.use_products(products)
+        pytest.skip("no C compiler here: the native kernels are not built")
+    model = tiny_llama(12, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    assert host(model)
+    was = native_in_use()
+    use_native(cpu_kernels.native_kernel())
+    fresh = lambda: [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]  # noqa: E731
+    try:
+        assert backend_of(model).exact_positions(model) == hf.MAX_POSITIONS
+        tokens = [(5 * i + 2) % 97 for i in range(64)]
+
+        def fed(cuts):
+            cache, at = fresh(), 0
+            for n in cuts:
+                ours(model, mx.array([tokens[at:at + n]]), cache)
+                at += n
+            assert at == 64
+            return _codes_of(cache, 64)
+
+        calls = backend_of(model).host_calls
+        ref = fed([16] * 4)
+        for cuts in ([1] * 64, [5, 11, 16, 7, 9, 16], [3] * 21 + [1]):
+            assert all(mx.array_equal(a, b).item() for a, b in zip(ref, fed(cuts))), cuts
+        assert backend_of(model).host_calls - calls == 4 + 64 + 6 + 22
+        # the same codes in both caches (a copy), then one step each way: float rounding apart
+        mine = fresh()
+        ours(model, mx.array([tokens[:12]]), mine)
+        theirs = fresh()
+        for a, b in zip(theirs, mine):
+            a.keys, a.values = tuple(mx.array(x) for x in b.keys), tuple(mx.array(x) for x in b.values)
+            a.offset = b.offset
+        close(ours(model, mx.array([[3]]), mine), mlx_forward(model, mx.array([[3]]), theirs))
+        assert backend_of(model).host_calls - calls == 4 + 64 + 6 + 22 + 2
+        narrow = [QuantizedKVCache(group_size=128, bits=bits) for _ in model.layers]     # a group wider than a head
+        assert hf.forward(model, mx.array([[1]]), narrow) is None
     finally:
         hf.use_products(products)
         if not was:

@@ -158,3 +158,50 @@ def test_quantised_entries_with_a_full_precision_head_survive_the_disk_tier(tiny
         tiers.append((warm.timings["cache_tier"], warm.cached_tokens >= 96))
     assert tiers[0] == ("disk", False) and tiers[1][1]       # the second may find the promoted entry
     again.state.close()
+
+
+@pytest.mark.parametrize("bits,start", [("4", 0), ("8", 16)])
+def test_on_a_batch_invariant_backend_every_stored_uniform_code_is_a_cold_feeds(embedded_model_path, bits, start):
+    """The embedded Llama on the CPU backend (host path, native products and attention): uniform
+    KV_BITS layers are on the batch-invariant path (attention over mx.dequantize's floats in the
+    native kernel) and prompts are fed in calls of its exact size, so three sub-agents under one
+    system prompt -- the second and third reusing the first's entry and prefilling their own rest --
+    and a next turn reusing prompt and decode-computed reply store codes, scales, biases and
+    full-precision head equal, byte for byte, to a cold feed of the same tokens, and reply as lone
+    cold runs. Measured without it (mlx-lm's quantised attention, prefill chunks of 512): every
+    entry ~1/3 of its code arrays' elements apart from a cold feed, and at 4 bits a reuse's reply
+    unlike its cold run's."""
+    from mlxstack.cache.kind_base import FP_HEAD
+    from mlxstack.cache.marks import marked
+    from mlxstack.runner.forward import exact_positions
+    from tests.test_engine import job
+    from tests.test_shared_prefix import _messages
+
+    kw = dict(kv_bits=bits, quantized_kv_start=start)
+    eng = build_engine(engine_settings(embedded_model_path, **kw))
+    model, quant = eng.loaded.model, eng.state.kv_quant
+    if exact_positions(model, quant) is None:
+        pytest.skip("no batch-invariant path here (no C compiler: the native kernels are not built)")
+    outs = [eng.run(job(_messages(i), max_tokens=12, session=f"s{i}")[0]) for i in range(3)]
+    follow = _messages(1) + [{"role": "assistant", "content": outs[1].text}, {"role": "user", "content": "And module 7?"}]
+    outs.append(eng.run(job(follow, max_tokens=12, session="s1")[0]))
+    assert outs[0].cached_tokens == 0 and all(o.cached_tokens > 200 for o in outs[1:])
+    entries = eng.state.prompt_cache.entries()
+    assert len(entries) == 4
+    for e in entries:
+        assert {s.kind for s in e.payload.layers} == {"quantized"}
+        cold = LiveCache(make_prompt_cache(model), 0, quant)
+        feed(model, cold, [int(t) for t in e.model_tokens], 512)
+        hit = checkout(e.payload, e.depth, quant)
+        for h, c in zip(hit.layers, cold.layers):
+            assert type(h) is type(c) is QuantizedKVCache and h.offset == c.offset == e.depth
+            assert _same(_head(h.keys, e.depth), _head(c.keys, e.depth)), e.depth
+            assert _same(_head(h.values, e.depth), _head(c.values, e.depth)), e.depth
+            head, cold_head = marked(h, FP_HEAD), marked(c, FP_HEAD)
+            assert (head is None) == (cold_head is None) == (start == 0)
+            if head is not None:
+                assert _same(list(head), list(cold_head))
+    alone = build_engine(engine_settings(embedded_model_path, prompt_cache_max_entries_global=0, **kw))
+    solo = [alone.run(job(_messages(i), max_tokens=12, session=f"a{i}")[0]) for i in range(3)]
+    solo.append(alone.run(job(follow, max_tokens=12, session="a1")[0]))
+    assert [o.raw_text for o in outs] == [o.raw_text for o in solo]

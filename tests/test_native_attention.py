@@ -228,3 +228,63 @@ def test_shapes_the_kernel_would_read_past_go_back_to_the_mlx_path():
     assert verdicts == [False, False, False, False, False, False, True]
     causal_short = [Part(_rand((1, 2, 2, 64), 54), _rand((1, 2, 2, 64), 55), "causal")]
     assert not native_attention._takes(_rand((1, 4, 3, 64), 56), causal_short, None)        # 3 queries, 2 keys
+
+
+def _codes(x, bits, group=64):
+    """mx.quantize's (codes, scales, biases) of ``x`` -- a QuantizedKVCache's layout -- and the
+    floats mx.dequantize gives back for them."""
+    q = mx.quantize(x, group_size=group, bits=bits)
+    return q, mx.dequantize(*q, group_size=group, bits=bits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantised_keys_and_values_are_attended_as_exactly_the_floats_they_dequantise_to(bits, group):
+    """A part holding mx.quantize's codes (uniform KV_BITS) gives the same bits as a part holding
+    the floats mx.dequantize makes of them: the kernel dequantises each block exactly as
+    mx.dequantize does (the product rounded before the sum, never fused), then runs the float
+    path's arithmetic -- causal, unmasked, a bool mask, a prefix part held once, views cut from a
+    longer buffer -- and the MLX path over the dequantised floats agrees within rounding."""
+    B, Hq, Hkv, D = 2, 9, 3, 64
+    (kq, kf), (vq, vf) = _codes(_rand((B, Hkv, 256, D), 60), bits, group), _codes(_rand((B, Hkv, 256, D), 61), bits, group)
+    cut = lambda t, n: tuple(x[..., :n, :] for x in t)  # noqa: E731
+    (pq, pf), (pvq, pvf) = _codes(_rand((1, Hkv, 24, D), 62), bits, group), _codes(_rand((1, Hkv, 24, D), 63), bits, group)
+    seen = mx.arange(77)[None, None, None, :] < mx.array([77, 30]).reshape(B, 1, 1, 1)
+    for L, mask in ((1, None), (5, "causal"), (16, "causal"), (1, seen)):
+        q = _rand((B, Hq, L, D), 64 + L)
+        coded = [Part(cut(kq, 77), cut(vq, 77), mask, None, bits, group)]
+        floats = [Part(kf[..., :77, :], vf[..., :77, :], mask)]
+        got = attend(q, coded, 0.125)
+        assert got is not None and mx.array_equal(got, attend(q, floats, 0.125)).item(), (L, mask)
+        assert mx.max(mx.abs(got - attend_parts_mlx(q, coded, 0.125))).item() < 2e-6
+        two = [Part(pq, pvq, None, mx.array([True, False]), bits, group), *coded]
+        assert mx.array_equal(attend(q, two, 0.125), attend(q, [Part(pf, pvf, None, mx.array([True, False])), *floats],
+                                                               0.125)).item()
+
+
+@needs_kernel
+def test_one_visible_quantised_value_comes_back_as_mx_dequantize_gives_it():
+    """With one key visible its weight is exactly 1: the output is that value as dequantised,
+    which is mx.dequantize's float bit for bit (for every width and a head of 128)."""
+    for bits in (3, 4, 8):
+        vq, vf = _codes(_rand((1, 1, 8, 128), 70 + bits), bits)
+        one = mx.array([True] + [False] * 7).reshape(1, 1, 1, 8)
+        out = attend(_rand((1, 2, 1, 128), 71), [Part(vq, vq, one, None, bits, 64)], 0.1)
+        assert mx.array_equal(out[0, 0, 0], vf[0, 0, 0]).item() and mx.array_equal(out[0, 1, 0], vf[0, 0, 0]).item()
+
+
+def test_quantised_parts_the_kernel_cannot_read_go_back_to_the_mlx_path():
+    """Codes whose widths or dtypes do not agree with the queries are refused before any buffer
+    is read; attend_parts then attends mx.dequantize's floats with MLX ops."""
+    q = _rand((1, 4, 1, 64), 80)
+    (kq, _), (vq, _) = _codes(_rand((1, 2, 9, 64), 81), 4), _codes(_rand((1, 2, 9, 64), 82), 4)
+    assert native_attention._takes(q, [Part(kq, vq, None, None, 4, 64)], None)
+    bad = [Part(kq, vq, None, None, 8, 64),                                  # 4-bit codes read as 8-bit
+           Part(kq, vq, None, None, 4, 32),                                  # scales of 64 read as of 32
+           Part(kq, vq, None, None, 7, 64),                                  # no such width
+           Part((kq[0], kq[1].astype(mx.float16), kq[2]), vq, None, None, 4, 64),
+           Part(kq, tuple(x[..., :5, :] for x in vq), None, None, 4, 64)]   # values shorter than keys
+    assert [native_attention._takes(q, [p], None) for p in bad] == [False] * len(bad)
+    ref = Part(kq, vq, None, None, 4, 64)
+    assert mx.array_equal(sa.attend_parts_mlx(q, [ref], 0.1), attend_parts_mlx(q, [ref.floats()], 0.1)).item()

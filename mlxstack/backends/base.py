@@ -74,6 +74,7 @@ class Backend:
         while every position's K / V come out bit for bit the same whatever the call -- its
         length, the other rows beside it, a slab row's padding, a prefix held once (batch
         invariance); None when some call's shape changes them (MLX's own kernels: a product's
-        rounding follows its row count, LESSONS 23). Under TurboQuant the engine feeds prompts
-        in calls of at most this many positions, so a hit holds what a cold run holds (LESSONS 79)."""
+        rounding follows its row count, LESSONS 23). Under KV quantisation (either scheme) the
+        engine feeds prompts in calls of at most this many positions, so a hit holds what a cold
+        run holds (LESSONS 79)."""
         return None

@@ -36,11 +36,22 @@ class Part:
     """Keys / values ``[B or 1, Hkv, T, D]`` attended by every query; ``mask``: None, "causal"
     (the queries are the last ``L`` of the ``T`` keys) or an array broadcastable to
     ``[B, Hq, L, T]`` (bool: True = visible; else additive); ``rows``: with keys of batch 1 and
-    several rows, a bool ``[B]`` saying which rows see this part at all."""
-    keys: mx.array
-    values: mx.array
+    several rows, a bool ``[B]`` saying which rows see this part at all. With ``bits``, keys and
+    values are ``mx.quantize``'s (codes, scales, biases) of groups of ``group_size`` (a
+    QuantizedKVCache's), attended as the floats ``mx.dequantize`` gives back."""
+    keys: Any
+    values: Any
     mask: Any = None
     rows: Optional[mx.array] = None
+    bits: int = 0
+    group_size: int = 0
+
+    def floats(self) -> "Part":
+        """This part with float keys / values (``mx.dequantize``'s, where it holds codes)."""
+        if not self.bits:
+            return self
+        kw = dict(group_size=self.group_size, bits=self.bits)
+        return Part(mx.dequantize(*self.keys, **kw), mx.dequantize(*self.values, **kw), self.mask, self.rows)
 
 
 def _masked(scores: mx.array, mask: Any, L: int, T: int, heads_first: bool = False) -> mx.array:
@@ -167,6 +178,7 @@ def attend_parts(queries: mx.array, parts: list[Part], scale: float, sinks: Opti
 
 def attend_parts_mlx(queries: mx.array, parts: list[Part], scale: float, sinks: Optional[mx.array] = None) -> mx.array:
     """``attend_parts`` in MLX ops (any device, any shape)."""
+    parts = [p.floats() for p in parts]
     B, Hq, L, D = queries.shape
     Hkv = parts[0].keys.shape[1]
     rep = Hq // Hkv

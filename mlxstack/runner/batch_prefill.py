@@ -102,7 +102,7 @@ def _crosses(lives: list[Any], rows: list[list[int]]) -> bool:
 
 
 def _past_exact(model: Any, lives: list[Any], rows: list[list[int]]) -> int | None:
-    """The backend's batch-invariant call size under TurboQuant when some row is longer than it
+    """The backend's batch-invariant call size under KV quantisation when some row is longer than it
     (such rows are not fed in one batched forward: LESSONS 79), else None."""
     exact = exact_positions(model, lives[0].quant)
     return exact if exact is not None and max(len(r) for r in rows) > exact else None
@@ -113,7 +113,7 @@ def feed_together(model: Any, lives: list[Any], rows: list[list[int]], min_share
     layers (a copy of its row) and its depth advances by what it was fed. When the model's backend can
     (the CPU backend's host path) each row is fed on its own layers in place, the products shared:
     nothing is merged into a batch and split again. False (nothing done: the caller feeds each
-    alone) for a row longer than a batch-invariant call under TurboQuant (LESSONS 79)."""
+    alone) for a row longer than a batch-invariant call under KV quantisation (LESSONS 79)."""
     if _past_exact(model, lives, rows) is not None:
         return False
     with mx.stream(generation_stream()):

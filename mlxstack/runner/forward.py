@@ -45,11 +45,11 @@ def feed_rows(model: Any, caches: list[list[Any]], rows: list[list[int]]) -> boo
 
 
 def exact_positions(model: Any, quant: Any) -> int | None:
-    """Under KV_QUANT_SCHEME=turboquant, the most positions a row a forward of ``model`` may carry
-    for its K / V to be the same bits whatever the call (the attached backend's batch-invariant
-    size: backends/base.py ``exact_positions``); None otherwise -- without KV quantisation float
-    rounding never becomes a different code, and uniform layers are not on such a path."""
-    if quant is None or quant.scheme != "turboquant":
+    """Under KV quantisation (KV_BITS, either scheme), the most positions a row a forward of
+    ``model`` may carry for its K / V to be the same bits whatever the call (the attached
+    backend's batch-invariant size: backends/base.py ``exact_positions``); None otherwise --
+    without KV quantisation float rounding never becomes a different code."""
+    if quant is None:
         return None
     backend = backend_of(model)
     return backend.exact_positions(model) if backend is not None else None

@@ -59,7 +59,7 @@ def feed(model: nn.Module, live: LiveCache, tokens: Sequence[int], step: int,
 
     ``should_stop`` is checked between chunks (never mid-eval), so a long prefill can be
     abandoned; ``boundary(live)`` may name an absolute depth a chunk must not cross (a chunk is
-    cut there, e.g. where the KV cache switches to quantised storage). Under TurboQuant on a
+    cut there, e.g. where the KV cache switches to quantised storage). Under KV quantisation on a
     backend with a batch-invariant path, chunks are at most its size (``exact_positions``): a
     position's codes then never depend on how its prompt was chunked (LESSONS 79).
     """

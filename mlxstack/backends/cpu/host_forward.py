@@ -22,8 +22,12 @@ RoPE's cos / sin (MLX's own ``fast.rope`` at the cache's offsets, once per call;
 then bit for bit MLX's), the cache's own
 ``update_and_fetch`` / ``make_mask`` (every cache layout -- a slab's rows, a shared prefix held
 once, ragged speculative ends -- works unchanged) and the model module's attention (the native
-kernel or the cascade's ops: backends/cascade.py). Longer calls, other architectures, quantised or sharded
-weights, biases of unusual shape, sliding layers, scaled RoPE variants: mlx-lm's forward.
+kernel or the cascade's ops: backends/cascade.py). KV_BITS' uniform layers (mlx-lm's
+``QuantizedKVCache``) are taken too: the cache's own write quantises the new K / V, and attention
+reads the codes through the native kernel as the floats ``mx.dequantize`` gives back (not mlx-lm's
+quantised attention, whose sums follow the call's shape). Longer calls, other architectures,
+quantised or sharded weights, biases of unusual shape, sliding layers, scaled RoPE variants:
+mlx-lm's forward.
 
 Within float rounding of mlx-lm's forward (RMSNorm and SiLU are computed in float32 by numpy);
 checked against it on the loaded model at install, and a model whose weights are replaced
@@ -40,6 +44,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...cache.marks import mark, marked
+from ..cascade import Part, attend_parts
 from .native_products import MAX_ROWS as _MAX_NATIVE_ROWS
 
 log = logging.getLogger(__name__)
@@ -251,13 +256,30 @@ def _float_cache(c: Any) -> bool:
     return ok and (c.keys is None or c.keys.dtype == mx.float32)
 
 
+def _quantized_cache(c: Any) -> bool:
+    """mlx-lm's ``QuantizedKVCache`` itself (KV_BITS uniform) holding codes of float32 K / V: its
+    (codes, scales, biases) are attended as mx.dequantize's floats (``_attend_rows``)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    return type(c) is QuantizedKVCache and (c.keys is None or c.keys[1].dtype == mx.float32)
+
+
+def _host_cache(c: Any, lay: "_Layer") -> bool:
+    """A layer the host path writes and attends: a float one, or a quantised one whose groups
+    and widths fit the layer's heads (what mx.quantize takes)."""
+    if _float_cache(c):
+        return True
+    return _quantized_cache(c) and c.bits in (2, 3, 4, 5, 6, 8) and c.group_size > 0 \
+        and lay.head_dim % c.group_size == 0 and lay.head_dim * c.bits % 32 == 0
+
+
 def _plan(model: Any, caches: list) -> Optional[Plan]:
     """The model's plan when every cache layer in ``caches`` (one list per row) is one the host
     path takes and the model still holds the weights the plan views; else None."""
     plan = _plan_of(model)
     if plan is None or any(c is None or len(c) != len(plan.layers) for c in caches):
         return None
-    if not all(_float_cache(layer) for c in caches for layer in c):
+    if not all(_host_cache(layer, lay) for c in caches for layer, lay in zip(c, plan.layers)):
         return None
     if not plan.current(model):
         log.warning("host forward: the model's weights were replaced; mlx-lm's forward from now on")
@@ -284,7 +306,10 @@ def _layers(plan: Plan, h: np.ndarray, attention: Any) -> np.ndarray:
 def _attend_rows(lay: _Layer, c: Any, table: tuple, mask: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  B: int, T: int) -> np.ndarray:
     """One layer's attention for ``B`` rows of ``T`` positions on cache layer ``c``: RoPE, the
-    cache's own write, the model module's attention; [B * T, heads * head_dim]."""
+    cache's own write, the model module's attention -- or, for a ``QuantizedKVCache``, attention
+    over the floats its codes dequantise to (``Part.bits``: the native kernel dequantises each
+    block of codes exactly as mx.dequantize and sums by key position, so a position's K / V, and
+    so its codes, do not depend on the call that computed them: LESSONS 79); [B * T, heads * head_dim]."""
     from mlx_lm.models import llama
 
     hd = lay.head_dim
@@ -292,8 +317,11 @@ def _attend_rows(lay: _Layer, c: Any, table: tuple, mask: Any, q: np.ndarray, k:
     k = _rotate(k.reshape(B, T, lay.kv_heads, hd), table)
     keys, values = c.update_and_fetch(mx.array(k.transpose(0, 2, 1, 3)),
                                       mx.array(v.reshape(B, T, lay.kv_heads, hd).transpose(0, 2, 1, 3)))
-    out = llama.scaled_dot_product_attention(mx.array(q.transpose(0, 2, 1, 3)), keys, values, cache=c,
-                                             scale=lay.scale, mask=mask)
+    queries = mx.array(q.transpose(0, 2, 1, 3))
+    if _quantized_cache(c):
+        out = attend_parts(queries, [Part(keys, values, mask, None, c.bits, c.group_size)], lay.scale)
+    else:
+        out = llama.scaled_dot_product_attention(queries, keys, values, cache=c, scale=lay.scale, mask=mask)
     return np.asarray(out).transpose(0, 2, 1, 3).reshape(B * T, lay.heads * hd)
 
 

@@ -6,7 +6,10 @@
    scratch row per query; one max, one exp pass (the Cephes 2**f polynomial MLX's CPU exp uses,
    as backends/cpu/fast_math.py), one pass over the values. A query that sees no key gives 0 (a free
    slab row), as backends/cascade.py's attend_parts does. Each row is computed on its own in a fixed
-   order: its result does not depend on which other rows share the call. Part of native/kernels.c. */
+   order: its result does not depend on which other rows share the call. A part's keys / values may
+   also be mx.quantize's codes (a QuantizedKVCache, KV_BITS uniform): each block of them is
+   dequantised into a scratch block first, exactly as mx.dequantize does (code * scale + bias, two
+   roundings), and attended as floats. Part of native/kernels.c. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,6 +21,11 @@
 #define MAXQ 64      /* queries per (row, KV head): heads per group x query length */
 #define MAXD 256
 
+typedef struct {                      /* one array of a [B | 1, H, T, *] buffer: strides in its elements */
+    const void *p;
+    int64_t b, h, t;
+} view_t;
+
 typedef struct {
     const float *k, *v;
     int64_t kb, kh, kt, vb, vh, vt;   /* strides in floats; kb == 0: one copy for every row */
@@ -27,7 +35,57 @@ typedef struct {
     int64_t mb, mh, ml, mt;           /* mask strides in elements (0: broadcast) */
     int64_t causal;                   /* the queries are the last L of the T keys */
     const uint8_t *rows;              /* NULL, or per row: 0 = this part is hidden from the row */
+    int64_t bits, group;              /* 0: float k / v; else k / v unused and kq / vq hold mx.quantize's */
+    view_t kq[3], vq[3];              /* packed codes (uint32 words), scales, biases (float) */
 } part_t;
+
+/* Rows t0..t1-1 of one (row, head) of a quantised array, dequantised into out ([t1 - t0, D]) exactly
+   as mx.dequantize: code i of a row sits at bit i * bits of its packed words read little-endian
+   (2 / 4 / 8 bits: within one uint32 word; 3 / 5 / 6: 8 codes in ``bits`` bytes), and its value is
+   code * scale + bias of its group, the product rounded before the sum -- never one fused
+   multiply-add (this function is built without contraction), so the floats are mx.dequantize's
+   bit for bit and the same whatever call reads them. Not inlined: its build options differ.
+   The codes are unpacked bytewise (code i at bit i * bits, little-endian, for every width). */
+#if defined(__clang__)
+#define NO_FP_CONTRACT __attribute__((noinline))
+#else
+#define NO_FP_CONTRACT __attribute__((noinline, optimize("fp-contract=off")))
+#endif
+NO_FP_CONTRACT static void dequantize(const view_t *q, int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t D,
+                                      int64_t bits, int64_t group, float *restrict out) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const uint32_t mask = (1u << bits) - 1;
+    float c[MAXD] __attribute__((aligned(64)));
+    for (int64_t t = t0; t < t1; t++, out += D) {
+        const uint8_t *by = (const uint8_t *)((const uint32_t *)q[0].p + b * q[0].b + h * q[0].h + t * q[0].t);
+        const float *sc = (const float *)q[1].p + b * q[1].b + h * q[1].h + t * q[1].t;
+        const float *bi = (const float *)q[2].p + b * q[2].b + h * q[2].h + t * q[2].t;
+        if (bits == 8) {
+            for (int64_t d = 0; d < D; d++) c[d] = (float)by[d];
+        } else if (bits == 4) {
+            for (int64_t i = 0; i < D / 2; i++) { c[2 * i] = (float)(by[i] & 15); c[2 * i + 1] = (float)(by[i] >> 4); }
+        } else if (bits == 2) {
+            for (int64_t i = 0; i < D / 4; i++)
+                for (int k = 0; k < 4; k++) c[4 * i + k] = (float)((by[i] >> (2 * k)) & 3);
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                const int64_t at = d * bits, i = at >> 3, sh = at & 7;
+                uint32_t x = by[i];
+                if (sh + bits > 8) x |= (uint32_t)by[i + 1] << 8;    /* never a byte past the row */
+                c[d] = (float)((x >> sh) & mask);
+            }
+        }
+        for (int64_t g0 = 0; g0 < D; g0 += group) {
+            const float s = sc[g0 / group], z = bi[g0 / group];
+            for (int64_t d = g0; d < g0 + group; d++) {
+                const float prod = c[d] * s;
+                out[d] = prod + z;
+            }
+        }
+    }
+}
 
 static inline __attribute__((always_inline)) float hsum16(const float *a) {
     float b[8], c[4];
@@ -99,6 +157,7 @@ static inline __attribute__((always_inline)) void body(
     int64_t Tall = 0;
     for (int64_t p = 0; p < np; p++) Tall += parts[p].T;
     const float NEG = -INFINITY;
+    float blk[TB * MAXD] __attribute__((aligned(64)));   /* a block of dequantised keys or values */
     for (int64_t u = u0; u < u1; u++) {       /* units: (row, KV head) pairs, u = b * Hkv + g */
         const int64_t b = u / Hkv, g = u % Hkv;
         const float *qg = q + (b * Hq + g * rep) * L * D;     /* n queries, contiguous */
@@ -112,13 +171,15 @@ static inline __attribute__((always_inline)) void body(
                 last[j] = hidden ? -1 : (P->causal ? T - L + j % L : T - 1);
                 moff[j] = b * P->mb + (g * rep + j / L) * P->mh + (j % L) * P->ml;   /* no division per key */
             }
-            const float *kbase = P->k + b * P->kb + g * P->kh;
+            const float *kbase = P->bits ? blk : P->k + b * P->kb + g * P->kh;
+            const int64_t kt = P->bits ? D : P->kt;
             for (int64_t t0 = 0; t0 < T; t0 += TB) {          /* a block of keys stays in L1 */
                 const int64_t t1 = t0 + TB < T ? t0 + TB : T;
+                if (P->bits && !hidden) dequantize(P->kq, b, g, t0, t1, D, P->bits, P->group, blk);
                 for (int64_t j = 0; j < n; j++) {
-                    const float *qj = qg + j * D, *kp = kbase + t0 * P->kt;
+                    const float *qj = qg + j * D, *kp = kbase + (P->bits ? 0 : t0 * kt);
                     float *srow = S + j * Tall + off;
-                    for (int64_t t = t0; t < t1; t++, kp += P->kt) {
+                    for (int64_t t = t0; t < t1; t++, kp += kt) {
                         float s = NEG;
                         if (t <= last[j]) {
                             s = dot(qj, kp, D);
@@ -145,13 +206,19 @@ static inline __attribute__((always_inline)) void body(
         off = 0;
         for (int64_t p = 0; p < np; p++) {
             const part_t *P = &parts[p];
-            const float *vbase = P->v + b * P->vb + g * P->vh;
+            const float *vbase = P->bits ? blk : P->v + b * P->vb + g * P->vh;
+            const int64_t vt = P->bits ? Dv : P->vt;
+            const int64_t hidden = P->rows && !P->rows[b];
             for (int64_t t0 = 0; t0 < P->T; t0 += TB) {       /* each (j, d) sums over t in order */
                 const int64_t t1 = t0 + TB < P->T ? t0 + TB : P->T;
+                if (P->bits) {     /* a hidden part's weights are zeros: its values are never read */
+                    if (hidden) continue;
+                    dequantize(P->vq, b, g, t0, t1, Dv, P->bits, P->group, blk);
+                }
                 for (int64_t j = 0; j < n; j++) {
-                    const float *w = S + j * Tall + off, *vp = vbase + t0 * P->vt;
+                    const float *w = S + j * Tall + off, *vp = vbase + (P->bits ? 0 : t0 * vt);
                     float *restrict a = acc[j];
-                    for (int64_t t = t0; t < t1; t++, vp += P->vt)
+                    for (int64_t t = t0; t < t1; t++, vp += vt)
                         for (int64_t d = 0; d < Dv; d++) a[d] += w[t] * vp[d];
                 }
             }
