@@ -143,6 +143,6 @@ def test_the_load_time_check_runs_a_by_reference_checkout_with_a_tail(tiny_dense
     from mlxstack.runner.shared_prefix import _check
 
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
-    assert _check(eng)
+    assert _check(eng.runner)
     monkeypatch.setattr(PrefixedKVCache, "shared_prefix", lambda self: None)
-    assert not _check(eng)
+    assert not _check(eng.runner)

@@ -3,8 +3,10 @@ router's session ids (routing/session_key.py), placement decisions (routing/plac
 LiteLLM hook's filter against real MLX servers (routing/litellm_hook.py)."""
 from __future__ import annotations
 
+
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -246,8 +248,17 @@ def test_hook_pins_sessions_places_sub_agents_on_the_prefix_holder_and_moves_off
     pinned = hook.pin_next_turn(call, reply)
     turn2 = opening + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}]
     assert pinned == routing_session({}, {}, turn2).session_id
+    # one conversation under two pins (its opening's and its next turn's) counts once in placement
+    assert hook.openings == {pinned: routing_session({}, {}, opening).session_id}
+    assert hook._view(b, {"ready": True}, time.monotonic()).sessions == 1
     assert route(turn2) == b and hook.counts["pinned"] == 1
     assert hook.pin_next_turn({**call, "messages": turn2}, reply) is None     # not a first turn
+    named = {"messages": opening, "litellm_call_id": "c-2",                   # a session header the hook saw
+             "metadata": {"session_id": "translate-1", "mlxstack_session_source": "header:x-session-affinity"}}
+    assert hook.pin_next_turn(named, reply) is None and len(hook.openings) == 1
+    # a client that echoes its first reply otherwise than it came is still placed by its opening's pin
+    otherwise = opening + [{"role": "assistant", "content": "."}, {"role": "user", "content": "more"}]
+    assert route(otherwise) == b and hook.counts["pinned"] == 2
     # backend b dies: its session moves to a on the next turn and stays there
     two_servers[1].close()
     two_servers[1].closed = True
@@ -255,4 +266,4 @@ def test_hook_pins_sessions_places_sub_agents_on_the_prefix_holder_and_moves_off
     assert hook.counts["moved"] == 1
     assert route(turn2 + [{"role": "assistant", "content": "y"}, {"role": "user", "content": "again"},
                           {"role": "assistant", "content": "z"}, {"role": "user", "content": "last"}]) == a
-    assert hook.counts["moved"] == 1 and hook.counts["pinned"] == 2
+    assert hook.counts["moved"] == 1 and hook.counts["pinned"] == 3

@@ -1,6 +1,5 @@
 """Which exact-depth snapshots the pool keeps (hybrid / recurrent / rotated-window models; the
 floors of cache/layer_kinds.py say which depths a deeper entry can still serve).
-
 - A client's cache_control mark every branch reads stays: the branches' deeper snapshots cannot be
   cut back to it, so they do not supersede it, and a mark two later turns (or another session)
   went their own way from is a branch point. Through the MLX server's HTTP door on the tiny hybrid.
@@ -8,6 +7,8 @@ floors of cache/layer_kinds.py say which depths a deeper entry can still serve).
   turn's snapshots leave first, not another conversation's newest (tiny GPT-OSS, Gemma 3, Mamba 2:
   the kinds an earlier attempt at the first rule cost their prompt[:-1] snapshots)."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -79,9 +80,11 @@ def test_follow_ups_keep_their_snapshots_older_turns_leave_first(tiny_kind_paths
     lengths = [20, 40, 6, 30]
 
     def trace(eng):
+        ticks = itertools.count()
+        eng.state.prompt_cache.clock = lambda: float(next(ticks))     # ages by operations, not by this machine's speed
         first = [eng.run(job(convo(p), max_tokens=n, session=f"k{i}")[0]) for i, (p, n) in enumerate(zip(prompts, lengths))]
-        turn1 = [(e.session_id, e.entry_id) for e in sorted(eng.state.prompt_cache.entries(POOL_SNAPSHOT),
-                                                            key=lambda e: e.entry_id)]
+        turn1 = [(e.session_id, e.entry_id, e.hits) for e in sorted(eng.state.prompt_cache.entries(POOL_SNAPSHOT),
+                                                                    key=lambda e: e.entry_id)]
         follow = [convo("Go on.", convo(p) + [{"role": "assistant", "content": o.text}]) for p, o in zip(prompts, first)]
         again = [eng.run(job(m, max_tokens=8, session=f"k{i}")[0]) for i, m in enumerate(follow)]
         return [o.cached_tokens for o in again], turn1
@@ -91,8 +94,18 @@ def test_follow_ups_keep_their_snapshots_older_turns_leave_first(tiny_kind_paths
     roomy = build_engine(engine_settings(path, snapshot_max_entries=64))
     cached, turn1 = trace(eng)
     assert cached == trace(roomy)[0]
-    assert len(turn1) == 8 and [s for s, _ in turn1] == ["k0", "k0", "k1", "k1", "k2", "k2", "k3", "k3"]
-    assert eng.state.prompt_cache.eviction_log == [(eid, "count") for _, eid in turn1]
+    assert len(turn1) == 8 and [s for s, _, _ in turn1] == ["k0", "k0", "k1", "k1", "k2", "k2", "k3", "k3"]
+    # conversation by conversation, in the order they went on; within one, by score: two never-read
+    # snapshots by age (the older first); the windowed kinds' k0 opening snapshot, which the other
+    # conversations' first turns read (3 hits), weighs its hits against its depth
+    log = eng.state.prompt_cache.eviction_log
+    assert [r for _, r in log] == ["count"] * 8 and len(log) == 8
+    assert [{log[i][0], log[i + 1][0]} for i in range(0, 8, 2)] == [{turn1[i][1], turn1[i + 1][1]} for i in range(0, 8, 2)]
+    hits = [h for _, _, h in turn1]
+    assert hits == ([3] + [0] * 7 if kind in ("gpt_oss", "gemma3") else [0] * 8)
+    assert [eid for eid, _ in log[2:]] == [eid for _, eid, _ in turn1[2:]]
+    if kind not in ("gpt_oss", "gemma3"):
+        assert [eid for eid, _ in log[:2]] == [eid for _, eid, _ in turn1[:2]]
     assert len(eng.state.prompt_cache.entries(POOL_SNAPSHOT)) == 8
 
 

@@ -181,7 +181,9 @@ def test_schemas_that_cannot_be_enforced_are_typed_400s(oai, claude):
 
 def test_warm_turns_reuse_as_much_with_constraints_as_without(oai):
     """The same client conversation twice (a nonce at the very start keeps the two apart in the
-    cache): cached tokens per turn are equal with and without response_format."""
+    cache): cached tokens per turn with response_format are at least those without it -- more where
+    the reply generated under the grammar and the (here fixed) echo agree past the reply's start,
+    since the turn's entry holds the reply as the echo encodes it (LESSONS 80)."""
     history = ['{"name": "Ada", "age": 36, "city": "London"}', '{"name": "Alan", "age": 41, "city": "London"}']
 
     def run(nonce: str, constrained: bool) -> list[int]:
@@ -198,7 +200,8 @@ def test_warm_turns_reuse_as_much_with_constraints_as_without(oai):
         return cached
 
     free, strict = run("Zq1", False), run("Zq2", True)
-    assert strict == free and strict[1] > 0 and strict[2] > strict[1], (free, strict)
+    assert strict[0] == free[0] == 0 and all(s >= f for s, f in zip(strict, free)), (free, strict)
+    assert strict[1] > 0 and strict[2] > strict[1] and free[2] > free[1] > 0, (free, strict)
 
 
 # ------------------------------------------------------------------ Responses

@@ -256,8 +256,15 @@ def test_implicit_session_ids_differ_by_opening_image(engines):
     ka = warm.session_of(warm.prepare(job(a)), job(a))
     kb = warm.session_of(warm.prepare(job(b)), job(b))
     assert ka.source == kb.source == "message-prefix" and ka.session_id != kb.session_id
-    # Stable as the conversation grows; the same opening with another image in a later turn is too.
+    # The id covers the opening through its first reply (two conversations that open alike part
+    # there): stable as the conversation grows past it, another image in a later turn included,
+    # and still apart by the opening image.
     longer = a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    assert warm.session_of(warm.prepare(job(longer)), job(longer)) == ka
+    k2 = warm.session_of(warm.prepare(job(longer)), job(longer))
+    assert k2.source == "message-prefix" and k2.session_id not in (ka.session_id, kb.session_id)
     later_image = a + [{"role": "assistant", "content": "ok"}, user("And this?", image_url(1))]
-    assert warm.session_of(warm.prepare(job(later_image)), job(later_image)) == ka
+    assert warm.session_of(warm.prepare(job(later_image)), job(later_image)) == k2
+    further = longer + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
+    assert warm.session_of(warm.prepare(job(further)), job(further)) == k2
+    b_longer = b + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert warm.session_of(warm.prepare(job(b_longer)), job(b_longer)).session_id != k2.session_id

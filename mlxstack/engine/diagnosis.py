@@ -59,11 +59,13 @@ def reply_key(scope: str, response_id: str) -> str:
 
 def keep_fingerprint(state: Any, seq: Request, tokens: list[int]) -> None:
     """Keep the request's fingerprint over ``tokens`` (its prompt and the reply the next turn
-    continues from) under its session and its reply's id."""
+    continues from) under its session and its reply's id. A first turn in an implicit session is
+    kept under the id its next turn has and under its own (a retry of the same first turn, which
+    has no reply yet, compares with it too)."""
     if seq.fingerprint is None:
         return
     fp = with_tokens(seq.fingerprint, tokens)
-    keys = ["session:" + (seq.record_session or seq.session.session_id)]
+    keys = ["session:" + (seq.record_session or seq.session.session_id), "session:" + seq.session.session_id]
     if seq.job.response_id:
         keys.append(reply_key(seq.job.scope, seq.job.response_id))
     state.keep_fingerprint(keys, fp)

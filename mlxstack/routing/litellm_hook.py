@@ -76,7 +76,17 @@ def _api_key(deployment: dict) -> str:
 
 
 def _metadata_dicts(kwargs: dict) -> list[dict]:
-    return [kwargs[k] for k in ("metadata", "litellm_metadata") if isinstance(kwargs.get(k), dict)]
+    """The metadata the pre-call hook wrote, where LiteLLM keeps it: top level on a call, under
+    ``litellm_params`` in a success / failure event's kwargs."""
+    params = kwargs.get("litellm_params")
+    places = [kwargs, params] if isinstance(params, dict) else [kwargs]
+    return [p[k] for p in places for k in ("metadata", "litellm_metadata") if isinstance(p.get(k), dict)]
+
+
+def _client_body(kwargs: dict) -> dict:
+    """The request as the client sent it: without the metadata the pre-call hook wrote (its
+    ``session_id`` there is the hook's, not a client's)."""
+    return {k: v for k, v in kwargs.items() if k not in ("metadata", "litellm_metadata", "litellm_params")}
 
 
 def _responses_chain_backend(kwargs: dict, deployments: list[dict]) -> str | None:
@@ -151,6 +161,8 @@ class MlxRoutingHook(CustomLogger):
                       "strip_billing_header": _flag("STRIP_BILLING_HEADER", True)}
         self.monitor = BackendMonitor()
         self.pins: dict[str, tuple[str, float]] = {}          # session id -> (backend url, last used)
+        # a first turn's next-turn pin -> the opening's pin: one conversation, counted once
+        self.openings: dict[str, str] = {}
         self.inflight: dict[str, tuple[str, float]] = {}      # litellm_call_id -> (backend url, since)
         self.attempts: dict[str, tuple[list[str], float]] = {}  # litellm_call_id -> (backends tried, since)
         self.counts: dict[str, int] = {"pinned": 0, "prefix": 0, "least-load": 0, "moved": 0}
@@ -190,12 +202,26 @@ class MlxRoutingHook(CustomLogger):
                 return metadata["mlxstack_scope"]
         return request_scope(kwargs, {})
 
+    def _opening_of(self, kwargs: dict, messages: Any, session: str) -> str | None:
+        """For a later turn in an implicit session, the id its opening had before the first reply
+        (a first turn's pin) -- where a client echoes that reply other than as it was sent, the id
+        its next turn was pinned under never comes, but the opening still names the conversation."""
+        sources = [m.get("mlxstack_session_source") for m in _metadata_dicts(kwargs)]
+        if not isinstance(messages, list) or not has_reply(messages) or "message-prefix" not in sources:
+            return None
+        usable = [m for m in messages if isinstance(m, dict)]
+        first = next((i for i, m in enumerate(usable) if m.get("role") == "assistant"), len(usable))
+        ctx = routing_session(_client_body(kwargs), {}, usable[:first], self._scope_of(kwargs), **self.canon)
+        return ctx.session_id if ctx.source == "message-prefix" and ctx.session_id != session else None
+
     def _expire(self, now: float) -> None:
         if now - self._expired < 60.0:  # a sweep a minute keeps the tables bounded at no per-request cost
             return
         self._expired = now
         for sid in [s for s, (_, t) in self.pins.items() if now - t > self.ttl]:
             del self.pins[sid]
+        for sid in [s for s in self.openings if s not in self.pins]:
+            del self.openings[sid]
         for table in (self.inflight, self.attempts):
             for call in [c for c, (_, t) in table.items() if now - t > INFLIGHT_MAX_AGE]:
                 del table[call]
@@ -221,6 +247,10 @@ class MlxRoutingHook(CustomLogger):
         async with self._lock:  # one decision at a time: concurrent new sessions see each other's load
             self._expire(now)
             pin = self.pins.get(session)
+            opening = None if pin else self._opening_of(kwargs, messages, session)
+            if opening is not None:       # the client echoed its first reply otherwise: its opening's pin
+                pin = self.pins.get(opening)
+                self.openings[session] = opening
             pin_url = pin[0] if pin and now - pin[1] <= self.ttl else None
             chained = _responses_chain_backend(kwargs, healthy_deployments)
             if chained is not None:  # the stored previous response lives on that backend only
@@ -267,7 +297,8 @@ class MlxRoutingHook(CustomLogger):
             return BackendView(url, False)
         ours = sum(1 for u, _ in self.inflight.values() if u == url)
         load = int(summary.get("queue_depth") or 0) + int(summary.get("running", 1 if summary.get("busy") else 0) or 0)
-        sessions = sum(1 for u, _ in self.pins.values() if u == url)
+        continued = {o for n, o in self.openings.items() if n in self.pins}
+        sessions = sum(1 for sid, (u, _) in self.pins.items() if u == url and sid not in continued)
         prefixes = dict(summary.get("prefixes") or {})
         for digest, (chars, when) in (self.placed.get(url) or {}).items():
             if now - when <= PLACED_MEMORY:
@@ -288,6 +319,9 @@ class MlxRoutingHook(CustomLogger):
         messages = (kwargs or {}).get("messages")
         if not isinstance(messages, list) or has_reply(messages):
             return None
+        sources = [m.get("mlxstack_session_source") for m in _metadata_dicts(kwargs or {})]
+        if any(src not in (None, "message-prefix") for src in sources):
+            return None            # the client named its session (a header the hook saw): nothing moves
         call = str((kwargs or {}).get("litellm_call_id") or "")
         placed = self.inflight.get(call) or self.attempts.get(call, ([None], 0.0))
         url = placed[0][-1] if isinstance(placed[0], list) else placed[0]
@@ -298,10 +332,13 @@ class MlxRoutingHook(CustomLogger):
                                     for c in (message.tool_calls or [])]}
         except (AttributeError, IndexError, TypeError):
             return None
-        ctx = routing_session(kwargs, {}, [*messages, reply], self._scope_of(kwargs), **self.canon)
+        ctx = routing_session(_client_body(kwargs), {}, [*messages, reply], self._scope_of(kwargs), **self.canon)
         if url is None or ctx.source != "message-prefix":
             return None
         self.pins[ctx.session_id] = (url, time.monotonic())
+        opening = self._session_of(kwargs, messages)
+        if opening != ctx.session_id:
+            self.openings[ctx.session_id] = opening
         return ctx.session_id
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
