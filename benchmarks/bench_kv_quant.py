@@ -11,11 +11,13 @@ model (and a tiny fixture model with head_dim 64 when given).
    PROMPT_CACHE_MAX_BYTES;
 3. restart-warm: a ~4k-token session's next turn after a restart (disk tier) vs cold, TTFT;
 4. decode: tok/s at 1 and 8 rows (8 requests at once through the real scheduler) vs full precision;
+   prefill (not in the default parts): a cold prompt fed in the backend's exact-size calls (what makes
+   a hit's codes a cold run's, byte for byte) vs its usual chunks -- what exactness costs;
 5. recurrent (not in the default parts): RECURRENT_STATE_BITS -- recurrent states stored as codes vs
    exact on the tiny recurrent fixture models: next-token KL, top-1 and greedy agreement, bytes of
    a stored state, snapshots per GiB (benchmarks/recurrent_codes.py).
 
-    .venv/bin/python benchmarks/bench_kv_quant.py [--parts quality memory restart decode recurrent] [--tiny PATH]
+    .venv/bin/python benchmarks/bench_kv_quant.py [--parts quality memory restart decode prefill recurrent] [--tiny PATH]
         [--schemes full turboquant4 ...] [--rounds N]
 """
 from __future__ import annotations
@@ -151,6 +153,39 @@ def restart(loaded, workdir: Path, size: int = 4000, schemes: list[str] = RUN_SC
     return rows
 
 
+def prefill(loaded, sizes: tuple[int, ...] = (1024, 4096), rounds: int = 2,
+            schemes: list[str] = RUN_SCHEMES) -> list[dict]:
+    """What exactness costs: a cold prompt's prefill (TTFT, max_tokens 1, QUANTIZED_KV_START=0) fed
+    in the backend's batch-invariant calls (``exact_positions``: what makes a hit's codes a cold
+    run's byte for byte) against the same engine fed in its usual chunks, side by side, rounds
+    interleaved, medians. Full precision is never cut (it needs no exact calls): its row is the
+    reference for both."""
+    from mlxstack.runner import batch_prefill, generate
+
+    exact_calls = generate.exact_positions
+    rows = []
+    for size in sizes:
+        msgs = long_conversation(loaded.tokenizer, size)
+        for scheme, bits in chosen(schemes):
+            kv = {} if bits is None else {"kv_bits": bits, "kv_quant_scheme": scheme, "quantized_kv_start": 0}
+            eng = engine(settings(prompt_cache_max_entries_global=0, **kv), loaded)
+            times = {"exact": [], "chunks": []}
+            for _ in range(rounds):
+                for mode in times:
+                    off = mode == "chunks"
+                    generate.exact_positions = batch_prefill.exact_positions = \
+                        (lambda *_a, **_k: None) if off else exact_calls
+                    try:
+                        out = eng.run(job(msgs, max_tokens=1, session=f"p{size}{scheme}{bits}{mode}"))
+                    finally:
+                        generate.exact_positions = batch_prefill.exact_positions = exact_calls
+                    times[mode].append(out.timings["ttft_s"])
+            ex, ch = statistics.median(times["exact"]), statistics.median(times["chunks"])
+            rows.append({"scheme": scheme, "bits": bits or "-", "tokens": out.prompt_tokens,
+                         "exact_calls_ttft_s": ex, "chunked_ttft_s": ch, "exact_vs_chunked": ex / max(1e-9, ch)})
+    return rows
+
+
 def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES, equal_lengths: bool = True) -> list[dict]:
     """Aggregate decode tok/s of 1 and 8 requests at once through the real scheduler, the schemes
     interleaved round by round (a busy machine slows every scheme alike), medians of ``rounds``.
@@ -208,7 +243,7 @@ def decode(loaded, rounds: int = 3, schemes: list[str] = RUN_SCHEMES, equal_leng
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["quality", "memory", "restart", "decode"],
-                    choices=["quality", "memory", "restart", "decode", "recurrent"])
+                    choices=["quality", "memory", "restart", "decode", "prefill", "recurrent"])
     ap.add_argument("--rounds", type=int, default=3, help="decode: interleaved rounds (medians; a noisy machine wants more)")
     ap.add_argument("--tiny", help="also a tiny model folder with head_dim 64 (quality and memory)")
     ap.add_argument("--schemes", nargs="+", default=RUN_SCHEMES,
@@ -249,6 +284,10 @@ def main() -> int:
                   + (", every reply its whole 48" if not args.natural_lengths else "") + "; speculation off), vs full precision\n")
             print(table(decode(loaded, rounds=args.rounds, schemes=args.schemes,
                                equal_lengths=not args.natural_lengths)) + "\n")
+        if "prefill" in args.parts:
+            print("## prefill: a cold prompt fed in the backend's exact-size calls vs its usual chunks "
+                  "(QUANTIZED_KV_START=0, TTFT medians)\n")
+            print(table(prefill(loaded, rounds=args.rounds, schemes=args.schemes)) + "\n")
         if "recurrent" in args.parts:
             from recurrent_codes import recurrent
 
