@@ -36,7 +36,7 @@ import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
 from mlxstack.routing.placement import BackendView, place
-from mlxstack.prompt.session_context import has_reply
+from mlxstack.prompt.session_context import has_reply, opening_end
 from mlxstack.routing.session_key import request_digests, request_scope, routing_session
 
 log = logging.getLogger("mlxstack.routing")
@@ -81,6 +81,13 @@ def _metadata_dicts(kwargs: dict) -> list[dict]:
     params = kwargs.get("litellm_params")
     places = [kwargs, params] if isinstance(params, dict) else [kwargs]
     return [p[k] for p in places for k in ("metadata", "litellm_metadata") if isinstance(p.get(k), dict)]
+
+
+def _session_source(kwargs: dict) -> str | None:
+    """Where the pre-call hook found the request's session (``message-prefix``: the opening's
+    digest; else the client's own id), None when the hook did not see it."""
+    return next((m["mlxstack_session_source"] for m in _metadata_dicts(kwargs)
+                 if isinstance(m.get("mlxstack_session_source"), str)), None)
 
 
 def _client_body(kwargs: dict) -> dict:
@@ -206,12 +213,11 @@ class MlxRoutingHook(CustomLogger):
         """For a later turn in an implicit session, the id its opening had before the first reply
         (a first turn's pin) -- where a client echoes that reply other than as it was sent, the id
         its next turn was pinned under never comes, but the opening still names the conversation."""
-        sources = [m.get("mlxstack_session_source") for m in _metadata_dicts(kwargs)]
-        if not isinstance(messages, list) or not has_reply(messages) or "message-prefix" not in sources:
+        if not isinstance(messages, list) or not has_reply(messages) or _session_source(kwargs) != "message-prefix":
             return None
         usable = [m for m in messages if isinstance(m, dict)]
-        first = next((i for i, m in enumerate(usable) if m.get("role") == "assistant"), len(usable))
-        ctx = routing_session(_client_body(kwargs), {}, usable[:first], self._scope_of(kwargs), **self.canon)
+        before_reply = usable[: opening_end(usable) - 1]        # has_reply: the opening ends with its reply
+        ctx = routing_session(_client_body(kwargs), {}, before_reply, self._scope_of(kwargs), **self.canon)
         return ctx.session_id if ctx.source == "message-prefix" and ctx.session_id != session else None
 
     def _expire(self, now: float) -> None:
@@ -319,8 +325,7 @@ class MlxRoutingHook(CustomLogger):
         messages = (kwargs or {}).get("messages")
         if not isinstance(messages, list) or has_reply(messages):
             return None
-        sources = [m.get("mlxstack_session_source") for m in _metadata_dicts(kwargs or {})]
-        if any(src not in (None, "message-prefix") for src in sources):
+        if _session_source(kwargs or {}) not in (None, "message-prefix"):
             return None            # the client named its session (a header the hook saw): nothing moves
         call = str((kwargs or {}).get("litellm_call_id") or "")
         placed = self.inflight.get(call) or self.attempts.get(call, ([None], 0.0))
