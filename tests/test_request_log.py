@@ -75,6 +75,7 @@ def test_live_server_writes_session_log(logged_server):
         assert set(rec["timings"]) == {"ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms"}
         assert set(rec["speculation"]) == {"proposed", "accepted"}
         assert 0 <= rec["speculation"]["accepted"] <= rec["speculation"]["proposed"]
+        assert rec["scheduling"] == {"priority": 0, "from": "default", "preemptions": 0}
         assert rec["output"]["finish_reason"] in ("stop", "length")
         assert rec["message_roles"] == ["user"]
         assert path.name == session_file_name(rec["session"])   # msg:<digest> is written as msg_<digest>

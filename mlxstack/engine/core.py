@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
@@ -50,7 +51,9 @@ from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from ..scheduler.admission import applies, committed_bytes, need_bytes, room
 from ..scheduler.plan import Scheduler, StepPlan, left
 from ..scheduler.policy import growth
+from ..scheduler import priority
 from ..scheduler.shared_prefill import plan_follow, ready
+from ..scheduler.status import RequestStatus
 from .worker import resolve
 
 log = logging.getLogger("mlxstack.scheduler")
@@ -75,12 +78,25 @@ def fork(follower: Request, kv: KVManager) -> None:
     follower.follows = None
 
 
+@dataclass(frozen=True)
+class PriorityPolicy:
+    """PRIORITY_SCHEDULING, PRIORITY_DECODE_ROWS, PRIORITY_AGING_SECONDS (scheduler/priority.py)."""
+    enabled: bool = False
+    beside: int = 2
+    aging_s: float = 30.0
+
+
 class EngineCore:
-    def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool) -> None:
+    def __init__(self, engine: ChatEngine, max_sequences: int, prefill_budget: int, batching: bool,
+                 policy: PriorityPolicy = PriorityPolicy()) -> None:
         self.engine = engine
         self.max_sequences = max(1, int(max_sequences))
         self.group = DecodeGroup(engine.runner, batching)
         self.scheduler = Scheduler(prefill_budget, self.group.prefills_together)
+        self.policy = policy
+        self.preempted: list[Request] = []   # left the batch for a more urgent request (``_by_priority``)
+        self.preemptions = 0          # rows that did
+        self.resumed = 0              # rows that came back
         self.futures: dict[int, Future] = {}
         self.last_batch = 0
         self.batch_peak = 0           # most rows in one decode forward since the worker last took work when idle
@@ -114,10 +130,62 @@ class EngineCore:
 
     @property
     def active(self) -> int:
-        return len(self.prefilling) + len(self.group) + (self.parked is not None)
+        return len(self.prefilling) + len(self.group) + (self.parked is not None) + len(self.preempted)
 
-    def has_room(self) -> bool:
-        return self.active < self.max_sequences and self.parked is None
+    @property
+    def prioritised(self) -> bool:
+        """Whether priorities decide (PRIORITY_SCHEDULING, one rank: ranks decide alike only on
+        what rank 0 sends, and waiting times differ between them)."""
+        return self.policy.enabled and not self.engine.state.replicated
+
+    def has_room(self, urgency: int | None = None) -> bool:
+        """Whether a request (of priority ``urgency``) may start now: a row free and no request
+        parked. A preempted row keeps its row against a request no more urgent than it (it
+        resumes first), not against a more urgent one."""
+        if self.parked is not None:
+            return False
+        held = sum(1 for s in self.preempted if urgency is None or s.job.priority <= urgency)
+        return len(self.prefilling) + len(self.group) + held < self.max_sequences
+
+    def room_for(self, urgency: int) -> bool:
+        """``has_room`` for a request of priority ``urgency``; with priorities, a full batch makes
+        room by preempting its least urgent row when that one is less urgent."""
+        if not self.has_room(urgency) and self.prioritised and self.parked is None:
+            rows = self._preemptible()
+            less = [i for i, s in enumerate(rows) if s.job.priority > urgency]
+            if less:   # the least urgent, the last to join among equals
+                self._preempt([rows[max(less, key=lambda i: (rows[i].job.priority, i))]])
+        return self.has_room(urgency)
+
+    def _preemptible(self) -> list[Request]:
+        """Decode rows that may leave for a more urgent request: not one whose last prompt token
+        still rides in the next step, not one that came back by waiting (no starvation)."""
+        return [s for s in self.group.seqs if not s.tail and not s.shielded]
+
+    def in_flight(self) -> list[Request]:
+        """Every request in flight, whatever its status."""
+        return [*self.prefilling, *self.group.seqs, *self.preempted, *self.closing,
+                *([self.parked] if self.parked is not None else [])]
+
+    def by_status(self) -> dict[str, int]:
+        """Requests in flight per status (engine/request.py ``status``)."""
+        out: dict[str, int] = {}
+        for seq in self.in_flight():
+            out[seq.status.value] = out.get(seq.status.value, 0) + 1
+        return out
+
+    def by_priority(self) -> dict[int, int]:
+        """Requests in flight per priority (replied ones waiting to be closed left out)."""
+        out: dict[int, int] = {}
+        for seq in self.in_flight():
+            if seq.status is not RequestStatus.CLOSING:
+                out[seq.job.priority] = out.get(seq.job.priority, 0) + 1
+        return dict(sorted(out.items()))
+
+    def pick_next(self, waiting: list[tuple[int, float]]) -> int:
+        """Which of the waiting jobs (priority, seconds waited) the worker admits next: the most
+        urgent (waiting raises it) with priorities, else the first."""
+        return priority.most_urgent(waiting, self.policy.aging_s) if self.prioritised and waiting else 0
 
     # ------------------------------------------------------------------ admission by memory
     def need_bytes(self, seq: Request) -> int:
@@ -141,7 +209,7 @@ class EngineCore:
         """KV held in flight (measured at the last step) plus what the requests in flight will still
         add: the prompt they have not fed and up to ``GROWTH`` more generated tokens each."""
         per_token, _ = self._per_token()
-        ahead = sum(left(s) + _growth(s) for s in list(self.prefilling) + list(self.group.seqs))
+        ahead = sum(left(s) + _growth(s) for s in [*self.prefilling, *self.group.seqs, *self.preempted])
         return committed_bytes(self.engine.state.live_kv_bytes, per_token, ahead)
 
     def _room(self, seq: Request) -> int | None:
@@ -168,7 +236,7 @@ class EngineCore:
         """The cache entries ``seq`` and the requests in flight were checked out of: they hold
         those arrays (by reference, or until their first append), so spilling the entries frees
         no memory and loses a hot entry."""
-        seqs = [seq, *self.prefilling, *self.group.seqs, *self.closing]
+        seqs = [seq, *self.prefilling, *self.group.seqs, *self.closing, *self.preempted]
         return {s.match.entry.entry_id for s in seqs if s.match.hit and s.match.entry is not None}
 
     def _unpark(self) -> None:
@@ -197,6 +265,7 @@ class EngineCore:
         seq.queued_at = queued_at
         self.futures[id(seq)] = future
         if not self._admit_or_park(seq):
+            seq.status = RequestStatus.PARKED
             self.parked = seq
             self.parked_total += 1
 
@@ -212,6 +281,7 @@ class EngineCore:
                     # the last bits of the K / V after it and so, rarely, a code (LESSONS 78): the
                     # follower waits for the chunk that passes the depth and takes its first tokens
                     plan[0].stops.append(plan[1])
+        seq.status = RequestStatus.FOLLOWING if seq.follows is not None else RequestStatus.PREFILLING
         self.scheduler.enter(seq)
         self._forks()
 
@@ -224,6 +294,7 @@ class EngineCore:
             leader = seq.follows[0]
             if all(leader is not s for s in self.prefilling):
                 seq.follows = None
+                seq.status = RequestStatus.PREFILLING
             elif ready(seq):
                 try:
                     fork(seq, self.engine.state.kv)
@@ -232,10 +303,13 @@ class EngineCore:
                 except Exception:  # noqa: BLE001 - it prefills on its own
                     log.exception("request %s could not take its shared prefix", seq.job.request_id)
                     seq.follows = None
+                seq.status = RequestStatus.PREFILLING
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         self._unpark()
+        self._by_priority()
+        self.scheduler.aging_s = self.policy.aging_s if self.prioritised else None
         plan = self.scheduler.schedule(self._stopped, self._prefixed)
         if plan.short:
             self._prefill_short(list(plan.short))
@@ -253,19 +327,95 @@ class EngineCore:
                 finished = []
             for seq, exc in self.group.take_failed():    # rows whose own work failed
                 self._fail(seq, exc)
-            ended = []
-            for seq in finished:
-                try:
-                    self.engine.end_decode(seq)
-                except Exception as exc:  # noqa: BLE001 - the held-back text could not be flushed
-                    self._fail(seq, exc)
-                    continue
-                ended.append(seq)
-            self._end(ended)
+            self._ended(finished)
         if not len(self.group):
             self._flush_closing()         # the batch emptied (rows failed, or the last ones ended)
         self.account()
         self._unpark()                    # room freed by this step: the parked request starts next
+
+    # ------------------------------------------------------------------ priorities
+    def _urgent(self) -> int | None:
+        """The most urgent priority in flight (prefilling, parked or decoding), None when empty."""
+        seqs = [*self.prefilling, *self.group.seqs, *([self.parked] if self.parked is not None else [])]
+        return min((s.job.priority for s in seqs), default=None)
+
+    def _by_priority(self) -> None:
+        """Before the step's work: preempted rows whose client left end now; while a more urgent
+        request is in flight, the less urgent decode rows beyond ``beside`` leave the batch
+        (``to_preempt``); rows free again take preempted ones back (``to_resume``, the most
+        urgent first, waiting raising their urgency)."""
+        if not self.preempted and not self.prioritised:
+            return
+        gone = [s for s in self.preempted if self._stopped(s)]
+        if gone:
+            self.preempted = [s for s in self.preempted if not any(s is g for g in gone)]
+            self._ended(gone)
+        urgent = self._urgent() if self.prioritised else None
+        rows = self._preemptible()
+        pick = priority.to_preempt([s.job.priority for s in rows], urgent, self.policy.beside)
+        if pick:
+            self._preempt([rows[i] for i in pick])
+        if not self.preempted:
+            return
+        now = time.perf_counter()
+        free = self.max_sequences - len(self.prefilling) - len(self.group) - (self.parked is not None)
+        less = sum(1 for s in self.group.seqs if urgent is not None and s.job.priority > urgent)
+        beside = self.policy.beside if self.prioritised else self.max_sequences
+        back = priority.to_resume([(s.job.priority, now - s.preempted_at) for s in self.preempted],
+                                  urgent, less, beside, free, self.policy.aging_s)
+        for i in back:
+            seq = self.preempted[i]
+            # one that came back by waiting longer than its priority allows stays (no starvation)
+            seq.shielded = urgent is not None and seq.job.priority > urgent
+            self._resume(seq)
+        taken = {id(self.preempted[i]) for i in back}
+        self.preempted = [s for s in self.preempted if id(s) not in taken]
+
+    def _preempt(self, seqs: list[Request]) -> None:
+        """Rows leave the batch with their whole KV and pending token (runner/batch.py
+        ``preempt``); a failure to leave fails them (rolled back: the others go on)."""
+        try:
+            self.group.preempt(seqs)
+        except GroupReset as exc:
+            self._lost(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - rolled back: only these fail
+            for seq in seqs:
+                self.group.drop(seq)
+                self._fail(seq, exc)
+            return
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.status = RequestStatus.PREEMPTED
+            seq.preempted_at = now
+            seq.preemptions += 1
+            self.preempted.append(seq)
+        self.preemptions += len(seqs)
+        log.info("preempted %d row(s) for a more urgent request", len(seqs))
+
+    def _resume(self, seq: Request) -> None:
+        try:
+            self.group.resume(seq)
+        except GroupReset as exc:   # it is among the lost
+            self._lost(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - the join was rolled back: only this one fails
+            self._fail(seq, exc)
+            return
+        seq.status = RequestStatus.DECODING
+        self.resumed += 1
+
+    def _ended(self, finished: list[Request]) -> None:
+        """Rows whose decoding ended: their held-back text flushed, then closed and resolved."""
+        ended = []
+        for seq in finished:
+            try:
+                self.engine.end_decode(seq)
+            except Exception as exc:  # noqa: BLE001 - the held-back text could not be flushed
+                self._fail(seq, exc)
+                continue
+            ended.append(seq)
+        self._end(ended)
 
     def _judge(self, out: dict) -> tuple[dict[int, Verdict], dict[int, BaseException]]:
         """What the decode step read back, judged: each row's tokens consumed in order (streamed,
@@ -341,6 +491,7 @@ class EngineCore:
         self.scheduler.reset()
         self.closing = []                 # replied already; their turns are simply not stored
         self.parked = None
+        self.preempted = []
         self.group.reset()
         self.group.take_failed()
         self.recoveries += 1
@@ -366,6 +517,7 @@ class EngineCore:
             for seq in later:
                 seq.t_end = now
                 if self._finish(seq, store=False):
+                    seq.status = RequestStatus.CLOSING
                     self.closing.append(seq)
                     self.replied_early += 1
             ended = [s for s in ended if not any(s is d for d in later)]
@@ -373,6 +525,7 @@ class EngineCore:
         self._close_together(pending + ended)
         for seq in pending:
             self.engine.store_turn(seq)
+            seq.status = RequestStatus.FINISHED
         for seq in ended:
             seq.t_end = time.perf_counter()
             self._finish(seq)
@@ -385,6 +538,7 @@ class EngineCore:
         self._close_together(pending)
         for seq in pending:
             self.engine.store_turn(seq)
+            seq.status = RequestStatus.FINISHED
 
     def _close_together(self, finished: list[Request]) -> None:
         """Sequences that finished in the same step close their turns (last sampled token + the
@@ -454,6 +608,8 @@ class EngineCore:
                 self.group.add(seqs[joining[0]], None)
             else:
                 self.group.adopt([seqs[i] for i in joining], layers, joining)
+            for i in joining:
+                seqs[i].status = RequestStatus.DECODING
         except GroupReset as exc:
             self._lost(exc)
         except Exception as exc:  # noqa: BLE001 - the join was rolled back: only the joiners fail
@@ -474,6 +630,7 @@ class EngineCore:
                 self._finish(seq)
                 return
             self.group.add(seq, seq.logits)
+            seq.status = RequestStatus.DECODING
         except GroupReset as exc:
             self._lost(exc)
         except Exception as exc:  # noqa: BLE001 - the join was rolled back: only this one fails
@@ -483,6 +640,8 @@ class EngineCore:
         """Resolve ``seq``'s future with its outcome (``store``: its turn closed and stored
         first); False when it failed instead (nothing is to be stored then)."""
         future = self.futures.pop(id(seq), None)
+        if store or future is None:
+            seq.status = RequestStatus.FINISHED
         if future is None:   # failed already: its KV must not be stored as if it had finished
             log.error("request %s finished after it had failed; nothing stored", seq.job.request_id)
             return False
@@ -495,6 +654,7 @@ class EngineCore:
         return True
 
     def _fail(self, seq: Request, exc: BaseException) -> None:
+        seq.status = RequestStatus.FINISHED
         future = self.futures.pop(id(seq), None)
         if future is not None and resolve(future, exc=exc):
             self.failed += 1

@@ -21,7 +21,7 @@ from ..cache.turboquant import SEED as TURBOQUANT_SEED
 from ..prompt.render import ChatRenderer
 from ..models.loader import load_draft_model
 from .chat import ChatEngine, tokenizer_size
-from .core import EngineCore
+from .core import EngineCore, PriorityPolicy
 from ..runner.forward import attach
 from ..runner.spec.draft_model import DraftModel
 from ..runner.spec.speculation import DRAFT_MODEL_MODES
@@ -82,7 +82,9 @@ def make_core(engine: ChatEngine, settings: Any) -> tuple[EngineCore | None, str
         return (EngineCore(engine, 1, settings.prefill_chunk_tokens, False),
                 "scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
     batching, why = batching_support(engine)
-    return (EngineCore(engine, n, settings.prefill_chunk_tokens, batching),
+    policy = PriorityPolicy(settings.priority_scheduling, settings.priority_decode_rows,
+                            settings.priority_aging_seconds)
+    return (EngineCore(engine, n, settings.prefill_chunk_tokens, batching, policy),
             f"scheduling: up to {n} sequences in flight, prefill chunks of {settings.prefill_chunk_tokens} tokens, "
             f"decode {'batched' if batching else f'interleaved, unbatched ({why})'}")
 

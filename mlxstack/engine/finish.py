@@ -100,6 +100,7 @@ class TurnFinish:
                 "batch_size_mean": round(sum(seq.batch_sizes) / len(seq.batch_sizes), 2) if seq.batch_sizes else 1.0,
                 "spec_proposed": seq.spec.control.proposed if seq.spec is not None else 0,
                 "spec_accepted": seq.spec.control.accepted if seq.spec is not None else 0,
+                "preemptions": seq.preemptions,
             },
         )
         outcome.cache = self._cache_report(seq, aborted, raw_ids)

@@ -15,6 +15,7 @@ from ..cache.lcp import as_tokens
 from ..cache.prompt_cache import MatchResult
 from ..prompt.session_context import SessionContext
 from ..runner.sampling import Sampler, SamplingParams
+from ..scheduler.status import RequestStatus
 
 
 class CacheBreakpoint(NamedTuple):
@@ -75,6 +76,10 @@ class ChatJob:
     # request's cache_salt; "" = the default scope): entries, sessions, healing and diagnoses of
     # one scope are never seen, reused or timed by another
     scope: str = ""
+    # who goes first (scheduler/priority.py: lower first) and where that came from: request |
+    # header | a client shape's marker | default
+    priority: int = 0
+    priority_source: str = "default"
 
 
 @dataclass
@@ -215,3 +220,7 @@ class Request:
     cache_report: CacheReport | None = None
     lifetimes: dict[int, float] = field(default_factory=dict)   # snapshot depth -> applied lifetime (breakpoints)
     record_session: str | None = None # the session its records are kept under (finish.py ``record_session``)
+    status: RequestStatus = RequestStatus.WAITING   # set at every transition (engine/core.py)
+    preempted_at: float = 0.0         # when it last left the batch for a more urgent request
+    preemptions: int = 0              # times it did
+    shielded: bool = False            # came back by waiting: not preempted again (no starvation)

@@ -218,6 +218,9 @@ class EngineState:
                                                 "cache_tier",
                                                 "queue_wait_s", "batch_size_max", "batch_size_mean",
                                                 "spec_proposed", "spec_accepted")},
+            "priority": getattr(job, "priority", 0),
+            "priority_from": getattr(job, "priority_source", "default"),
+            "preemptions": outcome.timings.get("preemptions", 0),
         }
         report = getattr(outcome, "cache", None)
         # why the cache reused what it reused (hashes and counts only; cache/diagnosis.py)

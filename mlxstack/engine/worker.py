@@ -106,6 +106,14 @@ class InferenceWorker:
     def queue_depth(self) -> int:
         return self._waiting
 
+    def queued_by_priority(self) -> dict[int, int]:
+        """Chat jobs taken from the queue and waiting for a row, per priority (lower first)."""
+        out: dict[int, int] = {}
+        for work, _ in list(self._backlog):
+            p = getattr(work.job, "priority", 0)
+            out[p] = out.get(p, 0) + 1
+        return dict(sorted(out.items()))
+
     @property
     def busy(self) -> bool:
         return self._busy.is_set()
@@ -317,9 +325,16 @@ class InferenceWorker:
             self.beat()
 
     def _admit(self) -> None:
+        """Queued chat jobs start while the scheduler has room: the one it picks first (the most
+        urgent with priorities: engine/core.py ``pick_next``; else first come, first served), a
+        more urgent one making room by preempting a less urgent row (``room_for``)."""
         sched = self.core
-        while self._backlog and sched is not None and sched.has_room():
-            work, fut = self._backlog.pop(0)
+        while self._backlog and sched is not None:
+            now = time.perf_counter()
+            i = sched.pick_next([(getattr(w.job, "priority", 0), now - w.submitted) for w, _ in self._backlog])
+            if not sched.room_for(getattr(self._backlog[i][0].job, "priority", 0)):
+                break
+            work, fut = self._backlog.pop(i)
             self._release()
             if fut.set_running_or_notify_cancel():
                 try:

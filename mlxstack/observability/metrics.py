@@ -70,6 +70,25 @@ class EngineCollector(Collector):
                                 value=int(sched.parked is not None) if sched is not None else 0)
         yield CounterMetricFamily("mlxstack_waited_for_memory", "Requests that had to wait for KV memory before "
                                   "they could start.", value=sched.parked_total if sched is not None else 0)
+        yield GaugeMetricFamily("mlxstack_preempted_sequences", "Decode rows out of the batch for a more urgent "
+                                "request (PRIORITY_SCHEDULING), their KV kept.",
+                                value=len(sched.preempted) if sched is not None else 0)
+        yield CounterMetricFamily("mlxstack_preemptions", "Decode rows that left the batch for a more urgent "
+                                  "request.", value=sched.preemptions if sched is not None else 0)
+        queued = GaugeMetricFamily("mlxstack_queued_requests", "Chat requests waiting for a row, by priority "
+                                   "(lower goes first).", labels=["priority"])
+        for prio, n in app.worker.queued_by_priority().items():
+            queued.add_metric([str(prio)], n)
+        yield queued
+        flight = GaugeMetricFamily("mlxstack_requests_in_flight", "Requests in flight, by priority and status.",
+                                   labels=["priority", "status"])
+        counts: dict[tuple[str, str], int] = {}
+        for seq in (sched.in_flight() if sched is not None else []):
+            key = (str(seq.job.priority), seq.status.value)
+            counts[key] = counts.get(key, 0) + 1
+        for (prio, status), n in sorted(counts.items()):
+            flight.add_metric([prio, status], n)
+        yield flight
         yield GaugeMetricFamily("mlxstack_max_concurrent_sequences", "MAX_CONCURRENT_SEQUENCES in effect.",
                                 value=sched.max_sequences if sched is not None else 1)
         info = GaugeMetricFamily("mlxstack_model_info", "The served model (value is always 1).",

@@ -103,6 +103,8 @@ def build_record(row: dict, *, model: str = "", decode: Callable[[list[int]], st
                                           "cache_explain", "cache_diagnosis")},
         "timings": {k: row.get(k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s", "total_s", "prepare_ms")},
         "speculation": {"proposed": row.get("spec_proposed", 0), "accepted": row.get("spec_accepted", 0)},
+        "scheduling": {"priority": row.get("priority", 0), "from": row.get("priority_from", "default"),
+                       "preemptions": row.get("preemptions", 0)},
         "sampling": _sampling(job),
         "output": {
             "completion_tokens": row.get("completion_tokens"),

@@ -178,12 +178,28 @@ class DecodeGroup:
             with mx.stream(generation_stream()):
                 seq.pending = self._sample(seq, logits)
             mx.async_eval(seq.pending)
+        self._join(seq)
+
+    def _join(self, seq: Row) -> None:
         self._moved = True
         if self.batching and self.seqs:
             self._atomic([seq], lambda: self._join_one(seq))
             return
         faults.hit("slab_join", seq.job.request_id)
         self.seqs.append(seq)
+
+    def preempt(self, seqs: list[Row]) -> None:
+        """Members leave the batch for a more urgent request, each with its whole KV as its own
+        cache (one buffer, the shared prefix included: it rejoins as any prefilled row does) and
+        its sampled, not yet fed, ``pending`` token: ``resume`` puts it back exactly there, its
+        next tokens what they would have been (LESSONS 85). A row whose last prompt token still
+        rides in the next step (``tail``) is not preempted (the caller's rule)."""
+        if seqs:
+            self._atomic(list(seqs), lambda: self._leave(list(seqs), whole=True))
+
+    def resume(self, seq: Row) -> None:
+        """A preempted row joins again: nothing is sampled, its ``pending`` token is fed next."""
+        self._join(seq)
 
     def _join_one(self, seq: Row) -> None:
         self._split(seq.live.layers)
@@ -291,9 +307,10 @@ class DecodeGroup:
                 self.slab[i] = merge_layer([by_row.get(r, filler)[j] for r in range(self.rows)])
             mx.eval([a for i in self.other_idx for a in _arrays(self.slab[i])])
 
-    def _leave(self, gone: list[Row], keep_cache: bool = True) -> None:
-        """Members leave: with ``keep_cache`` each gets its own cache back (a copy of its row),
-        else (a failed row) its KV is dropped. Their rows are free; ``seqs`` is the rest."""
+    def _leave(self, gone: list[Row], keep_cache: bool = True, whole: bool = False) -> None:
+        """Members leave: with ``keep_cache`` each gets its own cache back (a copy of its row; with
+        ``whole`` one buffer it can decode on), else (a failed row) its KV is dropped. Their rows
+        are free; ``seqs`` is the rest."""
         gone_ids = {id(s) for s in gone}
         rest = [s for s in self.seqs if id(s) not in gone_ids]
         self._moved = True                                 # a compaction's copies land in the next forward
@@ -306,7 +323,7 @@ class DecodeGroup:
         for seq in back:
             row = freed[id(seq)] if id(seq) in freed else self.row.pop(id(seq))
             layers: list[Any] = [None] * len(self.slab)
-            alone = all(seq is not g for g in gone)      # goes on decoding on its own cache
+            alone = whole or all(seq is not g for g in gone)   # goes on decoding on its own cache
             for i in self.kv_idx:
                 layers[i] = self.slab[i].take(row, whole=alone)
             for j, i in enumerate(self.other_idx):

@@ -11,21 +11,27 @@ more waiting requests have short remainders (a warm agent turn's new tokens), al
 batched forward -- they join the decode batch together; otherwise one chunk for ONE request: a
 remainder one chunk finishes goes before a longer prompt's next chunk (never twice in a row while
 the longer one waits), else round-robin. A long cold prompt never freezes the others, and a short
-request that arrives during it waits at most one of its chunks. Every step then decodes one token
+request that arrives during it waits at most one of its chunks. With priorities (``aging_s`` not
+None: scheduler/priority.py) these rules apply among the most urgent waiting requests only --
+their priority less one level per ``aging_s`` waited, so a less urgent prompt is not starved. Every step then decodes one token
 for every row of the batch (the runner's decode group).
 
 A request is the engine's (engine/request.py), read here only for plain facts: its prompt
 tokens, checkout depth ``start``, prefill position ``pos``, whether it ``follows`` a leader's
-shared prefill and whether its job is ``prefill_only``. What needs the engine -- whether it was
+shared prefill, whether its job is ``prefill_only``, its job's ``priority`` and when it was
+queued (``queued_at``, perf_counter seconds). What needs the engine -- whether it was
 abandoned (``stopped``), whether its cache holds a prefix by reference (``prefixed``: such rows
 batch only on slab layers, which need every row to hold a token already) -- comes as callbacks.
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .policy import choose_short, next_round_robin, remaining, shortest_fitting
+from .priority import effective
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,10 @@ def left(req: Any) -> int:
 
 
 class Scheduler:
-    def __init__(self, prefill_budget: int, prefills_together: bool) -> None:
+    def __init__(self, prefill_budget: int, prefills_together: bool, aging_s: float | None = None) -> None:
         self.prefill_budget = max(1, int(prefill_budget))
         self.prefills_together = prefills_together
+        self.aging_s = aging_s        # None: no priorities (every waiting request alike)
         self.prefilling: list[Any] = []
         self.steps = 0
         self.short_batches = 0        # steps that prefilled several requests together
@@ -84,7 +91,8 @@ class Scheduler:
         prompt still waiting gets the next step)."""
         if not self.prefills_together or len(self.prefilling) < 2:
             return []
-        cands = [r for r in self.prefilling if r.follows is None
+        top = self._top()
+        cands = [r for r in top if r.follows is None
                  and not r.job.prefill_only and not (r.pos >= 0 and stopped(r))]
         if any(prefixed(r) for r in cands):        # slab rows: an empty one cannot be placed,
             cands = [r for r in cands if r.live.depth > 0]   # it prefills on its own
@@ -93,10 +101,33 @@ class Scheduler:
             return []
         return chosen
 
+    def _level(self, req: Any, now: float) -> int:
+        """``req``'s priority level now: its job's priority less one per ``aging_s`` waited."""
+        return math.floor(effective(getattr(req.job, "priority", 0), now - getattr(req, "queued_at", now),
+                                    self.aging_s or 0.0) + 1e-9)
+
+    def _top(self) -> list[Any]:
+        """The waiting requests the rules choose among: all of them, or with priorities the most
+        urgent level's."""
+        if self.aging_s is None or len(self.prefilling) < 2:
+            return self.prefilling
+        now = time.perf_counter()
+        levels = [self._level(r, now) for r in self.prefilling]
+        best = min(levels)
+        return [r for r, lv in zip(self.prefilling, levels) if lv == best]
+
     def _next_prefill(self) -> int:
         """Which waiting request gets this step's prefill chunk: one whose whole remainder fits in
         the chunk goes before a longer one, but never twice in a row while a longer one waits;
-        otherwise round-robin, skipping a request that waits for its leader."""
+        otherwise round-robin, skipping a request that waits for its leader (among the most urgent
+        level's with priorities: the first of them not following a leader)."""
+        top = self._top()
+        if len(top) < len(self.prefilling):
+            idx = [i for i, r in enumerate(self.prefilling) if any(r is t for t in top)]
+            fits = shortest_fitting([0 if self.prefilling[i].follows else left(self.prefilling[i]) for i in idx],
+                                    self.prefill_budget)
+            own = [i for i in idx if self.prefilling[i].follows is None]
+            return idx[fits] if fits is not None else (own or idx)[0]
         if not self._short_last:
             i = shortest_fitting([0 if r.follows else left(r) for r in self.prefilling], self.prefill_budget)
             if i is not None:

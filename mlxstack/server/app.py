@@ -285,7 +285,13 @@ class App:
                                "batched_prefills": sched.short_batches,
                                "turns_closed_together": sched.closed_together,
                                "waiting_for_memory": int(sched.parked is not None),
-                               "waited_for_memory_total": sched.parked_total}
+                               "waited_for_memory_total": sched.parked_total,
+                               "priority_scheduling": sched.prioritised,
+                               "preempted": len(sched.preempted), "preemptions_total": sched.preemptions,
+                               "resumed_total": sched.resumed,
+                               "queued_by_priority": {str(k): v for k, v in self.worker.queued_by_priority().items()},
+                               "in_flight_by_priority": {str(k): v for k, v in sched.by_priority().items()},
+                               "in_flight_by_status": sched.by_status()}
                               if sched is not None else {"max_sequences": 1, "active": int(self.worker.busy)})
         stats["sampling"] = self.sampling.describe()
         if sched is not None and sched.engine.speculation.enabled:

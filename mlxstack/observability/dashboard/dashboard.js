@@ -177,6 +177,11 @@
     $("t-queue").textContent = fmtInt(s.queue_depth);
     const sc = s.scheduler || {};
     $("t-flight").textContent = `${fmtInt(sc.active || 0)} / ${fmtInt(sc.last_batch_size || 0)}`;
+    $("t-preempt").textContent = sc.priority_scheduling
+      ? `${fmtInt(sc.preempted || 0)} / ${fmtInt(sc.preemptions_total || 0)}` : "off";
+    const byPrio = (o) => Object.entries(o || {}).map(([p, n]) => `priority ${p}: ${n}`).join(", ") || "none";
+    $("t-preempt").title = `in flight by priority: ${byPrio(sc.in_flight_by_priority)}\n` +
+      `queued by priority: ${byPrio(sc.queued_by_priority)} (lower goes first; PRIORITY_SCHEDULING)`;
     const proposed = c.spec_proposed || 0, accepted = c.spec_accepted || 0;
     $("t-spec").textContent = proposed ? `${fmtInt(accepted)} / ${fmtInt(proposed)}` : "–";
     $("t-spec").title = proposed ? `${((100 * accepted) / proposed).toFixed(0)}% of draft tokens accepted ` +

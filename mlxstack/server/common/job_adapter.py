@@ -25,9 +25,10 @@ from ...engine.chat import ChatJob, PromptReady
 from ...engine.worker import QueueFull
 from ...prompt.images import ImageError
 from ...runner.generate import SamplingParams
+from ...prompt import urgency as priority
 from .cache_diagnostics import cache_header
 from .error_shapes import internal_logged
-from ..http.errors import APIError, not_found, unavailable
+from ..http.errors import APIError, bad_request, not_found, unavailable
 from .structured import CHAT_FIELDS, Fields
 from .usage import Usage, outcome_usage  # noqa: F401 - re-exported: every front's usage starts here
 from .validation import ChatRequest, model_matches, parse_chat_request, reject_images
@@ -77,6 +78,10 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
     """The ChatJob /v1/chat/completions builds for the same validated request (``diagnosis``: the
     reply's id, and the comparison the client asked for; ``api``: the front, for the logs)."""
     d = diagnosis or Diagnosis()
+    try:
+        urgency = priority.resolve(req.body.get("priority"), headers.get(priority.HEADER), req.messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="priority") from None
     return ChatJob(
         request_id=request_id, messages=req.messages, tools=req.tools, enable_thinking=req.enable_thinking,
         params=SamplingParams(
@@ -92,6 +97,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
         breakpoints=d.breakpoints, cache_ttl=d.cache_ttl, api=api,
         scope=scope_of(headers.get(TENANT_HEADER, ""), req.cache_salt),
+        priority=urgency.value, priority_source=urgency.source,
     )
 
 

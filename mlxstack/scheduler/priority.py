@@ -1,0 +1,65 @@
+"""Who goes first when rows are short: how waiting raises a request's urgency, and which decode
+rows make way for a more urgent request (plain numbers in, choices out; no MLX).
+
+A priority is vLLM's integer: lower goes first. Where it comes from -- the request's ``priority``
+field, the ``x-mlxstack-priority`` header, or what agent clients send -- is prompt/urgency.py's.
+With one priority everywhere the order is first come, first served, as before.
+
+Three choices follow from it (engine/core.py and engine/worker.py apply them each step):
+- **admission**: the most urgent waiting request takes the next free row; waiting raises a
+  request's urgency by one level every ``aging_s`` seconds (``effective``), so nothing starves;
+- **preemption**: when a request more urgent than some decoding row is in flight, at most
+  ``beside`` less urgent rows go on decoding next to it (``to_preempt``): the others leave the
+  batch with their KV and their sampled, not yet fed, token, and resume exactly there once no
+  more urgent request is in flight (``to_resume``) -- their replies token for token what they
+  would have been (LESSONS 85). A decode step of fewer rows is what keeps the urgent reply's
+  tokens near their speed alone;
+- **prefill**: the most urgent waiting prompt gets the step's chunk first (scheduler/plan.py).
+"""
+from __future__ import annotations
+
+
+def effective(priority: int, waited_s: float, aging_s: float) -> float:
+    """A waiting request's urgency: its priority less one level per ``aging_s`` waited."""
+    return priority - (waited_s / aging_s if aging_s > 0 else 0.0)
+
+
+def most_urgent(waiting: list[tuple[int, float]], aging_s: float) -> int:
+    """Index of the waiting request to admit next, of (priority, seconds waited) pairs: the lowest
+    effective priority; the one that waited longest among equals (first come, first served)."""
+    return min(range(len(waiting)), key=lambda i: (effective(*waiting[i], aging_s), -waiting[i][1]))
+
+
+def to_preempt(rows: list[int], urgent: int | None, beside: int) -> list[int]:
+    """Indices of the decode rows (their priorities, in the order they joined) that make way while
+    a request of priority ``urgent`` is in flight: the less urgent rows beyond ``beside``, the
+    least urgent first and, among equals, the last to join."""
+    if urgent is None:
+        return []
+    less = [i for i, p in enumerate(rows) if p > urgent]
+    if len(less) <= beside:
+        return []
+    less.sort(key=lambda i: (-rows[i], -i))
+    return sorted(less[: len(less) - beside])
+
+
+def to_resume(preempted: list[tuple[int, float]], urgent: int | None, decoding_less: int,
+              beside: int, free_rows: int, aging_s: float) -> list[int]:
+    """Indices of the preempted rows (priority, seconds since they left) that come back now: with
+    no more urgent request in flight, as many as there are free rows; beside one, up to ``beside``
+    less urgent rows in all. The most urgent first; waiting raises a preempted row's urgency as
+    it does a waiting request's, so one that waited long enough is no longer "less urgent" and
+    comes back beside it (no starvation under a stream of urgent turns)."""
+    eff = [effective(p, w, aging_s) for p, w in preempted]
+    order = sorted(range(len(preempted)), key=lambda i: (eff[i], -preempted[i][1]))
+    out: list[int] = []
+    less = decoding_less
+    for i in order:
+        if len(out) >= free_rows:
+            break
+        if urgent is not None and eff[i] > urgent:
+            if less >= beside:
+                continue
+            less += 1
+        out.append(i)
+    return out

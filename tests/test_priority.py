@@ -1,0 +1,277 @@
+"""Agent-aware priority (scheduler/priority.py, engine/core.py): the most urgent request takes the
+next row, less urgent decode rows make way for it and resume exactly where they were, waiting
+raises urgency. The policy is checked on plain numbers; the engine part on the real EngineCore
+with a tiny random-weight model, where the proof is parity: every reply -- the urgent one, the
+preempted ones (greedy and seeded) -- token for token what it is when served alone.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
+
+import pytest
+
+from mlxstack.engine.core import EngineCore, PriorityPolicy
+from mlxstack.runner.batch import batching_support
+from mlxstack.runner.sampling import SamplingParams
+from mlxstack.prompt import urgency
+from mlxstack.scheduler import priority
+from mlxstack.scheduler.status import RequestStatus
+from tests.conftest import LiveServer, build_engine, engine_settings
+from tests.test_engine import job
+
+
+# ---------------------------------------------------------------------------- the policy
+def test_explicit_priority_wins_then_header_then_the_client_shape():
+    sub = [{"role": "system", "content": "You are an agent for Claude Code, Anthropic's official CLI."},
+           {"role": "user", "content": "find the parser"}]
+    topic = [{"role": "system", "content": [{"type": "text", "text": "Analyze if this message indicates a new "
+                                             "conversation topic. Reply in JSON."}]},
+             {"role": "user", "content": "hi"}]
+    claw = [{"role": "system", "content": "You are OpenClaw.\n# Subagent Context\nYou were spawned."}]
+    plain = [{"role": "user", "content": "hello"}]
+    assert urgency.resolve(None, None, plain) == (0, "default")
+    assert urgency.resolve(None, None, sub) == (1, "claude-code-subagent")
+    assert urgency.resolve(None, None, claw) == (1, "openclaw-subagent")
+    assert urgency.resolve(None, None, topic) == (2, "claude-code-topic")
+    assert urgency.resolve(None, " -3 ", sub) == (-3, "header")
+    assert urgency.resolve(5, "-3", sub) == (5, "request")
+    assert urgency.resolve(None, "", sub) == (1, "claude-code-subagent")     # an empty header says nothing
+    # a marker in the user's own text is not a client's shape
+    assert urgency.resolve(None, None, [{"role": "user", "content": "You are an agent for Claude Code"}]) == (0, "default")
+
+
+@pytest.mark.parametrize("value,where,message", [
+    ("high", "priority", "'priority' must be an integer (lower goes first)"),
+    (1.5, "priority", "'priority' must be an integer (lower goes first)"),
+    (True, "priority", "'priority' must be an integer (lower goes first)"),
+    (1001, "priority", "'priority' must be between -1000 and 1000"),
+    ("x", urgency.HEADER, "'x-mlxstack-priority' must be an integer (lower goes first)"),
+])
+def test_a_bad_priority_is_refused_with_its_name(value, where, message):
+    with pytest.raises(ValueError) as err:
+        urgency.parse(value, where)
+    assert str(err.value) == message
+
+
+def test_admission_takes_the_most_urgent_and_waiting_raises_urgency():
+    # (priority, seconds waited); aging 30 s per level
+    assert priority.most_urgent([(1, 5.0), (0, 1.0), (2, 50.0)], 30.0) == 1
+    assert priority.most_urgent([(1, 5.0), (0, 1.0), (2, 70.0)], 30.0) == 2     # 2 - 70/30 < 0
+    assert priority.most_urgent([(1, 5.0), (1, 9.0)], 30.0) == 1                 # equals: the older first
+    assert priority.most_urgent([(1, 5.0), (1, 9.0)], 0.0) == 1                  # no aging: still FIFO
+    assert priority.effective(2, 45.0, 30.0) == 0.5
+    assert priority.effective(2, 45.0, 0.0) == 2.0
+
+
+def test_the_least_urgent_rows_beyond_the_allowance_make_way():
+    rows = [1, 2, 1, 0, 1, 2]
+    assert priority.to_preempt(rows, None, 2) == []
+    assert priority.to_preempt(rows, 0, 2) == [1, 4, 5]        # the 2s, then the last 1 to join; keeps rows 0, 2
+    assert priority.to_preempt(rows, 0, 0) == [0, 1, 2, 4, 5]
+    assert priority.to_preempt(rows, 1, 0) == [1, 5]
+    assert priority.to_preempt(rows, 0, 5) == []
+
+
+def test_preempted_rows_come_back_most_urgent_first_and_aged_ones_beside_an_urgent_request():
+    pre = [(2, 1.0), (1, 2.0), (1, 10.0)]
+    # nothing more urgent in flight: as many as there are free rows, the most urgent (then oldest) first
+    assert priority.to_resume(pre, None, 0, 2, 2, 30.0) == [2, 1]
+    assert priority.to_resume(pre, None, 0, 2, 5, 30.0) == [2, 1, 0]
+    # beside an urgent (0) request: up to ``beside`` less urgent rows in all
+    assert priority.to_resume(pre, 0, 1, 2, 5, 30.0) == [2]
+    assert priority.to_resume(pre, 0, 2, 2, 5, 30.0) == []
+    # one that waited past a level is no longer less urgent: it comes back anyway
+    assert priority.to_resume([(1, 31.0), (1, 2.0)], 0, 2, 2, 5, 30.0) == [0]
+
+
+# ---------------------------------------------------------------------------- the engine
+SYSTEM = "You are a coding agent working in a repository. Keep answers short. " * 2
+BACKGROUND = ["Explain the parser.", "List three test commands for this repository please.",
+              "Why does caching matter for agents?", "Summarise the README in one sentence."]
+
+
+def _job(user: str, prio: int, max_tokens: int, seed: int | None = None, session: str = "s"):
+    j, _ = job([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+               max_tokens=max_tokens, session=session)
+    if seed is not None:
+        j.params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, max_tokens=max_tokens, seed=seed)
+    j.priority = prio
+    return j
+
+
+class Driver:
+    """The worker's admission (engine/worker.py ``_admit``) on this thread, step by step: a backlog
+    of (job, future, submitted), admitted by ``pick_next`` / ``room_for`` before every step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.backlog: list = []
+        self.members: list[int] = []
+
+    def submit(self, j) -> Future:
+        f: Future = Future()
+        self.backlog.append((j, f, time.perf_counter()))
+        return f
+
+    def turn(self) -> None:
+        core = self.core
+        while self.backlog:
+            now = time.perf_counter()
+            i = core.pick_next([(j.priority, now - t) for j, _, t in self.backlog])
+            if not core.room_for(self.backlog[i][0].priority):
+                break
+            j, f, t = self.backlog.pop(i)
+            f.set_running_or_notify_cancel()
+            core.admit(j, f, queued_at=t)
+        if not core.idle():
+            core.step()
+            self.members.append(len(core.group))
+
+    def until_idle(self, limit: int = 2000) -> None:
+        for _ in range(limit):
+            if self.core.idle() and not self.backlog:
+                return
+            self.turn()
+        raise AssertionError("the engine did not finish")
+
+
+def _alone(path, j):
+    return build_engine(engine_settings(path)).run(j)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_dense_path):
+    return tiny_dense_path
+
+
+def test_an_urgent_request_preempts_less_urgent_rows_and_every_reply_is_what_it_is_alone(dense):
+    background = [lambda i=i: _job(BACKGROUND[i], 1, 40, seed=(7 + i if i % 2 else None), session=f"b{i}")
+                  for i in range(4)]
+    urgent = lambda: _job("Quick: what is 2+2?", 0, 12, session="u")   # noqa: E731
+    alone = [_alone(dense, mk()).raw_text for mk in background]
+    urgent_alone = _alone(dense, urgent()).raw_text
+
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 1, 30.0))
+    drv = Driver(core)
+    futures = [drv.submit(mk()) for mk in background]
+    while len(core.group) < 4:
+        drv.turn()
+    for _ in range(3):
+        drv.turn()                                   # every background row has decoded a few tokens
+    rows = list(core.group.seqs)
+    assert core.preemptions == 0 and [s.status for s in rows] == [RequestStatus.DECODING] * 4
+    uf = drv.submit(urgent())
+    drv.turn()
+    # the full batch made room: its least urgent row, the last to join among equals, then (in the
+    # step) every less urgent row beyond the one allowed beside the urgent request
+    assert [s is r for s, r in zip(core.preempted, (rows[3], rows[1], rows[2]))] == [True] * 3
+    assert core.preemptions == 3 and len(core.preempted) == 3
+    assert [s.status for s in core.preempted] == [RequestStatus.PREEMPTED] * 3
+    assert [s.preemptions for s in rows] == [0, 1, 1, 1]
+    while not uf.done():
+        drv.turn()
+        assert len(core.group) <= 2                  # the urgent row and one beside it
+        assert len(core.preempted) in (0, 3)
+    assert uf.result().raw_text == urgent_alone
+    assert not any(f.done() for f in futures[1:])   # the preempted rows waited
+    drv.until_idle()
+    assert core.resumed == 3 and core.preempted == [] and core.preemptions == 3
+    assert [f.result().raw_text for f in futures] == alone
+    assert all(s.status is RequestStatus.FINISHED for s in rows)
+    assert eng.state.counters.get("store_failures") == 0
+
+
+def test_without_priorities_the_urgent_request_waits_for_a_row(dense):
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 2, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(False, 1, 30.0))
+    drv = Driver(core)
+    futures = [drv.submit(_job(BACKGROUND[i], 1, 16, session=f"b{i}")) for i in range(2)]
+    while len(core.group) < 2:
+        drv.turn()
+    uf = drv.submit(_job("Quick: what is 2+2?", 0, 6, session="u"))
+    drv.turn()
+    assert core.preemptions == 0 and len(drv.backlog) == 1        # no room, none made
+    drv.until_idle()
+    assert core.preemptions == 0 and uf.result().raw_text == _alone(dense, _job("Quick: what is 2+2?", 0, 6)).raw_text
+    assert all(f.done() for f in futures)
+
+
+def test_a_preempted_row_whose_client_left_ends_while_it_waits(dense):
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 2, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0))
+    drv = Driver(core)
+    gone = {"left": False}
+    jobs = [_job(BACKGROUND[i], 1, 40, session=f"b{i}") for i in range(2)]
+    jobs[1].is_cancelled = lambda: gone["left"]
+    futures = [drv.submit(j) for j in jobs]
+    while len(core.group) < 2:
+        drv.turn()
+    drv.turn()
+    uf = drv.submit(_job("Quick: what is 2+2?", 0, 30, session="u"))
+    drv.turn()
+    assert core.preemptions == 2 and len(core.preempted) == 2   # beside 0: the urgent request decodes alone
+    gone["left"] = True
+    drv.turn()
+    assert len(core.preempted) == 1 and futures[1].done() and futures[1].result().finish_reason == "cancelled"
+    drv.until_idle()
+    assert uf.result().raw_text == _alone(dense, _job("Quick: what is 2+2?", 0, 30)).raw_text
+    assert futures[0].result().raw_text == _alone(dense, _job(BACKGROUND[0], 1, 40)).raw_text
+    assert core.resumed == 1
+
+
+def test_a_preempted_row_that_waited_past_a_level_comes_back_beside_the_urgent_one(dense):
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 2, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0))
+    drv = Driver(core)
+    bf = drv.submit(_job(BACKGROUND[0], 1, 30, session="b0"))
+    while len(core.group) < 1:
+        drv.turn()
+    drv.turn()
+    uf = drv.submit(_job("Quick: what is 2+2?", 0, 30, session="u"))
+    drv.turn()
+    assert core.preemptions == 1 and len(core.preempted) == 1
+    seq = core.preempted[0]
+    seq.preempted_at -= 31.0                         # as if it had waited 31 s (aging: 30 s a level)
+    drv.turn()
+    assert core.preempted == [] and seq.shielded and seq.status is RequestStatus.DECODING
+    drv.until_idle()
+    assert core.preemptions == 1                     # came back by waiting: not preempted again
+    assert bf.result().raw_text == _alone(dense, _job(BACKGROUND[0], 1, 30)).raw_text
+    assert uf.result().raw_text == _alone(dense, _job("Quick: what is 2+2?", 0, 30)).raw_text
+
+
+# ---------------------------------------------------------------------------- the HTTP fronts
+def _post(port: int, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_fronts_take_a_priority_and_refuse_a_bad_one(dense):
+    server = LiveServer(engine_settings(dense))
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        code, body = _post(server.port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                                  "priority": "urgent"})
+        assert code == 400 and body["error"]["param"] == "priority"
+        assert body["error"]["message"] == "'priority' must be an integer (lower goes first)"
+        code, body = _post(server.port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2},
+                           {urgency.HEADER: "soon"})
+        assert code == 400 and body["error"]["message"] == "'x-mlxstack-priority' must be an integer (lower goes first)"
+        code, body = _post(server.port, "/v1/messages", {"messages": msgs, "max_tokens": 2},
+                           {urgency.HEADER: "2000"})
+        assert code == 400 and body["type"] == "error" and "between -1000 and 1000" in body["error"]["message"]
+        code, body = _post(server.port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                                  "priority": -5})
+        assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    finally:
+        server.close()
