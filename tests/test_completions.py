@@ -247,3 +247,38 @@ def test_request_log_names_the_front(warm):
     complete(warm, prompt="Front door check:", max_tokens=2)
     recent = http_json(warm.base + "/v1/cache/stats")[1]["recent"][-1]
     assert recent["api"] == "completions" and recent["session"].startswith("completion:")
+
+
+# ------------------------------------------------------------------ through LiteLLM on a real port
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, embedded_model_path):
+    from tests.test_e2e_stack import Stack
+
+    s = Stack(tmp_path_factory.mktemp("completions"), str(embedded_model_path.parent))
+    yield s
+    s.stop()
+
+
+def test_through_litellm_text_reuse_token_prompts_stream_and_errors(stack, warm, tok):
+    """LiteLLM's text_completion route forwards to the backend's /v1/completions; the front door
+    carries a token-id prompt past it (LiteLLM takes only strings) and hands the server's own 400
+    through (LiteLLM words it without ``param``)."""
+    from tests.test_e2e_stack import KEY, MODEL
+
+    oai = openai.OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    prompt = "The three primary colours of paint are red, yellow and blue. Mixing red with yellow paint gives"
+    ids = tok.encode(prompt)
+    assert len(ids) > 16
+    direct = complete(warm, prompt=prompt, max_tokens=10).choices[0].text
+    first = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    assert first.choices[0].text == direct and first.usage.prompt_tokens == len(ids)
+    again = oai.completions.create(model=MODEL, prompt=ids + tok.encode(" orange"), max_tokens=10, temperature=0)
+    assert again.usage.prompt_tokens == len(ids) + 1
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(ids)
+    assert again.choices[0].text == complete(warm, prompt=ids + tok.encode(" orange"), max_tokens=10,
+                                             extra_body={"cache_salt": "cold-ref"}).choices[0].text
+    chunks = list(oai.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text or "" for c in chunks if c.choices) == direct
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt=prompt, suffix="x")
+    assert err.value.body["param"] == "suffix" and err.value.body["code"] == "unsupported_parameter"

@@ -61,6 +61,11 @@ class CompletionPrompt:
 def _prompt_parts(body: dict, vocab_size: int | None) -> tuple[list, bool]:
     """(the prompt as parts -- one text, or token ids --, whether it is text)."""
     prompt = body.get("prompt")
+    carried = body.get("mlxstack_prompt")     # token ids the front door carried past LiteLLM (routing/front_door.py)
+    if carried is not None:
+        if not (isinstance(carried, list) and carried):
+            raise bad_request("'mlxstack_prompt' must be a non-empty list of token ids", param="prompt")
+        prompt = carried
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
         prompt = prompt[0]         # a list holding one prompt is that prompt
     if isinstance(prompt, str):
