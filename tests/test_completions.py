@@ -249,6 +249,28 @@ def test_request_log_names_the_front(warm):
     assert recent["api"] == "completions" and recent["session"].startswith("completion:")
 
 
+# ------------------------------------------------------------------ the front door's repairs (pure)
+def test_the_front_door_carries_a_token_prompt_and_reads_the_openai_providers_wrapped_400():
+    import json
+
+    from mlxstack.routing.front_door import backend_error, carry_token_prompt
+
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        carried = json.loads(carry_token_prompt(json.dumps({"model": "m", "prompt": prompt, "max_tokens": 3}).encode()))
+        assert carried["mlxstack_prompt"] == [5, 6, 7] and isinstance(carried["prompt"], str)
+        assert carried["model"] == "m" and carried["max_tokens"] == 3
+    for body in ({"prompt": "text"}, {"prompt": ["a"]}, {"prompt": [True]}, {"prompt": []}, [1], "x"):
+        assert carry_token_prompt(json.dumps(body).encode()) is None
+    assert carry_token_prompt(b"{not json") is None
+    ours = {"error": {"message": "'suffix' is not supported", "type": "invalid_request_error", "param": "suffix",
+                      "code": "unsupported_parameter"}}
+    wrapped = {"error": {"message": f"litellm.BadRequestError: OpenAIException - Error code: 400 - {ours!r}\n\n"
+                                    "LiteLLM: model group 'm' failed with the error above.", "param": None, "code": "400"}}
+    assert json.loads(backend_error(json.dumps(wrapped).encode())) == ours
+    odd = {"error": {"message": "OpenAIException - Error code: 400 - {__import__('os')}", "param": None}}
+    assert backend_error(json.dumps(odd).encode()) is None      # a literal or nothing: never evaluated
+
+
 # ------------------------------------------------------------------ through LiteLLM on a real port
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, embedded_model_path):
