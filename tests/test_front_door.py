@@ -171,8 +171,10 @@ ALIASES = {
              "/engines/a/b/c/chat/completions"],
     "responses": ["/v1/responses", "/responses", "/openai/v1/responses"],
     "messages": ["/v1/messages", "/v1/messages/count_tokens", "/anthropic/v1/messages"],
-    "keyed": ["/v1/completions", "/engines/m/completions", "/openai/deployments/m/embeddings", "/v1/models",
-              "/models/m", "/v1/responses/resp_1", "/model/info", "/engines/openai/m/completions",
+    "completions": ["/v1/completions", "/completions", "/openai/v1/completions", "/engines/m/completions",
+                    "/engines/openai/m/completions", "/openai/deployments/m/completions"],
+    "keyed": ["/openai/deployments/m/embeddings", "/v1/models",
+              "/models/m", "/v1/responses/resp_1", "/model/info",
               "/openai/deployments/openai/m/embeddings", "/engines/openai/m/embeddings"],
     None: ["/health", "/health/liveliness", "/", "/v1/chat", "/ui/", "/engines/m/other", "/engines/openai/m/other"],
 }
@@ -188,7 +190,7 @@ def test_every_alias_litellm_serves_gets_the_same_checks():
     for path in ALIASES["chat"]:
         assert refused(path, bad).status == 400 and refused(path, bad).body["error"]["param"] == "messages[0].content"
         assert refused(path, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}) is None
-    for path in ALIASES["chat"] + ALIASES["responses"] + ALIASES["keyed"]:
+    for path in ALIASES["chat"] + ALIASES["responses"] + ALIASES["completions"] + ALIASES["keyed"]:
         assert refused(path, {}, headers=[(b"authorization", b"Bearer wrong")]).status == 401, path
     assert refused("/openai/v1/responses", {"model": "m", "input": 5}).body["error"]["param"] == "input"
     assert refused("/anthropic/v1/messages", [1]).body["type"] == "error"

@@ -32,7 +32,8 @@ from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.key_text import canonical_text
 from ..prompt.render import TemplateError, encode
 from ..prompt.scrub import scrub_cache_key
-from ..prompt.session_context import SessionContext, extract_session_context, opening_end, scoped, session_opening
+from ..prompt.session_context import (SessionContext, extract_session_context, opening_end, prefix_hash_session_id, scoped,
+                                      session_opening)
 from ..prompt.write_content import omit_written_content
 from .request import CacheBreakpoint, ChatJob, PreparedPrompt
 
@@ -52,6 +53,8 @@ class PromptAssembly:
     def prepare(self, job: ChatJob) -> PreparedPrompt:
         """heal -> canonicalise -> render once -> tokenise (``_tokenize``: the VLM seam) -> the key
         safety check (``_plain_key``: what the key falls back to) -> history boundary."""
+        if job.raw_prompt is not None:
+            return self._prepare_raw(job)
         s = self.settings
         renders = [0]
         healed = self.state.heal(job.messages, job.scope)
@@ -81,6 +84,42 @@ class PromptAssembly:
             self.state.counters.bump("write_contents_omitted", omitted)
             self.state.counters.bump("write_content_bytes_omitted", omitted_bytes)
         return prep
+
+    def _prepare_raw(self, job: ChatJob) -> PreparedPrompt:
+        """A text completion's prompt (``job.raw_prompt``): its tokens are the model tokens and the
+        key alike (the same list: nothing is canonicalised or scrubbed, so a hit is exactly the
+        tokens two prompts share), no render, the whole prompt its own history."""
+        tokens = self.raw_tokens(job.raw_prompt)
+        prep = PreparedPrompt([], [], "", tokens, tokens, 0)
+        prep.history_end = len(tokens)
+        return prep
+
+    def raw_tokens(self, parts: list) -> list[int]:
+        """The token ids of a raw prompt's parts: ids as given, text encoded as it stands; a prompt
+        that opens with text starts with the tokenizer's own leading tokens (a BOS where it adds one)."""
+        tok = self.loaded.tokenizer
+        out: list[int] = list(self._leading_ids()) if parts and isinstance(parts[0], str) else []
+        for part in parts:
+            if isinstance(part, str):
+                out += encode(tok, part) if part else []
+            else:
+                out.append(int(part))
+        return out
+
+    def _leading_ids(self) -> list[int]:
+        """What the tokenizer puts before a text of its own accord (its BOS, if any): the ids its
+        plain encoding with special tokens has before those of the text alone (memoised)."""
+        memo = self.__dict__.get("_leading_memo")
+        if memo is None:
+            tok = self.loaded.tokenizer
+            try:
+                full = list(tok.encode("a", add_special_tokens=True))
+                bare = list(tok.encode("a", add_special_tokens=False))
+            except TypeError:       # a tokenizer without the keyword adds nothing we can tell apart
+                full = bare = []
+            memo = full[: len(full) - len(bare)] if bare and full[len(full) - len(bare):] == bare else []
+            self.__dict__["_leading_memo"] = memo
+        return memo
 
     def _render(self, renders: list[int], messages: list[dict], job: ChatJob,
                 add_generation_prompt: bool = True) -> str:
@@ -185,6 +224,8 @@ class PromptAssembly:
         """(stable message count, token boundary of those messages in the model tokens): from the
         turn store's record of the previous request when the stable messages are that whole
         record (a growing conversation), else by rendering them (a branch inside the record)."""
+        if job.raw_prompt is not None:
+            return 0, 0          # no messages: the turn store keeps nothing for a raw prompt
         turns = self.state.turns
         n = turns.stable_prefix(session_id, prep.record_canonical)
         if n <= 0:
@@ -199,7 +240,12 @@ class PromptAssembly:
 
     def session_of(self, prep: PreparedPrompt, job: ChatJob) -> SessionContext:
         """The client's session id, else the digest of the conversation's opening as the client
-        sent it (the router's too), in the request's cache scope."""
+        sent it (the router's too), in the request's cache scope. A raw prompt without a client id:
+        the digest of its first block of tokens (a prefix that does not grow as it is continued)."""
+        if job.raw_prompt is not None:
+            first = prep.model_tokens[: self.state.prompt_cache.config.block_size]
+            implicit = SessionContext("completion:" + prefix_hash_session_id(first)[:32], "prompt-prefix")
+            return scoped(extract_session_context(job.body, job.headers, implicit=implicit), job.scope)
         return scoped(extract_session_context(job.body, job.headers, implicit=self.implicit_session(job.messages)),
                       job.scope)
 

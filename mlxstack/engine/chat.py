@@ -302,9 +302,12 @@ class ChatEngine(PromptAssembly, TurnFinish):
         """Per-sequence decode state (sampler, stop matchers, detokenizer); False when there is
         nothing to generate."""
         seq.stopper = StopMatcher(seq.job.stop)
-        seq.harmony_stop = HarmonyStopper() if self.harmony else None
+        # harmony's rule ends a chat reply at its final message; a raw prompt's text has no messages
+        seq.harmony_stop = HarmonyStopper() if self.harmony and seq.job.raw_prompt is None else None
         seq.detok = self.loaded.tokenizer.detokenizer
         seq.detok.reset()
+        if seq.job.raw_prompt is not None:
+            keep_leading_space(seq.detok)
         width = self.sampled_width(logits)
         seq.sampler = Sampler(seq.params, seq.prep.model_tokens, width, constraint=self.new_constraint(seq, width))
         seq.spec = self.speculation.row(seq)
@@ -454,6 +457,21 @@ class ChatEngine(PromptAssembly, TurnFinish):
             live = self.new_cache()
             self._width = int(last_logits(self.loaded.model, live, 0).shape[-1])
         return self._width
+
+
+SHOWN_FROM = "\x00"     # a detokenizer's text before a raw prompt's reply: never shown
+
+
+def keep_leading_space(detok: Any) -> None:
+    """A raw prompt's reply continues its text, so its first token keeps its leading space
+    ("is" + " Berlin"). mlx-lm's streaming detokenizers drop that space while their text is empty
+    (right for a reply after a chat template's generation prompt): the text starts with a marker
+    the reply's segments never include (``last_segment`` reads from ``offset`` on)."""
+    if isinstance(getattr(type(detok), "text", None), property):   # the naive one: text is computed
+        detok._text = SHOWN_FROM
+    else:
+        detok.text = SHOWN_FROM
+    detok.offset = len(SHOWN_FROM)
 
 
 def tokenizer_size(tokenizer: Any) -> int | None:

@@ -68,7 +68,7 @@ class TurnFinish:
             self._check_json(seq, visible)
         if store or aborted or job.prefill_only:     # an abort (a hang-up just now) salvages at once
             self._store_turn(seq, aborted, raw_ids)
-        if not aborted and not job.prefill_only:
+        if not aborted and not job.prefill_only and job.raw_prompt is None:   # a raw prompt has no messages to record
             st.turns.update(self.record_session(seq), prep.record_canonical, history=prep.history_end)
             self._remember_reply(seq, raw_text, visible)
 
@@ -266,8 +266,10 @@ class TurnFinish:
         so the next turn reuses the whole reply. None where the next turn does not re-render this
         prompt as its prefix (a template that drops earlier turns' reasoning; an image prompt)."""
         prep, job = seq.prep, seq.job
-        if prep.extras or seq.forced:
-            return None            # images expand on the VLM's own path; a forced opening is its own piece
+        if prep.extras or seq.forced or job.raw_prompt is not None:
+            # images expand on the VLM's own path; a forced opening is its own piece; a raw prompt
+            # is continued by its reply's own tokens, never rendered
+            return None
         message = self.echoed_message(seq, content_ids)
         history = prep.original + canonicalize_messages(
             [message], enabled=False, strip_billing_header=self.settings.strip_billing_header)[0]
@@ -345,7 +347,10 @@ class TurnFinish:
         return target, target[fed:]
 
     def _closer_ids(self, seq: Request, content_ids: list[int]) -> list[int]:
-        """The template's turn closer after the reply's own tokens (the guess without an echo)."""
+        """The template's turn closer after the reply's own tokens (the guess without an echo); a
+        raw prompt's reply has none (the next completion continues the text itself)."""
+        if seq.job.raw_prompt is not None:
+            return []
         closer = self.renderer.assistant_closer(seq.job.enable_thinking)
         closer_ids = encode(self.loaded.tokenizer, closer) if closer else []
         generated = seq.generated

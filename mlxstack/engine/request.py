@@ -80,6 +80,12 @@ class ChatJob:
     # header | a client shape's marker | default
     priority: int = 0
     priority_source: str = "default"
+    # a text completion's prompt (POST /v1/completions) instead of a chat: token ids and text
+    # pieces in order (a text piece encoded as it stands, added tokens parsed, nothing added; a
+    # prompt that opens with text gets the tokenizer's own leading tokens). No chat template, no
+    # canonical key, no turn or healing records: the model sees exactly these tokens and the
+    # cache is looked up, reused and stored on them alone. None: a chat job (``messages``).
+    raw_prompt: list | None = None
 
 
 @dataclass

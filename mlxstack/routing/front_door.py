@@ -32,6 +32,7 @@ everything else itself.
 """
 from __future__ import annotations
 
+import ast
 import copy
 import hmac
 import json
@@ -63,7 +64,8 @@ ROUTES: tuple[tuple[str, re.Pattern], ...] = (
     ("chat", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/chat/completions/?$")),
     ("responses", re.compile(rf"^{_PREFIX}/responses/?$")),
     ("messages", re.compile(r"^(?:/anthropic)?/v1/messages(?:/count_tokens)?/?$")),
-    ("keyed", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/(?:completions|embeddings)/?$")),
+    ("completions", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/completions/?$")),
+    ("keyed", re.compile(rf"^(?:{_PREFIX}|{_MODEL_SCOPED})/embeddings/?$")),
     ("keyed", re.compile(rf"^{_PREFIX}/responses/.+$")),
     ("keyed", re.compile(rf"^{_PREFIX}/models(?:/.*)?$")),
     ("keyed", re.compile(r"^(?:/v1)?/model/info/?$")),
@@ -253,8 +255,9 @@ def check_messages(body: dict) -> tuple[str, str] | None:
 
 
 def route_kind(path: str) -> str | None:
-    """"chat" / "responses" / "messages" (key and body checked), "keyed" (key only) or None (not
-    ours to check) for any alias LiteLLM serves the route under."""
+    """"chat" / "responses" / "messages" (key and body checked), "completions" (key checked, a
+    token-id prompt carried past LiteLLM), "keyed" (key only) or None (not ours to check) for any
+    alias LiteLLM serves the route under."""
     for kind, pattern in ROUTES:
         if pattern.match(path):
             return kind
@@ -278,6 +281,28 @@ def check_request(method: str, path: str, headers: list[tuple[bytes, bytes]], bo
                   master_key: str) -> Rejection | None:
     """The answer for a request the front door refuses, else None (LiteLLM takes it)."""
     return check_headers(method, path, headers, master_key) or check_body(method, path, body)
+
+
+TOKEN_PROMPT = "mlxstack_prompt"    # a completion's token-id prompt, past LiteLLM (server/openai/completions.py)
+
+
+def carry_token_prompt(body: bytes) -> bytes | None:
+    """A text completion whose ``prompt`` is token ids (a list of ints, or a list holding one),
+    rewritten so LiteLLM forwards it: LiteLLM 1.106.2 takes only a string or a list of strings
+    (anything else is its 500 "Unmapped prompt format"), so the ids go in ``mlxstack_prompt``,
+    which it forwards untouched and the MLX server prefers, and ``prompt`` becomes a placeholder
+    string. None: nothing to rewrite (a string prompt, a body that is not JSON)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    prompt = data.get("prompt")
+    one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+    if not (isinstance(one, list) and one and all(isinstance(t, int) and not isinstance(t, bool) for t in one)):
+        return None
+    return json.dumps({**data, "prompt": "(token ids in mlxstack_prompt)", TOKEN_PROMPT: one}).encode()
 
 
 def check_body(method: str, path: str, body: bytes | None) -> Rejection | None:
@@ -381,7 +406,13 @@ class FrontDoor:
         if refused is not None:
             await _respond(send, refused)
             return
-        downstream = _unwrapping(send) if route_kind(path) in ("chat", "responses") else send
+        kind = route_kind(path)
+        carried = carry_token_prompt(body) if kind == "completions" and method == "POST" and body else None
+        if carried is not None:
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(carried)).encode())]}
+            replay = [{"type": "http.request", "body": carried, "more_body": False}]
+        downstream = _unwrapping(send) if kind in ("chat", "responses", "completions") else send
         await self.app(scope, _replaying(replay, receive), downstream)
 
 
@@ -437,13 +468,20 @@ def backend_error(body: bytes) -> bytes | None:
         else None
     if not isinstance(message, str):
         return None
-    at = message.find("Exception - {")
-    if at < 0:
+    at = message.find("Exception - ")
+    brace = message.find("{", at) if at >= 0 else -1
+    if brace < 0 or message[at + len("Exception - "):brace].strip() not in ("", "Error code: 400 -"):
         return None
     try:
-        inner, _ = json.JSONDecoder().raw_decode(message[at + len("Exception - "):])
+        inner, _ = json.JSONDecoder().raw_decode(message[brace:])
     except ValueError:
-        return None
+        # the openai provider (text completions) words it as the openai SDK's error: "Error code:
+        # 400 - {<the backend's error as a Python dict>}" -- a literal, read as one, never run
+        end = message.find("\n\nLiteLLM", brace)
+        try:
+            inner = ast.literal_eval(message[brace:end if end >= 0 else len(message)].strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
     if not (isinstance(inner, dict) and isinstance(inner.get("error"), dict)
             and isinstance(inner["error"].get("message"), str)):
         return None

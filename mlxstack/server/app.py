@@ -32,6 +32,7 @@ from .http.guard import Guard, bind_refusal
 from .http.handler import Handler
 from .http.pooled_server import PooledHTTPServer
 from .openai.chat import handle_chat_completions
+from .openai.completions import handle_completions
 from .openai.responses import handle_delete, handle_input_items, handle_responses, handle_retrieve
 
 log = logging.getLogger("mlxstack.app")
@@ -225,6 +226,7 @@ class App:
     def post_routes(self, h: Any) -> dict[str, Callable[[], None]]:
         return {"/v1/chat/completions": lambda: handle_chat_completions(h),
                 "/chat/completions": lambda: handle_chat_completions(h),
+                "/v1/completions": lambda: handle_completions(h), "/completions": lambda: handle_completions(h),
                 "/v1/responses": lambda: handle_responses(h), "/responses": lambda: handle_responses(h),
                 "/v1/messages": lambda: handle_messages(h),
                 "/v1/messages/count_tokens": lambda: handle_count_tokens(h)}

@@ -74,9 +74,10 @@ def attach_grammar(app: Any, req: ChatRequest, fields: Fields = CHAT_FIELDS) -> 
 
 def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit: Callable[[str], None],
              on_prompt: Callable[[PromptReady], None], is_cancelled: Callable[[], bool],
-             diagnosis: "Diagnosis | None" = None, api: str = "") -> ChatJob:
+             diagnosis: "Diagnosis | None" = None, api: str = "", raw_prompt: list | None = None) -> ChatJob:
     """The ChatJob /v1/chat/completions builds for the same validated request (``diagnosis``: the
-    reply's id, and the comparison the client asked for; ``api``: the front, for the logs)."""
+    reply's id, and the comparison the client asked for; ``api``: the front, for the logs;
+    ``raw_prompt``: a text completion's prompt parts, which the model sees instead of the messages)."""
     d = diagnosis or Diagnosis()
     try:
         urgency = priority.resolve(req.body.get("priority"), headers.get(priority.HEADER), req.messages)
@@ -96,7 +97,7 @@ def chat_job(req: ChatRequest, request_id: str, headers: dict[str, str], *, emit
         sampling_origin=req.sampling_origin,
         response_id=d.response_id, diagnose=d.wanted, compare_to=d.compare_to, prefill_only=d.prewarm,
         breakpoints=d.breakpoints, cache_ttl=d.cache_ttl, api=api,
-        scope=scope_of(headers.get(TENANT_HEADER, ""), req.cache_salt),
+        scope=scope_of(headers.get(TENANT_HEADER, ""), req.cache_salt), raw_prompt=raw_prompt,
         priority=urgency.value, priority_source=urgency.source,
     )
 
@@ -153,12 +154,13 @@ def request_headers(handler: Any) -> dict[str, str]:
     return headers
 
 
-API_ROUTES = (("/chat/completions", "chat"), ("/responses", "responses"), ("/messages", "messages"))
+API_ROUTES = (("/chat/completions", "chat"), ("/completions", "completions"), ("/responses", "responses"),
+              ("/messages", "messages"))
 
 
 def api_name(path: str) -> str:
-    """The front a request path belongs to (request logs, /v1/cache/stats): chat, responses,
-    messages; the path itself for any other."""
+    """The front a request path belongs to (request logs, /v1/cache/stats): chat, completions,
+    responses, messages; the path itself for any other."""
     route = (path or "").split("?", 1)[0].rstrip("/")
     for suffix, name in API_ROUTES:
         if route.endswith(suffix):
@@ -199,12 +201,12 @@ class JobRun:
 
     @classmethod
     def submit(cls, handler: Any, req: ChatRequest, request_id: str, stream: bool,
-               diagnosis: Diagnosis | None = None) -> "JobRun":
+               diagnosis: Diagnosis | None = None, raw_prompt: list | None = None) -> "JobRun":
         def factory(run: "JobRun") -> ChatJob:
             sink = run.deltas.put if stream else (lambda _x: None)
             return chat_job(req, request_id, request_headers(handler), emit=sink, on_prompt=sink,
                             is_cancelled=run.is_cancelled, diagnosis=diagnosis,
-                            api=api_name(getattr(handler, "path", "")))
+                            api=api_name(getattr(handler, "path", "")), raw_prompt=raw_prompt)
         return cls(handler, factory, stream)
 
     def _events(self) -> Iterator[Any]:
