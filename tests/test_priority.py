@@ -275,3 +275,23 @@ def test_the_fronts_take_a_priority_and_refuse_a_bad_one(dense):
         assert code == 200 and body["choices"][0]["message"]["role"] == "assistant"
     finally:
         server.close()
+
+
+def test_with_a_backlog_behind_a_full_batch_the_urgent_request_decodes_alone(dense):
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 2, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0))
+    drv = Driver(core)
+    futures = [drv.submit(_job(BACKGROUND[i % 4], 1, 24, session=f"b{i}")) for i in range(4)]
+    while len(core.group) < 2:
+        drv.turn()
+    drv.turn()
+    uf = drv.submit(_job("Quick: what is 2+2?", 0, 20, session="u"))
+    drv.turn()
+    assert core.preemptions == 2 and len(drv.backlog) == 2       # the backlog waits behind the preempted rows
+    while not uf.done():
+        drv.turn()
+        assert len(core.group) <= 1 and len(drv.backlog) == 2
+    drv.until_idle()
+    assert core.resumed == 2 and all(f.done() for f in futures)
+    assert [f.result().raw_text for f in futures] == [_alone(dense, _job(BACKGROUND[i % 4], 1, 24)).raw_text
+                                                      for i in range(4)]

@@ -82,7 +82,7 @@ def fork(follower: Request, kv: KVManager) -> None:
 class PriorityPolicy:
     """PRIORITY_SCHEDULING, PRIORITY_DECODE_ROWS, PRIORITY_AGING_SECONDS (scheduler/priority.py)."""
     enabled: bool = False
-    beside: int = 2
+    beside: int = 0
     aging_s: float = 30.0
 
 
