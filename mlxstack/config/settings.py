@@ -40,6 +40,8 @@ _FALSE = {"0", "false", "no", "off"}
 SPECS: tuple[Spec, ...] = (
     # --- model -----------------------------------------------------------------
     Spec("MODEL_PATH", "str", "", "Local model folder or Hugging Face repo id. Empty = embedded SmolLM2-135M-Instruct.", group="model"),
+    Spec("MODEL_FETCH", "bool", True, "A MODEL_PATH / DRAFT_MODEL that names a Hugging Face repo id (owner/name) not in the local hub cache is downloaded at load: only the files MLX loads (safetensors, JSON configs, tokenizer, chat templates; never .bin / .gguf / .onnx), resumed after a broken connection, refused at once when the free disk is short of its size; progress on the console and in /health (fetch). Endpoint HF_ENDPOINT, cache HF_HUB_CACHE / HF_HOME, token HF_TOKEN (huggingface_hub's own variables). false: a model not cached is an error ('mlxstack pull REPO' downloads ahead).", group="model"),
+    Spec("MODELS_DIR", "str", "", "A folder of local MLX model folders (each with a config.json): 'mlxstack models' lists them beside the hub cache's MLX repos, and MODEL_PATH / DRAFT_MODEL may name one by its folder name. Empty = none.", group="model"),
     Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "harmony", "generic"), group="model"),
     Spec("MODEL_CACHE_DIR", "str", "", "Where the embedded model is converted to MLX once. Empty = ~/.cache/mlxstack.", group="model"),
     Spec("CPU_FLOAT32", "bool", True, "On CPU-only MLX, dequantize/upcast weights to float32 (BLAS-friendly, much faster prefill).", group="model"),

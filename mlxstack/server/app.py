@@ -18,6 +18,7 @@ from ..engine.lockstep import Lockstep, portable_job
 from ..engine.request import ChatJob
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
+from ..models import hub
 from ..models.loader import load_model
 from ..models.sharding import from_rank0
 from ..prompt.images import ImageLimits
@@ -261,6 +262,9 @@ class App:
                 "busy": self.worker.busy}
         if problem:
             body["error"] = problem
+        fetching = hub.PROGRESS.snapshot()
+        if fetching["state"] != "idle":     # a model downloaded at load (MODEL_FETCH): where it stands
+            body["fetch"] = fetching
         backend = self.loaded.extra.get("backend") if self.loaded is not None else None
         if backend is not None and backend.report is not None:   # what the backend turned on, and why
             body["backend"] = backend.report.as_dict()
