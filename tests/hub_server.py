@@ -17,6 +17,8 @@ Routes (what huggingface_hub 1.x reads from each):
 
 ``drop_once[(repo, file)] = n``: the first full GET of that file sends its whole Content-Length but
 only ``n`` bytes, then closes the connection (a broken download, for resume).
+``hold[(repo, file)] = (n, event)``: a full GET of that file sends ``n`` bytes, then waits for
+``event`` before the rest (a download caught in the middle).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class HubServer:
             self.repos[repo] = dict(files)
         self.requests: list[tuple[str, str, str | None]] = []
         self.drop_once: dict[tuple[str, str], int] = {}
+        self.hold: dict[tuple[str, str], tuple[int, threading.Event]] = {}
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,7 +54,10 @@ class HubServer:
                 hub._serve(self, head=True)
 
             def do_GET(self) -> None:
-                hub._serve(self, head=False)
+                try:
+                    hub._serve(self, head=False)
+                except (BrokenPipeError, ConnectionResetError):   # a client that gave up on a held file
+                    self.close_connection = True
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -136,6 +142,12 @@ class HubServer:
             h.wfile.flush()
             h.close_connection = True
             return
+        held = None if status == 206 else self.hold.get((repo, name))
+        if held is not None:
+            h.wfile.write(body[:held[0]])
+            h.wfile.flush()
+            held[1].wait(60)
+            body = body[held[0]:]
         h.wfile.write(body)
 
     def _json(self, h: BaseHTTPRequestHandler, body: object) -> None:

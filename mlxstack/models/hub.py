@@ -104,6 +104,11 @@ class FetchProgress:
             self.bytes_done = self.bytes_total = self.files_total = 0
             self.error, self.started = "", time.time()
 
+    def reset(self) -> None:
+        with self._lock:
+            self.repo, self.revision, self.state, self.error, self.started = "", "", "idle", "", 0.0
+            self.bytes_done = self.bytes_total = self.files_total = 0
+
     def update(self, **values: Any) -> None:
         with self._lock:
             for key, value in values.items():
@@ -145,23 +150,30 @@ def hub_reachable(repo: str) -> Iterator[None]:
             constants.HF_HUB_OFFLINE = before
 
 
-def _bar_class(progress: FetchProgress, console: bool) -> type:
-    """A tqdm class for snapshot_download: its byte bar also feeds ``progress``; ``console`` off
-    draws nothing (the state is still kept)."""
+def _bar_class(progress: FetchProgress, console: bool, say: Callable[[str], None]) -> type:
+    """A tqdm class for snapshot_download: its bytes-written bar also feeds ``progress`` and says
+    each tenth of the total (for logs that are not a terminal, where tqdm draws nothing); ``console``
+    off draws no bar at all."""
     from huggingface_hub.utils import tqdm as hf_tqdm
 
     class Bar(hf_tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._feeds = kwargs.get("name") == "huggingface_hub.snapshot_download"   # the bytes written
+            self._bytes, self._tenth = 0, 0
             if not console:
                 kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
         def update(self, n: float | None = 1) -> bool | None:
-            out = super().update(n)
-            if self._feeds:
-                progress.update(bytes_done=int(self.n))
-            return out
+            if self._feeds and n:       # counted here: a disabled bar (no terminal) counts nothing
+                self._bytes += int(n)
+                progress.update(bytes_done=self._bytes)
+                total = progress.bytes_total
+                tenth = min(10, 10 * self._bytes // total) if total else 0
+                if tenth > self._tenth:
+                    self._tenth = tenth
+                    say(f"downloading {progress.repo}: {gib(self._bytes)} of {gib(total)} ({10 * tenth}%)")
+            return super().update(n)
 
     return Bar
 
@@ -181,7 +193,7 @@ def fetch(repo: str, revision: str | None = None, *, console: bool = True,
     except FetchError as exc:
         progress.update(state="failed", error=str(exc))
         raise
-    progress.update(state="done", bytes_done=progress.bytes_total)
+    progress.update(state="done")
     return path
 
 
@@ -237,7 +249,7 @@ def _fetch(repo: str, revision: str | None, console: bool, say: Callable[[str], 
             say(f"downloading {repo} ({rev}) from {endpoint}: {len(missing)} files, {gib(need)}")
         try:
             path = snapshot_download(repo, revision=revision, cache_dir=str(cache), endpoint=endpoint,
-                                     allow_patterns=list(MLX_PATTERNS), tqdm_class=_bar_class(progress, console))
+                                     allow_patterns=list(MLX_PATTERNS), tqdm_class=_bar_class(progress, console, say))
         except HfHubHTTPError as exc:       # before OSError / httpx.HTTPError: it is both
             raise FetchError(f"downloading {repo} from {where} failed: HTTP {_status(exc)}; run it again to "
                              "resume (files already complete are kept).") from None
