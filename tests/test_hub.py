@@ -231,6 +231,7 @@ def test_the_launchers_start_up_limit_does_not_count_a_download_in_progress():
 # --- a real server fetching its model at load ------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_server_fetches_a_missing_repo_at_load_reports_it_and_answers(local_hub, tmp_path, monkeypatch):
     release = threading.Event()
     local_hub.hold[(REPO, "model.safetensors")] = (11 * 2 ** 20, release)

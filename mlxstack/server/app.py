@@ -254,7 +254,8 @@ class App:
         load failed, or the inference thread died or stalled (INFERENCE_STALL_SECONDS): the
         launcher restarts a server that keeps saying so (launcher/stack.py). ``backend``: the
         backend's report once the model is loaded (backends/base.py: its name, and each feature
-        "on (...)" or "off: why")."""
+        "on (...)" or "off: why"). ``fetch``: the model's download from a hub at load
+        (models/hub.py: repo, state, bytes done / total), once one has begun."""
         problem = self.load_error or (self.worker.health_problem(self.settings.inference_stall_seconds)
                                       if self.ready else None)
         body = {"status": "ok" if problem is None else "error", "model": self.model_id,
