@@ -103,7 +103,7 @@ def local_model_folder(value: str, variable: str, hint: str, settings: Settings 
         try:
             return hub.fetch(value.strip(), say=say), name
         except hub.FetchError as exc:
-            raise ModelLoadError(f"{variable}={value!r}: {exc}") from None
+            raise ModelLoadError(f"{variable}={value!r} is no local folder and not in the hub cache: {exc}") from None
     if not hub.looks_like_repo_id(value):
         raise ModelLoadError(f"{variable}={value!r} is neither a local folder nor a Hugging Face repo id (owner/name)"
                              f"{f' nor a folder of MODELS_DIR={settings.models_dir}' if models_dir else ''}. {hint}")
