@@ -536,11 +536,11 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             mlx, health = servers["mlx"].child, healths["mlx"]
             served = str(health.get("model") or lc.model_name(settings))
             say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-            lc.write_config(settings, served, config_path, lc.served_context_window(settings))
+            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, lc.served_context_window(settings)))
             env = litellm_env(settings)
         else:
             groups = _model_groups(settings, backends, say)
-            lc.write_stack_config(settings, groups, config_path)
+            _config_or_refuse(lambda: lc.write_stack_config(settings, groups, config_path))
             env = litellm_env(settings, [b for g in groups for b in g.backends], repo)
         proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
                           env, cwd=str(repo))
@@ -571,6 +571,15 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
     if code == 0:
         say("stopped; ports freed")
     return code
+
+
+def _config_or_refuse(write: Callable[[], Path]) -> Path:
+    """LiteLLM's config written, or a LaunchError saying which setting it cannot be made from
+    (MODEL_ALIASES naming a model that is not here)."""
+    try:
+        return write()
+    except SettingsError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _model_groups(settings: Settings, backends: list[Backend], say) -> list[ModelGroup]:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from urllib.parse import unquote
 
 from ..cache.summary import summary_for
-from ..config.settings import Settings, SettingsError
+from ..config.settings import Settings, SettingsError, model_aliases
 from ..engine.chat import tokenizer_size
 from ..engine.factory import make_core, make_engine
 from ..engine.lockstep import Lockstep, portable_job
@@ -49,6 +49,7 @@ class App:
         self.load_error: str | None = None
         self.model_id = "loading"
         self.aliases: set[str] = set()
+        self.alias_patterns: tuple[str, ...] = ()   # MODEL_ALIASES aimed here: the Anthropic endpoint accepts them
         self.family = "generic"
         self.loaded: Any = None
         self.engine: Any = None
@@ -130,6 +131,8 @@ class App:
             self.engine = engine
             self.model_id = loaded.model_id
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
+            self.alias_patterns = tuple(pattern for pattern, target in model_aliases(self.settings.model_aliases)
+                                        if target in ("main", self.model_id, *self.aliases))
             self.family = loaded.family
             self.vocab_size = model_vocab_size(loaded)
             self.sampling = SamplingDefaults.resolve(self.settings, read_generation_config(loaded.path))
