@@ -5,6 +5,8 @@ MLX server's Anthropic endpoint -- LiteLLM's pass-through hands it the client's 
 names aimed at it and refusing others with the list of what it answers to."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mlxstack.config.settings import SettingsError, load_settings, model_aliases
@@ -91,3 +93,34 @@ def test_the_launcher_refuses_an_alias_naming_no_model(tmp_path):
     with pytest.raises(LaunchError, match="MODEL_ALIASES: claude-\\*=nothing: no model named 'nothing'"):
         _config_or_refuse(lambda: lc.write_config(bad, "m", tmp_path / "litellm_config.yaml"))
     assert not (tmp_path / "litellm_config.yaml").exists()
+
+
+# --- through the real stack (LiteLLM in front of the MLX server) -------------------------------
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, embedded_model_path):
+    from tests.test_e2e_stack import Stack
+
+    s = Stack(tmp_path_factory.mktemp("alias_stack"), str(embedded_model_path.parent))
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_clients_own_model_names_work_through_port_4000_unconfigured(stack):
+    from tests.test_e2e_stack import KEY
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, listed, _ = http_json(stack.base + "/v1/models", headers=auth)
+    assert status == 200 and "SmolLM2-135M-Instruct" in {m["id"] for m in listed["data"]}
+    status, listed, _ = http_json(stack.base + "/v1/models?return_wildcard_routes=true", headers=auth)
+    ids = {m["id"] for m in listed["data"]}
+    assert status == 200 and {"SmolLM2-135M-Instruct", "claude-*sonnet*", "gpt-*"} <= ids, ids   # LiteLLM's switch
+    chat = {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    status, reply, _ = stack.post("/v1/chat/completions", {**chat, "model": "gpt-4o"})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+    status, reply, _ = stack.post("/v1/messages", {**chat, "model": "claude-sonnet-4-5-20250929"})   # the pass-through
+    assert status == 200 and reply["type"] == "message", reply
+    status, reply, _ = stack.post("/v1/messages", {**chat, "model": "llama-9"})
+    assert status == 404 and "aliases: claude-*opus*" in reply["error"]["message"], reply
+    status, reply, _ = stack.post("/v1/chat/completions", {**chat, "model": "llama-9"})
+    assert status in (400, 404) and "llama-9" in json.dumps(reply), reply
