@@ -8,6 +8,9 @@
     mlxstack env-example                 regenerate .env.example and docs/configuration.md
     mlxstack build-native                build the CPU backend's native kernels now, not at the
                                          server's first load (install_and_run.py runs it)
+    mlxstack pull REPO [--revision R]    download a Hugging Face model repo (the files MLX loads)
+                                         into the hub cache
+    mlxstack models                      the MLX models installed here (MODELS_DIR, the hub cache)
 
 Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e .``, as
 ``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
@@ -30,6 +33,8 @@ COMMANDS = {
     "bench": "run the benchmark guard (benchmarks/bench_guard.py; ~10 min, not in CI)",
     "env-example": "regenerate .env.example and docs/configuration.md from the settings",
     "build-native": "build the CPU backend's native kernels with the system C compiler now (else at load)",
+    "pull": "download a Hugging Face model repo (only the files MLX loads) into the hub cache: 'pull OWNER/NAME [--revision R]'",
+    "models": "list the MLX models installed here (MODELS_DIR, the Hugging Face cache): family, size, window, quantisation, resident",
     "tenant": "tenants of port 4000: 'tenant add NAME' gives NAME a key in TENANT_KEYS_FILE, 'tenant list' names them",
 }
 
@@ -80,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return build_native(rest)
     elif command == "tenant":
         return tenant(rest)
+    elif command == "pull":
+        return pull(rest)
+    elif command == "models":
+        return models(rest)
     else:
         print(f"mlxstack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
@@ -131,6 +140,72 @@ def tenant(rest: list[str]) -> int:
     print(f"tenant {args.name}: new key {key[:6]}…{key[-3:]} (full value in {path}; hand it to {args.name} "
           f"privately). The stack reads the file when it changes: no restart needed.")
     return 0
+
+
+def pull(rest: list[str]) -> int:
+    """``pull OWNER/NAME [--revision R]``: models/hub.py's fetch with its bar on the console; 0 done
+    (or already there), 1 with one line saying why not."""
+    import argparse
+
+    from .models import hub
+
+    ap = argparse.ArgumentParser(prog="mlxstack pull", description=COMMANDS["pull"])
+    ap.add_argument("repo", help="a Hugging Face model repo id, e.g. mlx-community/Qwen3-4B-4bit")
+    ap.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    args = ap.parse_args(rest)
+    if not hub.looks_like_repo_id(args.repo):
+        print(f"mlxstack pull: {args.repo!r} is not a repo id (owner/name)", file=sys.stderr)
+        return 2
+    try:
+        path = hub.fetch(args.repo, args.revision, say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except hub.FetchError as exc:
+        print(f"mlxstack pull: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def models(rest: list[str]) -> int:
+    """``models``: one row per installed MLX model; ``resident`` asks the server on MLX_HOST:MLX_PORT
+    which model it serves (its /health), "no" where it does not answer."""
+    refused = _no_arguments("models", rest)
+    if refused is not None:
+        return refused
+    from .config.settings import load_settings
+    from .models.catalog import human_size, installed_models
+
+    settings = load_settings()
+    served = served_model(settings.mlx_host, settings.mlx_port)
+    rows = [("NAME", "FAMILY", "SIZE", "CONTEXT", "QUANT", "RESIDENT")]
+    for entry in installed_models(settings):
+        rows.append((entry.name, entry.family, human_size(entry.size_bytes),
+                     str(entry.context) if entry.context else "?", entry.quantization,
+                     "yes" if served is not None and served in (entry.served_as, entry.name) else "no"))
+    if len(rows) == 1:
+        print("no MLX models installed here (mlxstack pull OWNER/NAME downloads one; MODELS_DIR names a folder of them)",
+              file=sys.stderr)
+        return 0
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def served_model(host: str, port: int, timeout: float = 1.0) -> str | None:
+    """The model id the MLX server at host:port answers /health with; None where none answers."""
+    import json
+    import urllib.request
+
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as resp:
+            return json.loads(resp.read()).get("model") or None
+    except Exception as exc:  # noqa: BLE001 - a 503 while loading still names the model
+        body = getattr(exc, "read", None)
+        try:
+            return json.loads(body()).get("model") or None if body else None
+        except Exception:  # noqa: BLE001
+            return None
 
 
 def build_native(rest: list[str]) -> int:

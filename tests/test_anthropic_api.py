@@ -182,7 +182,7 @@ def test_stop_reasons_and_usage():
 
 # ============================================================================ LiteLLM config (pure)
 def test_litellm_passes_messages_through_and_advertises_the_window():
-    s = load_settings(env={"MLX_PORT": "8181", "DEFAULT_MAX_TOKENS": "4096"})
+    s = load_settings(env={"MLX_PORT": "8181", "DEFAULT_MAX_TOKENS": "4096", "MODEL_ALIASES": "off"})
     cfg = lc.build_config(s, "SmolLM2-135M-Instruct", context_window=8192)
     assert cfg["general_settings"]["pass_through_endpoints"] == [
         {"path": "/v1/messages", "target": "http://127.0.0.1:8181/v1/messages", "forward_headers": True, "auth": True},
@@ -301,8 +301,8 @@ def test_thinking_adaptive_gives_a_thinking_block_and_disabled_none(server):
 
 
 @pytest.mark.parametrize("path, body, status, kind", [
-    ("/v1/messages", {"model": "claude-opus-9", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
-     404, "not_found_error"),
+    ("/v1/messages", {"model": "llama-9", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+     404, "not_found_error"),                     # claude-* names are MODEL_ALIASES of the served model
     ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
      400, "invalid_request_error"),
     ("/v1/messages", {"max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error"),
@@ -429,7 +429,7 @@ def test_claude_code_request_shape_reaches_the_model_whole_through_litellm(stack
     assert ENV_BLOCK in record["model_text"] and "Operator note" not in record["model_text"]
     s, counted, _ = stack.post("/v1/messages/count_tokens", {k: body[k] for k in ("model", "system", "messages")})
     assert (s, counted) == (200, {"input_tokens": row["prompt_tokens"]})
-    s, err, _ = stack.post("/v1/messages", {**body, "stream": False, "model": "claude-haiku-9"})
+    s, err, _ = stack.post("/v1/messages", {**body, "stream": False, "model": "llama-9"})   # claude-*: MODEL_ALIASES
     assert s == 404 and err["error"]["type"] == "not_found_error"
     s, ok, _ = stack.post("/v1/messages", {**body, "stream": False})
     assert s == 200 and ok["usage"]["cache_read_input_tokens"] == row["prompt_tokens"] - 1

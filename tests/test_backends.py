@@ -156,7 +156,7 @@ def test_backend_keys_are_referenced_never_written():
 
 @pytest.mark.parametrize("routing", ["cache_aware", "affinity", "shuffle"])
 def test_stack_config_lists_every_backend_under_every_name(routing):
-    s = _settings(routing=routing, mlx_api_key="sk-local", proxy_request_timeout_seconds=77)
+    s = _settings(routing=routing, mlx_api_key="sk-local", proxy_request_timeout_seconds=77, model_aliases="off")
     backends = [Backend("mlx:1", "http://127.0.0.1:1", True, 0, api_key="sk-local"),
                 Backend("mlx:2", "http://127.0.0.1:2", True, 0, api_key="sk-local"),
                 Backend("remote", "http://r:3", False, 1, api_key="sk-remote", aliases=("small-fast",))]

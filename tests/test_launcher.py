@@ -44,8 +44,9 @@ def wait_listening(port: int, timeout: float = 10.0) -> None:
 def test_config_yaml_content():
     s = load_settings(env={"MLX_PORT": "8181", "PROXY_REQUEST_TIMEOUT_SECONDS": "1234"})
     cfg = yaml.safe_load(lc.render_yaml(lc.build_config(s, "SmolLM2-135M-Instruct")))
-    assert [m["model_name"] for m in cfg["model_list"]] == ["openai/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"]
-    for entry in cfg["model_list"]:
+    assert [m["model_name"] for m in cfg["model_list"]] == ["openai/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct",
+                                                          "claude-*opus*", "claude-*sonnet*", "claude-*haiku*", "gpt-*"]
+    for entry in cfg["model_list"]:     # the MODEL_ALIASES patterns route to the same deployment
         p = entry["litellm_params"]
         assert p["model"] == "hosted_vllm/SmolLM2-135M-Instruct"
         assert p["api_base"] == "http://127.0.0.1:8181/v1" and p["timeout"] == p["stream_timeout"] == 1234

@@ -40,6 +40,8 @@ _FALSE = {"0", "false", "no", "off"}
 SPECS: tuple[Spec, ...] = (
     # --- model -----------------------------------------------------------------
     Spec("MODEL_PATH", "str", "", "Local model folder or Hugging Face repo id. Empty = embedded SmolLM2-135M-Instruct.", group="model"),
+    Spec("MODEL_FETCH", "bool", True, "A MODEL_PATH / DRAFT_MODEL that names a Hugging Face repo id (owner/name) not in the local hub cache is downloaded at load: only the files MLX loads (safetensors, JSON configs, tokenizer, chat templates; never .bin / .gguf / .onnx), resumed after a broken connection, refused at once when the free disk is short of its size; progress on the console and in /health (fetch). Endpoint HF_ENDPOINT, cache HF_HUB_CACHE / HF_HOME, token HF_TOKEN (huggingface_hub's own variables). false: a model not cached is an error ('mlxstack pull REPO' downloads ahead).", group="model"),
+    Spec("MODELS_DIR", "str", "", "A folder of local MLX model folders (each with a config.json): 'mlxstack models' lists them beside the hub cache's MLX repos, and MODEL_PATH / DRAFT_MODEL may name one by its folder name. Empty = none.", group="model"),
     Spec("MODEL_FAMILY", "choice", "auto", "Output-parsing family; auto detects from the model's config.", choices=("auto", "qwen3", "glm4", "harmony", "generic"), group="model"),
     Spec("MODEL_CACHE_DIR", "str", "", "Where the embedded model is converted to MLX once. Empty = ~/.cache/mlxstack.", group="model"),
     Spec("CPU_FLOAT32", "bool", True, "On CPU-only MLX, dequantize/upcast weights to float32 (BLAS-friendly, much faster prefill).", group="model"),
@@ -59,6 +61,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("PROXY_HOST", "str", "127.0.0.1", "LiteLLM proxy bind address (0.0.0.0 exposes it to your network).", group="network"),
     Spec("PROXY_PORT", "int", 4000, "LiteLLM proxy port.", minimum=0, group="network"),
     Spec("PROXY_MODEL_ID", "str", "", "Model name exposed through LiteLLM. Empty = openai/<model name>; the bare name is listed too.", group="network"),
+    Spec("MODEL_ALIASES", "str", "claude-*opus*=main,claude-*sonnet*=main,claude-*haiku*=main,gpt-*=main", "More model names clients may ask port 4000 for, comma-separated pattern=target ('*' any run of characters): target main is the stack's model (MODEL_PATH; with a backends file the first model), or any model name LiteLLM lists (a backends-file name or alias, e.g. claude-*haiku*=small-fast). The defaults let Claude Code and OpenAI clients run unconfigured (ANTHROPIC_MODEL unset). LiteLLM lists the patterns in /v1/models?return_wildcard_routes=true (plain /v1/models: the real names); the MLX server's Anthropic Messages endpoint (LiteLLM's pass-through) accepts the main ones too. off or empty = none.", group="network"),
     Spec("LITELLM_MASTER_KEY", "str", "", "Key clients send as 'Authorization: Bearer …'. install_and_run.py generates one on first run.", group="network"),
     Spec("TENANT_KEYS_FILE", "str", "", "JSON file of tenants' keys for port 4000 ({\"alice\": \"sk-…\"}, mode 0600; 'mlxstack tenant add NAME' writes it): each tenant's cache, sessions, healing and diagnoses are its own, never seen, reused or timed by another; the master key is the default tenant. Empty: one tenant.", group="network"),
     Spec("MLX_STARTUP_TIMEOUT_SECONDS", "float", 900.0, "How long start_llm.py waits for the MLX server to load/prepare the model (first run converts it).", minimum=1, group="network"),
@@ -287,6 +290,7 @@ def load_settings(
         raw = merged.get(spec.name)
         values[_attr(spec.name)] = spec.default if raw is None or raw.strip() == "" and spec.kind != "str" else _parse(spec, raw)
     _proxy_startup_limit(values, merged.get("PROXY_STARTUP_TIMEOUT_SECONDS"))
+    model_aliases(values["model_aliases"])          # refused at start, not when LiteLLM's config is written
     if values["speculative"] == "draft" and not values["draft_model"].strip():
         raise SettingsError("SPECULATIVE=draft needs DRAFT_MODEL (a smaller model with the same tokenizer); "
                             "use SPECULATIVE=auto for prompt lookup without a draft model.")
@@ -296,6 +300,24 @@ def load_settings(
         raise SettingsError(f"DISTRIBUTED={values['distributed']} needs its ranks: DISTRIBUTED_LOCAL_RANKS=N (N ranks on "
                             "this machine) or DISTRIBUTED_HOSTS=<hostfile> (mlx.launch's format, for several machines).")
     return Settings(**values)
+
+
+def model_aliases(text: str) -> tuple[tuple[str, str], ...]:
+    """MODEL_ALIASES parsed: ((pattern, target), ...) in the order given; () for off / empty.
+    Raises SettingsError naming the entry that is not pattern=target."""
+    text = text.strip()
+    if not text or text.lower() == "off":
+        return ()
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        pattern, eq, target = (part.strip() for part in entry.partition("="))
+        if not eq or not pattern or not target or any(c.isspace() for c in pattern + target):
+            raise SettingsError(f"MODEL_ALIASES: {entry!r} is not pattern=target (e.g. claude-*sonnet*=main); "
+                                "entries are comma-separated, with no spaces inside a name.")
+        out.append((pattern, target))
+    return tuple(out)
 
 
 def _proxy_startup_limit(values: dict[str, Any], timeout_raw: str | None) -> None:

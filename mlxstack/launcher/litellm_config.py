@@ -14,6 +14,11 @@ Choices below are the measured LiteLLM 1.106 behaviours from issue #2:
   LiteLLM lists in /v1/models and /model/info, so clients size their budgets.
 - cooldowns off: with one deployment there is nothing to fail over to, and one client's 4xx
   (measured: a 404) otherwise answers every client 429 for the cooldown period.
+- MODEL_ALIASES: each pattern is one more ``model_name`` of its target's deployments; LiteLLM
+  routes a name with ``*`` by pattern (router_utils/pattern_match_deployments.py: the longest
+  pattern first) and sends the deployment's own ``hosted_vllm/<served id>``, so the MLX server sees
+  its own name. On the one-backend ``/v1/messages`` pass-through the client's name reaches the MLX
+  server as it is: its Anthropic endpoint accepts the patterns aimed at ``main``.
 - the front door (mlxstack/routing/front_door.py) is a callback in every config: a wrong
   key is 401 (not LiteLLM's 400 "No connected db."), malformed bodies 400 (not 500). With one
   backend LiteLLM runs without the repository on its path, so ``write_config`` puts a two-line
@@ -24,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlxstack.config.settings import Settings
+from mlxstack.config.settings import Settings, SettingsError, model_aliases
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -126,10 +131,12 @@ def build_config(settings: Settings, served_model_id: str, context_window: int |
         "timeout": timeout,
         "stream_timeout": timeout,
     }
+    names = proxy_model_names(settings)
+    patterns = alias_patterns(settings, {"main": names[0], **{name: names[0] for name in (*names, served_model_id)}})
     return {
         "model_list": [
             {"model_name": name, "litellm_params": dict(params), "model_info": model_info(settings, context_window)}
-            for name in proxy_model_names(settings)
+            for name in (*names, *patterns)
         ],
         "litellm_settings": {
             "num_retries": 0,
@@ -146,6 +153,21 @@ def build_config(settings: Settings, served_model_id: str, context_window: int |
         },
         "router_settings": {"disable_cooldowns": True},
     }
+
+
+def alias_patterns(settings: Settings, targets: dict[str, str]) -> dict[str, str]:
+    """MODEL_ALIASES as {pattern: the model name it routes to}; ``targets``: every name a target may
+    give (``main`` and the names LiteLLM lists) -> its model. SettingsError for a target that names
+    nothing here, listing what does; a pattern that is already a listed name is left out."""
+    out: dict[str, str] = {}
+    for pattern, target in model_aliases(settings.model_aliases):
+        if target not in targets:
+            known = ", ".join(sorted(targets))
+            raise SettingsError(f"MODEL_ALIASES: {pattern}={target}: no model named {target!r} here (targets: {known}; "
+                                "a second model is a backends-file entry, BACKENDS_FILE).")
+        if pattern not in targets and pattern not in out:
+            out[pattern] = targets[target]
+    return out
 
 
 def render_yaml(config: dict[str, Any]) -> str:
@@ -203,9 +225,11 @@ def build_stack_config(settings: Settings, groups: list) -> dict[str, Any]:
     timeout = float(settings.proxy_request_timeout_seconds)
     refs, _ = backend_key_refs(settings, [b for g in groups for b in g.backends])
     model_list = []
+    by_name = {name: group.names[0] for group in groups for name in (*group.names, group.model_id)}
+    patterns = alias_patterns(settings, {"main": groups[0].names[0], **by_name}) if groups else {}
     for group in groups:
         info = model_info(settings, group.context_window)
-        for name in group.names:
+        for name in (*group.names, *[p for p, target in patterns.items() if target == group.names[0]]):
             for backend in group.backends:
                 model_list.append({
                     "model_name": name,

@@ -183,21 +183,35 @@ def litellm_command(python: str, config: Path, host: str, port: int) -> list[str
 def wait_ready(child: Child, probe: Callable[[], dict | None], timeout: float, what: str, say,
                setting: str = "*_STARTUP_TIMEOUT_SECONDS") -> dict:
     """Poll ``probe`` until it returns a dict; show elapsed time so a long model preparation
-    never looks like a hang. ``setting``: the variable that set ``timeout`` (named when it runs out)."""
+    never looks like a hang. ``setting``: the variable that set ``timeout`` (named when it runs out).
+    While the server reports a model download in progress (its /health ``fetch``, kept by the probe
+    as ``probe.fetching``), the time does not count against ``timeout``: a download's length is the
+    network's, not a hang; the notes say how far it is."""
     start, last_note = time.monotonic(), 0.0
     tty = sys.stdout.isatty()
+    paused, last = 0.0, start
     while True:
         if child.poll() is not None:
             raise ChildExited(f"during start-up, {exit_message(child)}", child)
         result = probe()
         if result is not None:
             return result
-        elapsed = time.monotonic() - start
+        now = time.monotonic()
+        fetching = getattr(probe, "fetching", None)
+        if fetching:
+            paused += now - last
+        last = now
+        elapsed = now - start - paused
         if elapsed > timeout:
             raise LaunchError(f"{what} not ready after {timeout:g}s (raise {setting} in .env?).")
-        if elapsed - last_note >= (5 if tty else 15):
-            last_note = elapsed
-            say(f"waiting for {what} ... {elapsed:.0f}s")
+        if now - start - last_note >= (5 if tty else 15):
+            last_note = now - start
+            if fetching:
+                done, total = fetching.get("bytes_done") or 0, fetching.get("bytes_total") or 0
+                say(f"waiting for {what}: downloading {fetching.get('repo')} ... {done / 2 ** 30:.2f} of "
+                    f"{total / 2 ** 30:.2f} GiB, {last_note:.0f}s")
+            else:
+                say(f"waiting for {what} ... {elapsed:.0f}s")
         time.sleep(0.5)
 
 
@@ -209,12 +223,19 @@ def proxy_startup_limit(settings: Settings) -> tuple[float, str]:
 
 
 def _mlx_probe(base: str) -> Callable[[], dict | None]:
+    """/health's body once it says ready, else None; ``probe.fetching``: the body's ``fetch`` while
+    a model download is in progress (None otherwise)."""
     def probe() -> dict | None:
+        probe.fetching = None  # type: ignore[attr-defined]
         try:
             status, body = get_json(f"{base}/health")
         except OSError:
             return None
+        fetch = body.get("fetch") if isinstance(body, dict) else None
+        if isinstance(fetch, dict) and fetch.get("state") in ("checking", "downloading"):
+            probe.fetching = fetch  # type: ignore[attr-defined]
         return body if status == 200 and isinstance(body, dict) and body.get("ready") else None
+    probe.fetching = None  # type: ignore[attr-defined]
     return probe
 
 
@@ -515,11 +536,11 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             mlx, health = servers["mlx"].child, healths["mlx"]
             served = str(health.get("model") or lc.model_name(settings))
             say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-            lc.write_config(settings, served, config_path, lc.served_context_window(settings))
+            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, lc.served_context_window(settings)))
             env = litellm_env(settings)
         else:
             groups = _model_groups(settings, backends, say)
-            lc.write_stack_config(settings, groups, config_path)
+            _config_or_refuse(lambda: lc.write_stack_config(settings, groups, config_path))
             env = litellm_env(settings, [b for g in groups for b in g.backends], repo)
         proxy = sup.start("litellm", litellm_command(python, config_path, settings.proxy_host, settings.proxy_port),
                           env, cwd=str(repo))
@@ -550,6 +571,15 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
     if code == 0:
         say("stopped; ports freed")
     return code
+
+
+def _config_or_refuse(write: Callable[[], Path]) -> Path:
+    """LiteLLM's config written, or a LaunchError saying which setting it cannot be made from
+    (MODEL_ALIASES naming a model that is not here)."""
+    try:
+        return write()
+    except SettingsError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _model_groups(settings: Settings, backends: list[Backend], say) -> list[ModelGroup]:

@@ -72,27 +72,45 @@ def resolve_model_path(settings: Settings, progress: Callable[[str], None] | Non
             bar.close()
         return Path(path), embedded_model_name()
     return local_model_folder(settings.model_path, "MODEL_PATH",
-                              "Leave MODEL_PATH empty to use the embedded SmolLM2 model.")
+                              "Leave MODEL_PATH empty to use the embedded SmolLM2 model.", settings, progress)
 
 
-def local_model_folder(value: str, variable: str, hint: str) -> tuple[Path, str]:
-    """(folder, name) for a local MLX folder or a Hugging Face repo id already in the local cache."""
+def local_model_folder(value: str, variable: str, hint: str, settings: Settings | None = None,
+                       say: Callable[[str], None] | None = None) -> tuple[Path, str]:
+    """(folder, name) for a local MLX folder, a folder of MODELS_DIR by its name, or a Hugging Face
+    repo id: from the local hub cache, else downloaded (MODEL_FETCH) into it."""
+    from . import hub
+
     candidate = Path(value).expanduser()
+    models_dir = Path(settings.models_dir).expanduser() if settings is not None and settings.models_dir else None
+    if not candidate.exists() and models_dir is not None and not candidate.is_absolute() \
+            and (models_dir / value / "config.json").is_file():
+        candidate = models_dir / value
     if candidate.exists():
         if not (candidate / "config.json").exists():
             raise ModelLoadError(f"{variable}={value!r} has no config.json; point it at an MLX model folder.")
         return candidate, candidate.name
+    name = value.rstrip("/").split("/")[-1]
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(value, local_files_only=True)
-        return Path(local), value.rstrip("/").split("/")[-1]
+        local = snapshot_download(value, local_files_only=True, cache_dir=str(hub.hub_cache_dir()))
+        return Path(local), name
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
-        raise ModelLoadError(
-            f"{variable}={value!r} is neither a local folder nor a cached Hugging Face repo "
-            f"({type(exc).__name__}). This machine is offline: download it elsewhere "
-            f"(huggingface-cli download <repo>) or point {variable} at a local folder. {hint}"
-        ) from None
+        why = type(exc).__name__
+    fetch = settings is not None and settings.model_fetch
+    if fetch and hub.looks_like_repo_id(value):
+        try:
+            return hub.fetch(value.strip(), say=say), name
+        except hub.FetchError as exc:
+            raise ModelLoadError(f"{variable}={value!r} is no local folder and not in the hub cache: {exc}") from None
+    if not hub.looks_like_repo_id(value):
+        raise ModelLoadError(f"{variable}={value!r} is neither a local folder nor a Hugging Face repo id (owner/name)"
+                             f"{f' nor a folder of MODELS_DIR={settings.models_dir}' if models_dir else ''}. {hint}")
+    raise ModelLoadError(
+        f"{variable}={value!r} is not in the local Hugging Face cache ({hub.hub_cache_dir()}; {why}) and "
+        f"MODEL_FETCH=false: download it with 'mlxstack pull {value}', set MODEL_FETCH=true, or point {variable} "
+        f"at a local folder. {hint}")
 
 
 def load_model(settings: Settings, progress: Callable[[str], None] | None = None,
@@ -170,7 +188,7 @@ def load_draft_model(settings: Settings, target: LoadedModel, say: Callable[[str
     token ids, verified by the target as they are."""
     say = say or (lambda msg: log.info(msg))
     path, name = local_model_folder(settings.draft_model.strip(), "DRAFT_MODEL",
-                                    "Leave DRAFT_MODEL empty for prompt-lookup drafts only.")
+                                    "Leave DRAFT_MODEL empty for prompt-lookup drafts only.", settings, say)
     config = json.loads((path / "config.json").read_text())
     if is_vlm_config(config):
         raise ModelLoadError(f"DRAFT_MODEL={settings.draft_model!r} is a vision-language model; a draft model "
@@ -214,6 +232,13 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str:
 
 
 def hf_offline_env() -> None:
-    """Never reach for a hub at run time (this stack runs offline)."""
+    """Never reach for a hub at run time: no library call made while serving may reach the network.
+    Where this sets the switch itself (the user set neither variable), it says so in the environment,
+    so a model fetch at load (models/hub.py, MODEL_FETCH) may lift it for its own duration; a switch
+    the user set stays on for that too."""
+    from .hub import OFFLINE_DEFAULTED
+
+    if not os.environ.get("HF_HUB_OFFLINE") and not os.environ.get("TRANSFORMERS_OFFLINE"):
+        os.environ[OFFLINE_DEFAULTED] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

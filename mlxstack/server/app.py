@@ -11,13 +11,14 @@ from typing import Any, Callable
 from urllib.parse import unquote
 
 from ..cache.summary import summary_for
-from ..config.settings import Settings, SettingsError
+from ..config.settings import Settings, SettingsError, model_aliases
 from ..engine.chat import tokenizer_size
 from ..engine.factory import make_core, make_engine
 from ..engine.lockstep import Lockstep, portable_job
 from ..engine.request import ChatJob
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
+from ..models import hub
 from ..models.loader import load_model
 from ..models.sharding import from_rank0
 from ..prompt.images import ImageLimits
@@ -49,6 +50,7 @@ class App:
         self.load_error: str | None = None
         self.model_id = "loading"
         self.aliases: set[str] = set()
+        self.alias_patterns: tuple[str, ...] = ()   # MODEL_ALIASES aimed here: the Anthropic endpoint accepts them
         self.family = "generic"
         self.loaded: Any = None
         self.engine: Any = None
@@ -130,6 +132,8 @@ class App:
             self.engine = engine
             self.model_id = loaded.model_id
             self.aliases = {loaded.path.name, str(loaded.path), self.settings.model_path} - {""}
+            self.alias_patterns = tuple(pattern for pattern, target in model_aliases(self.settings.model_aliases)
+                                        if target in ("main", self.model_id, *self.aliases))
             self.family = loaded.family
             self.vocab_size = model_vocab_size(loaded)
             self.sampling = SamplingDefaults.resolve(self.settings, read_generation_config(loaded.path))
@@ -255,7 +259,8 @@ class App:
         load failed, or the inference thread died or stalled (INFERENCE_STALL_SECONDS): the
         launcher restarts a server that keeps saying so (launcher/stack.py). ``backend``: the
         backend's report once the model is loaded (backends/base.py: its name, and each feature
-        "on (...)" or "off: why")."""
+        "on (...)" or "off: why"). ``fetch``: the model's download from a hub at load
+        (models/hub.py: repo, state, bytes done / total), once one has begun."""
         problem = self.load_error or (self.worker.health_problem(self.settings.inference_stall_seconds)
                                       if self.ready else None)
         body = {"status": "ok" if problem is None else "error", "model": self.model_id,
@@ -263,6 +268,9 @@ class App:
                 "busy": self.worker.busy}
         if problem:
             body["error"] = problem
+        fetching = hub.PROGRESS.snapshot()
+        if fetching["state"] != "idle":     # a model downloaded at load (MODEL_FETCH): where it stands
+            body["fetch"] = fetching
         backend = self.loaded.extra.get("backend") if self.loaded is not None else None
         if backend is not None and backend.report is not None:   # what the backend turned on, and why
             body["backend"] = backend.report.as_dict()

@@ -562,7 +562,7 @@ def _messages(h: Any) -> None:
     chat = to_chat_body(body, marks)
     breakpoints, ttl = cache_marks(body, chat, marks)
     check_thinking_budget(body, request_headers(h))
-    req = chat_request(app, chat, MESSAGES_FIELDS)
+    req = chat_request(app, chat, MESSAGES_FIELDS, app.alias_patterns)   # LiteLLM's pass-through: the client's name
     message_id = "msg_" + uuid.uuid4().hex
     omit = thinking_omitted(body)
     wanted, previous = anthropic_request(body, request_headers(h))
@@ -580,7 +580,7 @@ def _count_tokens(h: Any) -> None:
     require_ready(app)
     chat = to_chat_body(body)
     chat["stream"] = False
-    req = chat_request(app, chat, None)    # counting needs no grammar
+    req = chat_request(app, chat, None, app.alias_patterns)    # counting needs no grammar
     job = chat_job(req, "count-" + uuid.uuid4().hex[:6], request_headers(h), emit=lambda _t: None,
                    on_prompt=lambda _p: None, is_cancelled=lambda: False)
     future = submit_on_worker(app, app.prepare_call(job))

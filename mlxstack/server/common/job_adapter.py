@@ -14,6 +14,8 @@ from the outcome is read in usage.py (token counts) and finish.py (why it ended)
 """
 from __future__ import annotations
 
+import fnmatch
+
 import json
 import queue
 import threading
@@ -41,14 +43,18 @@ def require_ready(app: Any) -> None:
         raise unavailable("model is still loading; retry shortly", retry_after=5, code="model_loading")
 
 
-def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS) -> ChatRequest:
+def chat_request(app: Any, chat_body: dict, fields: Fields | None = CHAT_FIELDS,
+                 patterns: tuple[str, ...] = ()) -> ChatRequest:
     """Validate a translated chat body exactly as /v1/chat/completions would, check the model name
     and the images, compile the reply's grammar (``fields`` name the front's schema fields in
-    errors; None: no grammar, e.g. for counting tokens); raises APIError (4xx) saying what to fix."""
+    errors; None: no grammar, e.g. for counting tokens); raises APIError (4xx) saying what to fix.
+    ``patterns``: more names the model answers to (MODEL_ALIASES, ``*`` any run of characters)."""
     req = parse_chat_request(chat_body, app.settings, vocab_size=getattr(app, "vocab_size", None),
                              defaults=getattr(app, "sampling", None))
-    if not model_matches(req.model, app.model_id, app.aliases):
-        raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}",
+    if not model_matches(req.model, app.model_id, app.aliases) \
+            and not any(fnmatch.fnmatchcase(req.model or "", p) for p in patterns):
+        also = f"; aliases: {', '.join(patterns)}" if patterns else ""
+        raise not_found(f"model {req.model!r} is not served here; available: {app.model_id}{also}",
                         code="model_not_found")
     if not getattr(app.loaded, "is_vlm", False):
         reject_images(req.messages, app.model_id)
