@@ -621,10 +621,12 @@ def start_stacks(specs: list[tuple[str, dict]], tmp: Path) -> dict[str, Stack]:
     return out  # type: ignore[return-value]
 
 
-def stream(base: str, model: str, content: str, max_tokens: int) -> dict:
-    """One streamed chat completion through LiteLLM (temperature 0, nothing else sampling-related):
-    text, completion tokens (usage), times of the first and last content delta."""
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+def stream(base: str, model: str, content: str, max_tokens: int, system: str | None = None) -> dict:
+    """One streamed chat completion through LiteLLM (temperature 0, nothing else sampling-related;
+    ``system``: a system message first): text, completion tokens (usage), times of the first and
+    last content delta."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {STACK_KEY}"})

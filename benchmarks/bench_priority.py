@@ -42,36 +42,6 @@ TASKS = ["Survey module {i} of the repository and write a long, detailed report 
 QUESTION = "Quick question: which command runs the tests here?"
 
 
-def stream_system(base: str, model: str, system: str, content: str, max_tokens: int) -> dict:
-    """``stream`` with a system prompt (the sub-agent's shape)."""
-    import urllib.request
-
-    from bench_guard import STACK_KEY
-    from probelib.client import sse_data
-
-    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {STACK_KEY}"})
-    first = last = None
-    text, usage, deltas = [], {}, 0
-    with urllib.request.urlopen(req, timeout=1800) as resp:
-        for payload in sse_data(resp):
-            frame = json.loads(payload)
-            if frame.get("usage"):
-                usage = frame["usage"]
-            for ch in frame.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content") or ""
-                if piece:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    last = now
-                    deltas += 1
-                    text.append(piece)
-    return {"text": "".join(text), "tokens": int(usage.get("completion_tokens") or deltas), "first": first,
-            "last": last}
-
-
 def decode_rate(r: dict) -> float:
     span = (r["last"] or 0) - (r["first"] or 0)
     return (r["tokens"] - 1) / span if span > 0 and r["tokens"] > 1 else float("nan")
@@ -94,7 +64,7 @@ def background_load(base: str, model: str, n: int, max_tokens: int, with_interac
     def one(i: int) -> None:
         try:
             task = TASKS[i % len(TASKS)].format(i=i)
-            results[i] = stream_system(base, model, SUBAGENT_SYSTEM, task, max_tokens)
+            results[i] = stream(base, model, task, max_tokens, system=SUBAGENT_SYSTEM)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
