@@ -30,7 +30,7 @@ from mlxstack.cache.summary import scope_of
 from mlxstack.runner.batch import batching_support
 from mlxstack.runner.kv_bytes import measured_token_bytes
 from mlxstack.engine.request import CacheBreakpoint, ChatJob, ContextLengthExceeded
-from mlxstack.engine.core import EngineCore
+from mlxstack.engine.core import EngineCore, PriorityPolicy
 from mlxstack.runner.sampling import SamplingParams
 from mlxstack.engine.factory import make_engine
 from mlxstack.models.loader import load_model
@@ -93,6 +93,7 @@ class Stats:
     reused_tokens: int = 0
     shared_prefills: int = 0
     parked: int = 0
+    preemptions: int = 0
     restarts: int = 0
     features: set[str] = field(default_factory=set)
 
@@ -191,7 +192,7 @@ class Harness:
     def _job(self, eng: Any, req: Req, cancelled: Any = lambda: False) -> ChatJob:
         params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, seed=req.seed,
                                 grammar=self._grammar(eng) if req.grammar else None)
-        return ChatJob(request_id=req.rid, messages=[dict(m) for m in req.messages], tools=None,
+        return ChatJob(request_id=req.rid, messages=[dict(m) for m in req.messages], tools=None, priority=req.priority,
                        enable_thinking=False, params=params, stop=[], body={"session_id": req.session},
                        headers={}, emit=lambda _t: None, is_cancelled=cancelled,
                        response_format={"type": "json_schema", "json_schema": {"schema": PERSON}} if req.grammar else None,
@@ -218,8 +219,9 @@ class Harness:
 
     def _serve_together(self, wave: list[Req]) -> list[Served]:
         eng = self.warm
+        # priorities on (one beside): a request marked urgent that arrives mid-wave preempts rows
         sched = EngineCore(eng, eng.settings.max_concurrent_sequences or 8, eng.settings.prefill_chunk_tokens,
-                          batching=eng._fuzz_batching)
+                          batching=eng._fuzz_batching, policy=PriorityPolicy(True, 1, 30.0))
         steps = [0]
         out = [Served(r) for r in wave]
         futures: list[Future | None] = [None] * len(wave)
@@ -227,13 +229,20 @@ class Harness:
         spy = eng._fuzz_spy
         spy.clear()
         while backlog or not sched.idle():
-            while backlog and sched.has_room():
-                i = backlog.pop(0)
+            while True:   # the worker's admission (engine/worker.py _admit) among those arrived
+                here = [i for i in backlog if wave[i].arrive <= steps[0]]
+                if not here:
+                    break
+                i = here[sched.pick_next([(wave[k].priority, 0.0) for k in here])]
+                if not sched.room_for(wave[i].priority):
+                    break
+                backlog.remove(i)
                 f: Future = Future()
                 f.set_running_or_notify_cancel()
                 sched.admit(self._job(eng, wave[i], _hang_up(wave[i], steps, sched)), f)
                 futures[i] = f
             if sched.idle():
+                steps[0] += 1          # the rest arrive later
                 continue
             sched.step()
             steps[0] += 1
@@ -241,7 +250,9 @@ class Harness:
                 raise RuntimeError("the scheduler did not finish the wave in 20000 steps")
         self.stats.shared_prefills += sched.shared_prefills
         self.stats.parked += sched.parked_total
+        self.stats.preemptions += sched.preemptions
         self.stats.features |= {name for name, n in (("shared-prefill", sched.shared_prefills),
+                                                     ("preempted", sched.preemptions),
                                                      ("parked", sched.parked_total),
                                                      ("batched", sched.batch_peak > 1),
                                                      ("restart", self.stats.restarts)) if n}

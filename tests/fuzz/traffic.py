@@ -44,6 +44,8 @@ class Req:
     scope: str = ""                   # its cache_salt ("": the default scope)
     fresh_scope: bool = False         # the first request of its scope: must reuse nothing
     marks: list = field(default_factory=list)   # cache breakpoints: [message index, chars or None, ttl]
+    priority: int = 0                 # scheduler/priority.py: lower first (0 = as every request before)
+    arrive: int = 0                   # the scheduler step it arrives at (0: with its wave)
 
     def key(self) -> str:
         """What the request is, without its id (identical retries share it)."""
