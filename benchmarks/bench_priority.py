@@ -53,7 +53,7 @@ def interactive(base: str, model: str, max_tokens: int) -> dict:
     return {"ttft": r["first"] - t0, "decode": decode_rate(r), "tokens": r["tokens"], "text": r["text"]}
 
 
-def background_load(base: str, model: str, n: int, max_tokens: int, with_interactive: bool,
+def background_load(base: str, mlx: str, model: str, n: int, max_tokens: int, with_interactive: bool,
                     ask_tokens: int) -> dict:
     """``n`` sub-agents at once; with ``with_interactive`` the question once every one streams.
     Aggregate decode tok/s of the background: tokens after each stream's first / the span from the
@@ -74,9 +74,9 @@ def background_load(base: str, model: str, n: int, max_tokens: int, with_interac
     ask = None
     if with_interactive:   # mid-way: once min(n, 8) rows decode (the MLX server's /stats), a second later
         deadline = time.perf_counter() + 120
-        while _decoding() < min(n, 8):
+        while _decoding(mlx) < min(n, 8):
             if time.perf_counter() > deadline:
-                raise RuntimeError(f"{min(n, 8)} rows never decoded at once ({_MLX['url']}/v1/cache/stats)")
+                raise RuntimeError(f"{min(n, 8)} rows never decoded at once ({mlx}/v1/cache/stats)")
             time.sleep(0.1)
         time.sleep(1.0)
         ask = interactive(base, model, ask_tokens)
@@ -90,16 +90,13 @@ def background_load(base: str, model: str, n: int, max_tokens: int, with_interac
     return {"agg": agg, "ask": ask, "texts": [r["text"] for r in results]}
 
 
-_MLX = {}
-
-
-def _decoding() -> int:
-    """Rows the MLX server decodes now (its /stats, straight from the MLX port)."""
+def _decoding(mlx: str) -> int:
+    """Rows the MLX server at ``mlx`` decodes now (its /v1/cache/stats, straight from the MLX port)."""
     import urllib.request
 
     from bench_guard import STACK_MLX_KEY
 
-    req = urllib.request.Request(_MLX["url"] + "/v1/cache/stats", headers={"Authorization": f"Bearer {STACK_MLX_KEY}"})
+    req = urllib.request.Request(mlx + "/v1/cache/stats", headers={"Authorization": f"Bearer {STACK_MLX_KEY}"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return int((json.load(resp).get("scheduler") or {}).get("decoding") or 0)
@@ -126,7 +123,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-priority-") as tmp:
         for label, spec_env in specs:            # one stack at a time: 2 cores
             stack = start_stacks([(label, spec_env)], Path(tmp))[label]
-            _MLX["url"] = stack.mlx
             try:
                 model = stack.get(stack.base + "/v1/models", "sk-bench-guard")["data"][0]["id"]
                 interactive(stack.base, model, args.ask_tokens)          # warm: the question's prefix cached
@@ -135,8 +131,8 @@ def main() -> int:
                     alone = [interactive(stack.base, model, args.ask_tokens) for _ in range(args.alone_runs)]
                     a_ttft = statistics.median(a["ttft"] for a in alone)
                     a_dec = statistics.median(a["decode"] for a in alone)
-                    base = background_load(stack.base, model, n, args.max_tokens, False, args.ask_tokens)
-                    mixed = background_load(stack.base, model, n, args.max_tokens, True, args.ask_tokens)
+                    base = background_load(stack.base, stack.mlx, model, n, args.max_tokens, False, args.ask_tokens)
+                    mixed = background_load(stack.base, stack.mlx, model, n, args.max_tokens, True, args.ask_tokens)
                     ask = mixed["ask"]
                     row = {"priority": label, "background": n, "alone_ttft_s": round(a_ttft, 3),
                            "ttft_s": round(ask["ttft"], 3), "ttft_x": round(ask["ttft"] / a_ttft, 2),

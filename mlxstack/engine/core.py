@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -152,9 +153,9 @@ class EngineCore:
         room by preempting its least urgent row when that one is less urgent."""
         if not self.has_room(urgency) and self.prioritised and self.parked is None:
             rows = self._preemptible()
-            less = [i for i, s in enumerate(rows) if s.job.priority > urgency]
-            if less:   # the least urgent, the last to join among equals
-                self._preempt([rows[max(less, key=lambda i: (rows[i].job.priority, i))]])
+            i = priority.least_urgent([s.job.priority for s in rows], urgency)
+            if i is not None:
+                self._preempt([rows[i]])
         return self.has_room(urgency)
 
     def _preemptible(self) -> list[Request]:
@@ -167,19 +168,23 @@ class EngineCore:
         return [*self.prefilling, *self.group.seqs, *self.preempted, *self.closing,
                 *([self.parked] if self.parked is not None else [])]
 
+    def in_flight_counts(self) -> Counter[tuple[int, str]]:
+        """Requests in flight per (priority, status): what the stats and /metrics show."""
+        return Counter((seq.job.priority, seq.status.value) for seq in self.in_flight())
+
     def by_status(self) -> dict[str, int]:
         """Requests in flight per status (engine/request.py ``status``)."""
-        out: dict[str, int] = {}
-        for seq in self.in_flight():
-            out[seq.status.value] = out.get(seq.status.value, 0) + 1
-        return out
+        out: Counter[str] = Counter()
+        for (_, status), n in self.in_flight_counts().items():
+            out[status] += n
+        return dict(out)
 
     def by_priority(self) -> dict[int, int]:
         """Requests in flight per priority (replied ones waiting to be closed left out)."""
-        out: dict[int, int] = {}
-        for seq in self.in_flight():
-            if seq.status is not RequestStatus.CLOSING:
-                out[seq.job.priority] = out.get(seq.job.priority, 0) + 1
+        out: Counter[int] = Counter()
+        for (prio, status), n in self.in_flight_counts().items():
+            if status != RequestStatus.CLOSING.value:
+                out[prio] += n
         return dict(sorted(out.items()))
 
     def pick_next(self, waiting: list[tuple[int, float]]) -> int:

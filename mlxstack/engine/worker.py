@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -108,11 +109,7 @@ class InferenceWorker:
 
     def queued_by_priority(self) -> dict[int, int]:
         """Chat jobs taken from the queue and waiting for a row, per priority (lower first)."""
-        out: dict[int, int] = {}
-        for work, _ in list(self._backlog):
-            p = getattr(work.job, "priority", 0)
-            out[p] = out.get(p, 0) + 1
-        return dict(sorted(out.items()))
+        return dict(sorted(Counter(getattr(work.job, "priority", 0) for work, _ in list(self._backlog)).items()))
 
     @property
     def busy(self) -> bool:

@@ -82,12 +82,8 @@ class EngineCollector(Collector):
         yield queued
         flight = GaugeMetricFamily("mlxstack_requests_in_flight", "Requests in flight, by priority and status.",
                                    labels=["priority", "status"])
-        counts: dict[tuple[str, str], int] = {}
-        for seq in (sched.in_flight() if sched is not None else []):
-            key = (str(seq.job.priority), seq.status.value)
-            counts[key] = counts.get(key, 0) + 1
-        for (prio, status), n in sorted(counts.items()):
-            flight.add_metric([prio, status], n)
+        for (prio, status), n in sorted((sched.in_flight_counts() if sched is not None else {}).items()):
+            flight.add_metric([str(prio), status], n)
         yield flight
         yield GaugeMetricFamily("mlxstack_max_concurrent_sequences", "MAX_CONCURRENT_SEQUENCES in effect.",
                                 value=sched.max_sequences if sched is not None else 1)

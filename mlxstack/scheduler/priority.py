@@ -30,6 +30,19 @@ def most_urgent(waiting: list[tuple[int, float]], aging_s: float) -> int:
     return min(range(len(waiting)), key=lambda i: (effective(*waiting[i], aging_s), -waiting[i][1]))
 
 
+def _least_first(rows: list[int], idx: list[int]) -> list[int]:
+    """``idx`` (indices into ``rows``, priorities in the order they joined) least urgent first,
+    the last to join first among equals."""
+    return sorted(idx, key=lambda i: (-rows[i], -i))
+
+
+def least_urgent(rows: list[int], urgent: int) -> int | None:
+    """Index of the decode row that makes room for a request of priority ``urgent`` when the
+    batch is full: the least urgent less urgent one (the last to join among equals), or None."""
+    less = _least_first(rows, [i for i, p in enumerate(rows) if p > urgent])
+    return less[0] if less else None
+
+
 def to_preempt(rows: list[int], urgent: int | None, beside: int) -> list[int]:
     """Indices of the decode rows (their priorities, in the order they joined) that make way while
     a request of priority ``urgent`` is in flight: the less urgent rows beyond ``beside``, the
@@ -39,8 +52,7 @@ def to_preempt(rows: list[int], urgent: int | None, beside: int) -> list[int]:
     less = [i for i, p in enumerate(rows) if p > urgent]
     if len(less) <= beside:
         return []
-    less.sort(key=lambda i: (-rows[i], -i))
-    return sorted(less[: len(less) - beside])
+    return sorted(_least_first(rows, less)[: len(less) - beside])
 
 
 def to_resume(preempted: list[tuple[int, float]], urgent: int | None, decoding_less: int,
