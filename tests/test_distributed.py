@@ -104,7 +104,8 @@ def test_portable_job_drops_callbacks_and_grammar():
     assert spec == Grammar.spec
     assert set(values) == {"request_id", "messages", "tools", "enable_thinking", "params", "stop", "body", "headers",
                            "tool_choice", "parallel_tool_calls", "prefill_only", "response_format", "sampling_origin",
-                           "response_id", "diagnose", "compare_to", "breakpoints", "cache_ttl", "api", "scope"}
+                           "response_id", "diagnose", "compare_to", "breakpoints", "cache_ttl", "api", "scope",
+                           "raw_prompt", "priority", "priority_source"}
     again = record_codec.from_plain(json.loads(json.dumps(record_codec.to_plain(values))))   # as a record carries it
     assert again["params"] == SamplingParams(temperature=0.5, max_tokens=9, seed=3)
     assert job.params.grammar is not None        # the job itself is untouched

@@ -134,7 +134,7 @@ def test_a_warm_turn_is_served_from_a_coded_snapshot(tiny_kind_paths, kind):
         assert all("code_bits" not in dict(s.params) for s in e.payload.layers if s.kind == "kv")
         assert e.nbytes == e.payload.nbytes
     # /metrics says it too (the scrape-time collector over the engine's state)
-    worker = SimpleNamespace(queue_depth=0, busy=False, active_sequences=0, core=None)
+    worker = SimpleNamespace(queue_depth=0, busy=False, active_sequences=0, core=None, queued_by_priority=dict)
     app = SimpleNamespace(_status_lock=threading.Lock(), status_counts={}, worker=worker, ready=True,
                           model_id=kind, family="generic", lockstep=None, state=engine.state)
     gauge = {m.name: m for m in EngineCollector(app).collect()}["mlxstack_cache_recurrent_state_bits"]
