@@ -419,12 +419,12 @@ def test_a_comparison_id_is_turned_back_into_the_backends_own():
 def test_a_model_no_deployment_takes_is_a_404_listing_the_served_ones():
     from mlxstack.routing.front_door import unknown_model
 
-    served = ["openai/tiny", "tiny"]
+    served = ["openai/tiny", "tiny", "claude-*"]
     known = lambda m: m in served or m.startswith("claude-")          # a wildcard like claude-*
     body = lambda d: json.dumps(d).encode()
     chat = unknown_model("/v1/chat/completions", body({"model": "gpt-9", "messages": []}), known, lambda: served)
     assert (chat.status, chat.body) == (404, {"error": {
-        "message": "The model `gpt-9` does not exist. Available models: openai/tiny, tiny.", "type": "invalid_request_error",
+        "message": "The model `gpt-9` does not exist. Available models: openai/tiny, tiny; aliases: claude-*.", "type": "invalid_request_error",
         "param": "model", "code": "model_not_found"}})
     msgs = unknown_model("/v1/messages", body({"model": "gpt-9"}), known, lambda: served)
     assert (msgs.status, msgs.body["type"], msgs.body["error"]["type"]) == (404, "error", "not_found_error")

@@ -341,8 +341,10 @@ def unknown_model(path: str, body: bytes | None, known: Callable[[str], bool],
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model or known(model):
         return None
-    names = ", ".join(available())
-    message = f"The model `{model}` does not exist. Available models: {names}."
+    names = available()
+    aliases = [n for n in names if "*" in n]
+    message = (f"The model `{model}` does not exist. Available models: {', '.join(n for n in names if '*' not in n)}"
+               + (f"; aliases: {', '.join(aliases)}." if aliases else "."))
     if route_kind(path) == "messages":
         return anthropic_error(404, message, "not_found_error")
     return openai_error(404, message, "model", code="model_not_found")
@@ -359,7 +361,7 @@ def _litellm_router_names() -> tuple[Callable[[str], bool], Callable[[], list[st
         return model in router.get_model_names() or bool(router.pattern_router.route(model))
 
     def available() -> list[str]:
-        return [n for n in router.get_model_names() if "*" not in n]
+        return list(dict.fromkeys(router.get_model_names()))
 
     return known, available
 
