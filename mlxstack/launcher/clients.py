@@ -25,7 +25,7 @@ BINARIES = {"claude": "claude", "codex": "codex", "opencode": "opencode", "openc
 PROVIDER = "mlxstack"
 KEY_ENV = "MLXSTACK_API_KEY"
 # The smallest window each client's own prompt (system prompt and tools) plus a reply fits in.
-MIN_WINDOW = {"claude": 16384, "codex": 12288, "opencode": 16384, "openclaw": 20480, "pi": 4096}
+MIN_WINDOW = {"claude": 16384, "codex": 12288, "opencode": 12288, "openclaw": 20480, "pi": 4096}
 PI_DEFAULT_RESERVE = 16384        # PI reserves this many tokens for the reply unless settings.json says less
 
 
