@@ -208,7 +208,7 @@ def test_arguments_after_the_double_dash_go_to_the_client():
 # ============================================================================ the command
 def env_file(tmp_path: Path, proxy_port: int, **extra: str) -> Path:
     path = tmp_path / "stack.env"
-    values = {"PROXY_PORT": str(proxy_port), "MLX_PORT": "8699", "LITELLM_MASTER_KEY": T.api_key,
+    values = {"PROXY_PORT": str(proxy_port), "MLX_PORT": str(free_port()), "LITELLM_MASTER_KEY": T.api_key,
               "LOG_ROOT": str(tmp_path / "logs"), **extra}
     path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
     return path
@@ -264,7 +264,7 @@ def test_the_stack_is_started_when_nothing_answers_then_reused(tmp_path, monkeyp
     from mlxstack.config.settings import load_settings
 
     port = free_port()
-    settings = load_settings(env={"PROXY_PORT": str(port), "LITELLM_MASTER_KEY": T.api_key,
+    settings = load_settings(env={"PROXY_PORT": str(port), "MLX_PORT": str(free_port()), "LITELLM_MASTER_KEY": T.api_key,
                                   "LOG_ROOT": str(tmp_path / "logs")})
     said: list[str] = []
     repo = stand_in_repo(tmp_path, port, delay=1.0)
@@ -281,14 +281,50 @@ def test_the_stack_is_started_when_nothing_answers_then_reused(tmp_path, monkeyp
         stop_stand_in(tmp_path / "logs")
 
 
+def test_a_program_without_v1_models_on_the_proxy_port_is_not_taken_for_the_stack(tmp_path):
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(launch.LaunchError, match=r"answers /v1/models with 404: it is not the stack's proxy"):
+            launch.proxy_models(f"http://127.0.0.1:{server.server_address[1]}", T.api_key)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_stack_that_exits_while_starting_is_reported_with_its_log(tmp_path):
     from mlxstack.config.settings import load_settings
 
     port = free_port()
-    settings = load_settings(env={"PROXY_PORT": str(port), "LITELLM_MASTER_KEY": T.api_key,
+    settings = load_settings(env={"PROXY_PORT": str(port), "MLX_PORT": str(free_port()), "LITELLM_MASTER_KEY": T.api_key,
                                   "LOG_ROOT": str(tmp_path / "logs")})
     with pytest.raises(launch.LaunchError, match=r"exited with status 3 while starting .*\nERROR: port held by another"):
         launch.ensure_stack(settings, None, lambda _m: None, repo=stand_in_repo(tmp_path, port, fail=True), poll=0.1)
+
+
+def test_a_stack_still_starting_is_awaited_not_started_again(tmp_path):
+    from mlxstack.config.settings import load_settings
+
+    port, mlx = free_port(), socket.socket()
+    mlx.bind(("127.0.0.1", 0))
+    mlx.listen()                                   # the MLX server of a stack that is loading
+    settings = load_settings(env={"PROXY_PORT": str(port), "MLX_PORT": str(mlx.getsockname()[1]),
+                                  "LITELLM_MASTER_KEY": T.api_key, "LOG_ROOT": str(tmp_path / "logs")})
+    other = subprocess.Popen([sys.executable, str(stand_in_repo(tmp_path, port, delay=1.0) / "start_llm.py")],
+                             stdout=subprocess.DEVNULL)
+    said: list[str] = []
+    try:
+        assert launch.ensure_stack(settings, None, said.append, repo=tmp_path / "nowhere", poll=0.1) == MODELS
+    finally:
+        other.terminate()
+        other.wait()
+        mlx.close()
+    assert said == [f"127.0.0.1:{settings.mlx_port} held but the proxy on http://127.0.0.1:{port} does not answer "
+                    "yet: waiting for the stack that is starting there"]
+    assert not (tmp_path / "logs" / launch.STACK_PIDFILE).exists()
 
 
 def test_launch_writes_the_files_and_execs_the_client_with_its_env(tmp_path, monkeypatch, capsys):

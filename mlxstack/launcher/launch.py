@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 from mlxstack.config.settings import REPO_ROOT, Settings, SettingsError, load_settings
 from mlxstack.launcher import clients as cl
 from mlxstack.launcher.litellm_config import proxy_base_url
+from mlxstack.launcher.ports import port_is_free
 from mlxstack.system.secrets import make_private_dir, mask_secret, write_private_file
 
 STACK_LOG = "launch-stack.log"
@@ -92,7 +93,7 @@ def pick_model(models: list[dict], wanted: str | None, default_max_tokens: int) 
 # ---------------------------------------------------------------------------- the stack
 def proxy_models(base: str, key: str, timeout: float = 3.0) -> list[dict] | None:
     """The proxy's /v1/models entries; None when nothing answers there (no stack, or one still
-    starting); LaunchError when something answers but refuses the key."""
+    starting); LaunchError when something answers but refuses the key, or has no /v1/models."""
     req = urllib.request.Request(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -101,6 +102,9 @@ def proxy_models(base: str, key: str, timeout: float = 3.0) -> list[dict] | None
         if exc.code in (401, 403):
             raise LaunchError(f"the proxy on {base} refuses the key (LITELLM_MASTER_KEY in .env is not the "
                               "running stack's)") from None
+        if exc.code in (404, 405):
+            raise LaunchError(f"something on {base} answers /v1/models with {exc.code}: it is not the stack's proxy "
+                              "(choose another PROXY_PORT in .env, or stop it)") from None
         return None
     except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return None
@@ -125,36 +129,54 @@ def _tail(path: Path, n: int = 15) -> str:
 def ensure_stack(settings: Settings, env_file: Path | None, say: Callable[[str], None], *,
                  python: str = sys.executable, repo: Path = REPO_ROOT, poll: float = 0.5) -> list[dict]:
     """The proxy's /v1/models entries, starting the stack in the background first when nothing
-    answers (the way ``mlxstack serve`` starts it)."""
+    answers (the way ``mlxstack serve`` starts it). A stack's port already held while the proxy
+    does not answer yet is a stack still starting (another launch, ``mlxstack serve``): it is
+    awaited, never started twice (a second start_llm.py would stop the first as a leftover)."""
     base, key = proxy_base_url(settings), settings.litellm_master_key
     models = proxy_models(base, key)
     if models is not None:
         return models
     logs = make_private_dir(settings.log_root_path)
     log_path = logs / STACK_LOG
+    held = [f"{host}:{port}" for host, port in ((settings.proxy_host, settings.proxy_port),
+                                               (settings.mlx_host, settings.mlx_port))
+            if port and not port_is_free(host, port)]
+    if held:
+        say(f"{' and '.join(held)} held but the proxy on {base} does not answer yet: waiting for the stack "
+            "that is starting there")
+        return _await_stack(settings, say, log_path, None, poll)
     say(f"the stack is not running on {base}: starting it (output in {log_path})")
     cmd = [python, str(repo / "start_llm.py"), *(["--env-file", str(env_file)] if env_file else [])]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=repo, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     write_private_file(logs / STACK_PIDFILE, f"{proc.pid}\n")
+    return _await_stack(settings, say, log_path, proc, poll)
+
+
+def _await_stack(settings: Settings, say: Callable[[str], None], log_path: Path,
+                 proc: subprocess.Popen | None, poll: float) -> list[dict]:
+    """Poll the proxy until it lists its models; ``proc`` (ours, else None) must not exit meanwhile."""
+    base, key = proxy_base_url(settings), settings.litellm_master_key
     limit = settings.mlx_startup_timeout_seconds + settings.proxy_startup_timeout_seconds
     start, noted = time.monotonic(), 0.0
     while True:
-        code = proc.poll()
+        code = proc.poll() if proc is not None else None
         if code is not None:
             raise LaunchError(f"the stack exited with status {code} while starting ({log_path}):\n{_tail(log_path)}")
         models = proxy_models(base, key, timeout=2.0)
         elapsed = time.monotonic() - start
         if models:
-            say(f"the stack is ready after {elapsed:.0f}s (pid {proc.pid}, in {logs / STACK_PIDFILE}; it keeps "
-                f"running after the client exits)")
+            if proc is not None:
+                say(f"the stack is ready after {elapsed:.0f}s (pid {proc.pid}, in {log_path.parent / STACK_PIDFILE}; "
+                    "it keeps running after the client exits)")
             return models
         if elapsed > limit:
-            raise LaunchError(f"the stack is not ready after {limit:g}s ({log_path}):\n{_tail(log_path)}")
+            raise LaunchError(f"the stack on {base} is not ready after {limit:g}s"
+                              + (f" ({log_path}):\n{_tail(log_path)}" if proc is not None else ""))
         if elapsed - noted >= 10:
             noted = elapsed
-            say(f"waiting for the stack ... {elapsed:.0f}s  {_last_line(log_path)}")
+            say(f"waiting for the stack ... {elapsed:.0f}s" + (f"  {_last_line(log_path)}" if proc is not None else ""))
         time.sleep(poll)
 
 
