@@ -220,9 +220,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_missing_client_names_its_npm_package(tmp_path, capsys, monkeypatch):
-    for name in ("PROXY_PORT", "MLX_PORT", "LITELLM_MASTER_KEY", "LOG_ROOT"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_missing_client_names_its_npm_package(tmp_path, capsys):
     code = launch.main(["opencode", "--env-file", str(env_file(tmp_path, free_port()))],
                        environ={"PATH": str(tmp_path), "HOME": str(tmp_path)},
                        exec_=lambda *a: pytest.fail("nothing to exec"))
@@ -328,8 +326,6 @@ def test_a_stack_still_starting_is_awaited_not_started_again(tmp_path):
 
 
 def test_launch_writes_the_files_and_execs_the_client_with_its_env(tmp_path, monkeypatch, capsys):
-    for name in ("PROXY_PORT", "MLX_PORT", "LITELLM_MASTER_KEY", "LOG_ROOT", "DEFAULT_THINKING"):
-        monkeypatch.delenv(name, raising=False)
     port = free_port()
     repo = stand_in_repo(tmp_path, port)
     bins = tmp_path / "bin"

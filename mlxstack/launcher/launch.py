@@ -320,7 +320,7 @@ def main(argv: list[str], *, environ: Mapping[str, str] | None = None,
                     help="the stack's settings (default: .env in the checkout); the environment wins over it")
     args = ap.parse_args(ours)
     try:
-        settings = load_settings(env_file=args.env_file)
+        settings = load_settings(env=environ, env_file=args.env_file)
     except SettingsError as exc:
         print(f"mlxstack launch: configuration error: {exc}", file=sys.stderr)
         return 2
