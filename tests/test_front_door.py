@@ -414,3 +414,21 @@ def test_a_comparison_id_is_turned_back_into_the_backends_own():
     assert comparison_to_backend_id(data, lambda rid: litellm_backend_response_id(rid, None)) == {
         "input": "hi", "prompt_cache_options": {"comparison_response_id": "resp_ours123", "ttl": "30m"}}
     assert comparison_to_backend_id({"input": "hi"}, str.upper) == {"input": "hi"}
+
+
+def test_a_model_no_deployment_takes_is_a_404_listing_the_served_ones():
+    from mlxstack.routing.front_door import unknown_model
+
+    served = ["openai/tiny", "tiny"]
+    known = lambda m: m in served or m.startswith("claude-")          # a wildcard like claude-*
+    body = lambda d: json.dumps(d).encode()
+    chat = unknown_model("/v1/chat/completions", body({"model": "gpt-9", "messages": []}), known, lambda: served)
+    assert (chat.status, chat.body) == (404, {"error": {
+        "message": "The model `gpt-9` does not exist. Available models: openai/tiny, tiny.", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}})
+    msgs = unknown_model("/v1/messages", body({"model": "gpt-9"}), known, lambda: served)
+    assert (msgs.status, msgs.body["type"], msgs.body["error"]["type"]) == (404, "error", "not_found_error")
+    for path, d in [("/v1/chat/completions", {"model": "tiny"}), ("/v1/messages", {"model": "claude-opus-4"}),
+                    ("/v1/responses", {"input": "no model"}), ("/v1/models", {"model": "gpt-9"})]:
+        assert unknown_model(path, body(d), known, lambda: served) is None, path
+    assert unknown_model("/v1/chat/completions", b"not json", known, lambda: served) is None

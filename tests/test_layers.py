@@ -11,6 +11,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "mlxstack"
 
 ALLOWED = {
+    "residency": {"launcher", "server", "models", "config", "system"},
     "launcher": {"config", "system"},
     "routing": {"prompt", "cache", "parsing", "config"},
     "server": {"observability", "engine", "runner", "constraints", "models", "cache", "prompt", "parsing", "config",

@@ -177,8 +177,10 @@ class EngineState:
                 self.healing.on_remember = None
 
     def close(self) -> None:
-        """Flush queued disk writes (shutdown)."""
+        """Flush queued disk writes (shutdown); with DISK_KEEP_ON_EXIT every RAM entry first."""
         if self.disk is not None:
+            if self.settings.disk_keep_on_exit and not self.replicated:
+                self.disk.keep(self.prompt_cache)
             self.disk.close()
         if self.healing_journal is not None:
             self.healing_journal.close()

@@ -68,8 +68,9 @@ def proxy_base_url(settings: Settings) -> str:
 ANTHROPIC_PASS_THROUGH_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
-def served_context_window(settings: Settings, timeout: float = 2.0) -> int | None:
-    """The MLX server's context window from its /v1/models (None when it does not answer)."""
+def served_models(settings: Settings, timeout: float = 2.0) -> list[tuple[str, int | None]]:
+    """(id, context window or None) of every model the MLX port lists on /v1/models, in its order
+    ([] when it does not answer)."""
     import json
     import urllib.request
 
@@ -78,10 +79,20 @@ def served_context_window(settings: Settings, timeout: float = 2.0) -> int | Non
         req = urllib.request.Request(f"{mlx_base_url(settings)}/v1/models",
                                      headers={"Authorization": f"Bearer {key}"} if key else {})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            value = json.load(resp)["data"][0].get("context_length")
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
+            data = json.load(resp)["data"]
+        out = []
+        for item in data:
+            value = item.get("context_length")
+            out.append((str(item["id"]), value if isinstance(value, int) and value > 0 else None))
+        return out
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return []
+
+
+def served_context_window(settings: Settings, timeout: float = 2.0) -> int | None:
+    """The MLX server's context window from its /v1/models (None when it does not answer)."""
+    listed = served_models(settings, timeout)
+    return listed[0][1] if listed else None
 
 
 def model_info(settings: Settings, context_window: int | None) -> dict[str, Any]:
@@ -121,7 +132,10 @@ def front_door_shim(repo: Path = REPO) -> str:
             "from mlxstack.routing.front_door import front_door  # noqa: E402,F401\n")
 
 
-def build_config(settings: Settings, served_model_id: str, context_window: int | None = None) -> dict[str, Any]:
+def build_config(settings: Settings, served_model_id: str, context_window: int | None = None,
+                 others: tuple[tuple[str, int | None], ...] = ()) -> dict[str, Any]:
+    """One MLX port. ``others``: (name, context window) of every further model it serves
+    (MODELS_ON_DEMAND's router), each a model group of its own under its name."""
     timeout = float(settings.proxy_request_timeout_seconds)
     params = {
         "model": f"hosted_vllm/{served_model_id}",
@@ -132,11 +146,18 @@ def build_config(settings: Settings, served_model_id: str, context_window: int |
         "stream_timeout": timeout,
     }
     names = proxy_model_names(settings)
-    patterns = alias_patterns(settings, {"main": names[0], **{name: names[0] for name in (*names, served_model_id)}})
+    others = tuple((name, ctx) for name, ctx in others if name not in (*names, served_model_id))
+    patterns = alias_patterns(settings, {"main": names[0], **{name: names[0] for name in (*names, served_model_id)},
+                                         **{name: name for name, _ in others}})
+    main = {"litellm_params": params, "model_info": model_info(settings, context_window)}
+    by_target = {name: {"litellm_params": {**params, "model": f"hosted_vllm/{name}"},
+                        "model_info": model_info(settings, ctx)} for name, ctx in others}
+    listed = [(name, main) for name in names] + [(name, by_target[name]) for name, _ in others]
+    listed += [(pattern, by_target.get(target, main)) for pattern, target in patterns.items()]
     return {
         "model_list": [
-            {"model_name": name, "litellm_params": dict(params), "model_info": model_info(settings, context_window)}
-            for name in (*names, *patterns)
+            {"model_name": name, "litellm_params": dict(d["litellm_params"]), "model_info": dict(d["model_info"])}
+            for name, d in listed
         ],
         "litellm_settings": {
             "num_retries": 0,
@@ -177,9 +198,10 @@ def render_yaml(config: dict[str, Any]) -> str:
     return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
 
 
-def write_config(settings: Settings, served_model_id: str, path: Path, context_window: int | None = None) -> Path:
+def write_config(settings: Settings, served_model_id: str, path: Path, context_window: int | None = None,
+                 others: tuple[tuple[str, int | None], ...] = ()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_yaml(build_config(settings, served_model_id, context_window)))
+    path.write_text(render_yaml(build_config(settings, served_model_id, context_window, others)))
     (path.parent / f"{FRONT_DOOR_SHIM}.py").write_text(front_door_shim())
     return path
 

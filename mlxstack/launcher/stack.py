@@ -501,6 +501,10 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
     if tenants:
         say(f"tenants: {tenants} besides the master key's (TENANT_KEYS_FILE), each with a cache scope of its own")
     single = len(backends) == 1 and backends[0].local
+    if settings.models_on_demand and not (single and settings.distributed == "off"):
+        say("ERROR: MODELS_ON_DEMAND serves every installed model from one MLX port; it does not combine with a "
+            "BACKENDS_FILE, MLX_REPLICAS > 1 or DISTRIBUTED (turn one of them off).")
+        return 2
     logs = make_private_dir(settings.log_root_path)  # request logs hold prompts
     config_path, proxy_pid = logs / "litellm_config.yaml", logs / ".litellm.pid"
     servers = {b.name: LocalServer(b.name, settings if single else b.settings(), _pidfile(logs, b.name),
@@ -514,7 +518,7 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
         for server in servers.values():
             free_port("mlx", server.settings.mlx_host, server.settings.mlx_port, repo, server.pidfile, (), say)
         free_port("litellm", settings.proxy_host, settings.proxy_port, repo, proxy_pid, (str(config_path),), say)
-        cmd = mlx_cmd or [python, "-m", "mlxstack.serve"]
+        cmd = mlx_cmd or [python, "-m", "mlxstack.residency.router" if settings.models_on_demand else "mlxstack.serve"]
         for server in servers.values():  # all load at once; each port held by us for its whole life
             s = server.settings
             say(f"starting MLX server{server.label} on {lc.mlx_base_url(s)} (model: {s.model_path or lc.EMBEDDED_MODEL_NAME})")
@@ -536,7 +540,10 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             mlx, health = servers["mlx"].child, healths["mlx"]
             served = str(health.get("model") or lc.model_name(settings))
             say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, lc.served_context_window(settings)))
+            listed = lc.served_models(settings) if settings.models_on_demand else []
+            window = next((ctx for name, ctx in listed if name == served), None) if listed else lc.served_context_window(settings)
+            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, window,
+                                                      tuple((n, c) for n, c in listed if n != served)))
             env = litellm_env(settings)
         else:
             groups = _model_groups(settings, backends, say)

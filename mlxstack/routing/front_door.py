@@ -327,6 +327,43 @@ def check_body(method: str, path: str, body: bytes | None) -> Rejection | None:
     return None
 
 
+def unknown_model(path: str, body: bytes | None, known: Callable[[str], bool],
+                  available: Callable[[], list[str]]) -> Rejection | None:
+    """404 ``model_not_found`` listing what is served, for a body naming a model no deployment or
+    wildcard of LiteLLM's router takes (LiteLLM 1.106.2 answers those 400 "no healthy deployments",
+    which the SDKs raise as BadRequestError); None for every other request."""
+    if body is None or route_kind(path) not in ("chat", "responses", "completions", "messages"):
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, str) or not model or known(model):
+        return None
+    names = ", ".join(available())
+    message = f"The model `{model}` does not exist. Available models: {names}."
+    if route_kind(path) == "messages":
+        return anthropic_error(404, message, "not_found_error")
+    return openai_error(404, message, "model", code="model_not_found")
+
+
+def _litellm_router_names() -> tuple[Callable[[str], bool], Callable[[], list[str]]] | None:
+    """(does LiteLLM's router take this model name, the names it lists), or None before it has one."""
+    proxy_server = sys.modules.get("litellm.proxy.proxy_server")     # the running proxy's, never imported here
+    router = getattr(proxy_server, "llm_router", None)
+    if router is None:
+        return None
+
+    def known(model: str) -> bool:
+        return model in router.get_model_names() or bool(router.pattern_router.route(model))
+
+    def available() -> list[str]:
+        return [n for n in router.get_model_names() if "*" not in n]
+
+    return known, available
+
+
 # ------------------------------------------------------------------ ASGI layer
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
@@ -403,6 +440,13 @@ class FrontDoor:
         except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
             log.exception("front door check failed; passing the request on")
             refused = None
+        if refused is None and method == "POST":
+            try:
+                names = _litellm_router_names()
+                refused = unknown_model(path, body, *names) if names is not None else None
+            except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
+                log.exception("front door model check failed; passing the request on")
+                refused = None
         if refused is not None:
             await _respond(send, refused)
             return

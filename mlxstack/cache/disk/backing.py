@@ -38,6 +38,7 @@ class DiskBacking:
         self.spills = 0
         self.write_throughs = 0
         self.restored = 0
+        self.kept_at_exit = 0
         self.load_seconds = 0.0
         # Several ranks (engine/lockstep.py): each rank's tier holds its own part of every entry.
         # What one rank's tier did -- a write refused, a file evicted, dropped or unreadable -- is
@@ -79,6 +80,18 @@ class DiskBacking:
         disk_id = self._put_everywhere(entry)
         self.spills += disk_id is not None
         return disk_id
+
+    def keep(self, cache: PromptCache) -> int:
+        """Shutdown: every RAM entry not on disk yet (shorter than ``min_tokens`` too, down to the
+        spill floor) written there, so the next start of the same model finds every session. Returns
+        how many were queued (``close`` flushes them)."""
+        kept = 0
+        for entry in cache.entries():
+            if entry.disk_id is None and entry.payload is not None and entry.depth >= self.min_spill_tokens:
+                entry.disk_id = self._put_everywhere(entry)
+                kept += entry.disk_id is not None
+        self.kept_at_exit = kept
+        return kept
 
     def forget(self, entry: CacheEntry, reason: str) -> None:
         """The entry left the index: its disk copy goes too (unless the tier already dropped it)."""
