@@ -11,6 +11,9 @@
     mlxstack pull REPO [--revision R]    download a Hugging Face model repo (the files MLX loads)
                                          into the hub cache
     mlxstack models                      the MLX models installed here (MODELS_DIR, the hub cache)
+    mlxstack launch CLIENT [--model M] [--config] [-- ARGS]
+                                         start the stack if it is not running, point an agent client
+                                         (claude, codex, opencode, openclaw, pi) at it and run it
 
 Run as ``.venv/bin/python -m mlxstack.cli`` or, after ``.venv/bin/pip install -e .``, as
 ``mlxstack``. Each subcommand hands its remaining arguments to the entry point unchanged (so
@@ -35,6 +38,8 @@ COMMANDS = {
     "build-native": "build the CPU backend's native kernels with the system C compiler now (else at load)",
     "pull": "download a Hugging Face model repo (only the files MLX loads) into the hub cache: 'pull OWNER/NAME [--revision R]'",
     "models": "list the MLX models installed here (MODELS_DIR, the Hugging Face cache): family, size, window, quantisation, resident",
+    "launch": "run an agent client on the stack: 'launch claude|codex|opencode|openclaw|pi [--model M] [--config] "
+              "[-- CLIENT ARGS]' (starts the stack if it is not running; --config: write / print the client's configuration)",
     "tenant": "tenants of port 4000: 'tenant add NAME' gives NAME a key in TENANT_KEYS_FILE, 'tenant list' names them",
 }
 
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         return pull(rest)
     elif command == "models":
         return models(rest)
+    elif command == "launch":
+        from .launcher import launch
+
+        return launch.main(rest)
     else:
         print(f"mlxstack: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2

