@@ -150,7 +150,7 @@ class Router:
         s = self.settings
         name = lc.model_name(s)
         path = Path(s.model_path).expanduser() if s.model_path else None
-        folder = s.model_cache_path if not s.model_path else (path if path and path.is_dir() else None)
+        folder = path if path and path.is_dir() else None      # the embedded model: its catalog entry below
         return Candidate(name=name, model_path=s.model_path, weights=_weights(folder),
                          names=tuple(n for n in {s.model_path, *lc.proxy_model_names(s)} if n and n != name))
 
@@ -158,8 +158,10 @@ class Router:
         """Every name a request may use -> its candidate (the main model's names win)."""
         index: dict[str, Candidate] = {}
         for e in installed_models(self.settings):
-            if e.source == "embedded":
-                continue                        # the embedded model is the main one when MODEL_PATH is ""
+            if e.source == "embedded":          # the main model when MODEL_PATH is "": its converted folder
+                if not self.settings.model_path:
+                    index[self.main.name] = Candidate(self.main.name, "", _weights(e.path), e.context)
+                continue
             cand = Candidate(name=e.name, model_path=str(e.path) if e.source == "models_dir" else e.name,
                              weights=_weights(e.path), context=e.context,
                              names=tuple(n for n in {e.served_as, f"openai/{e.name}"} if n != e.name))
@@ -249,6 +251,13 @@ class Router:
             raise res.error
         return res
 
+    def _weights_after_load(self, cand: Candidate) -> int:
+        """A model counted at 0 before its load (fetched, or the embedded model converted by it):
+        its weights now on disk."""
+        self.catalog = self._catalog()
+        known = self.catalog.get(cand.name)
+        return (known.weights if known is not None else 0) or _weights(_fetched_folder(cand))
+
     def _need(self, weights: int) -> int:
         """Bytes a model is counted at: weights + KV budget + a server process."""
         return weights + self.kv_bytes + self.process_bytes
@@ -289,7 +298,7 @@ class Router:
                                 f"MLX server of {cand.name}", lambda m: log.info("%s", m), "MLX_STARTUP_TIMEOUT_SECONDS")
             res.served, res.fetch = str(health.get("model") or cand.name), None
             res.load_seconds = time.monotonic() - res.started
-            weights = cand.weights or _weights(_fetched_folder(cand))
+            weights = cand.weights or self._weights_after_load(cand)
             if not self.settings.model_process_bytes:          # measured: what a server holds beyond its weights
                 self.process_bytes = max(self.process_bytes, rss_bytes(res.child.pid) - weights)
             with self.cond:
