@@ -3,6 +3,7 @@ docs/architecture.md#layers (which this test keeps honest)."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -10,25 +11,37 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "mlxstack"
 
-ALLOWED = {
-    "residency": {"launcher", "server", "models", "config", "system"},
-    "launcher": {"config", "system"},
-    "routing": {"prompt", "cache", "parsing", "config"},
-    "server": {"observability", "engine", "runner", "constraints", "models", "cache", "prompt", "parsing", "config",
-               "system"},
-    "observability": {"cache", "config", "system"},
-    "engine": {"scheduler", "runner", "backends", "constraints", "models", "cache", "prompt", "parsing", "config"},
-    "runner": {"scheduler", "backends", "constraints", "models", "cache", "prompt", "config"},
-    "scheduler": {"cache"},
-    "constraints": {"parsing", "config"},
-    "backends": {"models", "cache", "config", "system"},
-    "models": {"config", "system"},
-    "cache": {"config"},
-    "prompt": {"parsing", "config"},
-    "parsing": set(),
-    "config": set(),
-    "system": {"config"},
-}
+ARCHITECTURE = PKG.parent / "docs" / "architecture.md"
+
+
+def layer_table(text: str) -> dict[str, set[str]]:
+    """docs/architecture.md#layers as {layer: layers it may import}: each row's first cell names the
+    layer (`name/`), its last the layers, comma-separated; a parenthesis qualifies an entry ("cache
+    (summary digests only)") and "—" is none."""
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `([a-z_]+)/` \|", line)
+        if not match:
+            continue
+        last = line.rstrip().rstrip("|").rsplit(" | ", 1)[1].strip()
+        flat = re.sub(r"\([^()]*\)", "", last)             # qualifications, one level deep
+        table[match.group(1)] = set() if flat.strip() in ("—", "-") else \
+            {part.strip().split()[0].strip("`").rstrip("/") for part in flat.split(",") if part.strip()}
+    return table
+
+
+ALLOWED = layer_table(ARCHITECTURE.read_text())
+
+
+def test_the_layer_table_is_the_documented_one():
+    sample = ("## Layers\n\n| layer | what | may import |\n|---|---|---|\n"
+              "| `top/` | x, y | mid (`a/` only), low |\n| `mid/` | z (a, b) | low (digests, ids) |\n"
+              "| `low/` | pure | — |\n\n## Next\n| `other/` | no | top |\n")
+    assert layer_table(sample) == {"top": {"mid", "low"}, "mid": {"low"}, "low": set()}
+    assert (ALLOWED["routing"], ALLOWED["scheduler"], ALLOWED["parsing"]) == \
+        ({"prompt", "cache", "parsing", "config"}, {"cache"}, set())
+    assert ALLOWED["residency"] == {"launcher", "server", "models", "config", "system"}
 
 
 def imported_layers(path: Path) -> set[str]:
