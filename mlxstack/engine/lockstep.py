@@ -84,6 +84,14 @@ def portable_job(job: ChatJob) -> tuple[dict, Any]:
 _JOB_FIELDS = frozenset(f.name for f in fields(ChatJob)) - frozenset(_CALLBACKS)
 
 
+def rebuilt_job(values: dict, params: SamplingParams | None = None) -> ChatJob:
+    """The job a follower rank runs from rank 0's ``portable_job`` values (its callbacks do
+    nothing; ``params``: with the grammar compiled on this rank). A job is built from a request
+    in server/common/job_adapter.py and from a record here, nowhere else."""
+    return ChatJob(**{**values, "params": params if params is not None else values["params"]},
+                   emit=_noop, on_prompt=_noop)
+
+
 def _check_job(values: Any, spec: Any, rank: int) -> None:
     """A chat item from a record: a job's fields (no callbacks), SamplingParams, a GrammarSpec or
     None -- else this rank cannot follow (LockstepBroken)."""
@@ -309,7 +317,7 @@ class Lockstep:
                     if self.compile_grammar is None:
                         raise LockstepBroken(f"rank {self.rank} cannot compile the grammar rank 0 uses")
                     params = replace(params, grammar=self.compile_grammar(spec))
-                job = ChatJob(**{**values, "params": params}, emit=_noop, on_prompt=_noop)
+                job = rebuilt_job(values, params)
                 fut: Future = Future()
                 if rid != self._next_id:
                     raise LockstepBroken(f"rank {self.rank} expected request {self._next_id}, rank 0 sent {rid}")

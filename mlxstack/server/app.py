@@ -14,8 +14,7 @@ from ..cache.summary import summary_for
 from ..config.settings import Settings, SettingsError, model_aliases
 from ..engine.chat import tokenizer_size
 from ..engine.factory import make_core, make_engine
-from ..engine.lockstep import Lockstep, portable_job
-from ..engine.request import ChatJob
+from ..engine.lockstep import Lockstep, portable_job, rebuilt_job
 from ..engine.worker import InferenceWorker
 from ..models.loaded import read_generation_config
 from ..models import hub
@@ -169,7 +168,7 @@ class App:
         return count
 
     def _prepare_replica(self, values: dict) -> Callable[[], int]:
-        job = ChatJob(**values, emit=lambda _t: None, on_prompt=lambda _p: None)
+        job = rebuilt_job(values)
         return lambda: len(self.engine.prepare(job).model_tokens)
 
     def _begin_lockstep(self, group: Any, engine: Any) -> None:
