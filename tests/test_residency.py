@@ -244,10 +244,54 @@ def test_idle_models_leave_after_the_ttl_and_pinned_ones_stay(tmp_path, models_d
         r.close()
 
 
+# ============================================================================ a repo id from the hub
+HUB_REPO = "tiny-org/tiny-d"
+
+
+@pytest.fixture(scope="module")
+def local_hub(models_dir):
+    from tests.hub_server import HubServer
+
+    big = {"config.json": (models_dir / "tiny-b" / "config.json").read_bytes(), "model.safetensors": b"\0" * (64 << 20)}
+    server = HubServer({HUB_REPO: models_dir / "tiny-b", "tiny-org/too-big": big,
+                        "tiny-org/torch-only": {"config.json": b"{}", "pytorch_model.bin": b"\0" * 64}})
+    yield server
+    server.close()
+
+
+def test_a_repo_id_is_fetched_on_first_use_and_sized_before_it(tmp_path, models_dir, local_hub):
+    need = weights(models_dir, "tiny-a") + KV + PROC
+    r = RouterProc(tmp_path, models_dir, MODEL_MEMORY_BUDGET=str(2 * need + need // 2), HF_ENDPOINT=local_hub.url,
+                   HF_HUB_OFFLINE="")
+    try:
+        status, body, _ = r.chat(HUB_REPO)
+        assert status == 200 and body["model"] == "tiny-d", body                   # the id its server serves
+        got = sorted(p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p, _ in local_hub.requests
+                     if m == "GET" and "/resolve/" in p and HUB_REPO in p)
+        assert "model.safetensors" in got and "tiny_model_build.json" in got      # the MLX files, once
+        assert HUB_REPO in [m["id"] for m in http_json(r.url + "/v1/models")[1]["data"]]   # installed now
+        assert r.chat(HUB_REPO)[0] == 200 and r.health()["loads_total"] == 2              # main + the repo: one load
+        before = len(local_hub.requests)
+        status, body, _ = r.chat("tiny-org/too-big")       # 64 MiB of weights on the hub: refused, nothing fetched
+        assert (status, body["error"]["code"]) == (400, "model_too_large")
+        assert not [p for m, p, _ in local_hub.requests[before:] if "/resolve/" in p]
+        status, body, _ = r.chat("tiny-org/no-such-repo")
+        assert (status, body["error"]["code"]) == (404, "model_not_found") and "no model repo" in body["error"]["message"]
+        status, body, _ = r.chat("tiny-org/torch-only")
+        assert (status, body["error"]["code"]) == (400, "model_not_supported")
+        assert r.chat("tiny-a")[0] == 200                  # and the router serves on
+    finally:
+        r.close()
+
+
 # ============================================================================ through port 4000
 @pytest.mark.e2e
-def test_three_models_through_litellm_with_the_openai_sdk(tmp_path, models_dir, embedded_model_path):
+def test_three_models_through_litellm_with_the_openai_sdk(tmp_path, models_dir, embedded_model_path, local_hub,
+                                                          monkeypatch):
     openai = pytest.importorskip("openai")
+    monkeypatch.setenv("HF_ENDPOINT", local_hub.url)          # the model servers inherit it
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
     from tests.test_e2e_stack import KEY, Stack
 
     need = weights(models_dir, "tiny-a") + KV + PROC
@@ -269,6 +313,8 @@ def test_three_models_through_litellm_with_the_openai_sdk(tmp_path, models_dir, 
         assert (h["loads_total"], h["unloads_total"]["room"]) == (4, 2)
         r = client.chat.completions.create(model="claude-haiku-4-5", messages=MSGS, max_tokens=4)   # an alias
         assert r.model in ("claude-haiku-4-5", "tiny-a")
+        r = client.chat.completions.create(model=HUB_REPO, messages=MSGS, max_tokens=4)   # any repo id: fetched
+        assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
         with pytest.raises(openai.NotFoundError) as exc:             # the front door's 404, listing the models
             client.chat.completions.create(model="tiny-z", messages=MSGS, max_tokens=4)
         assert "tiny-b" in str(exc.value) and exc.value.body["code"] == "model_not_found"

@@ -32,6 +32,7 @@ from typing import Any
 from mlxstack.config.settings import Settings, SettingsError, model_aliases
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+ANY_REPO = "*/*"        # MODELS_ON_DEMAND + MODEL_FETCH: a LiteLLM wildcard for every owner/name repo id
 
 
 def model_name(settings: Settings) -> str:
@@ -154,6 +155,9 @@ def build_config(settings: Settings, served_model_id: str, context_window: int |
                         "model_info": model_info(settings, ctx)} for name, ctx in others}
     listed = [(name, main) for name in names] + [(name, by_target[name]) for name, _ in others]
     listed += [(pattern, by_target.get(target, main)) for pattern, target in patterns.items()]
+    if settings.models_on_demand and settings.model_fetch:     # any repo id: the router fetches it
+        listed.append((ANY_REPO, {"litellm_params": {**params, "model": "hosted_vllm/*/*"},
+                                  "model_info": model_info(settings, None)}))
     return {
         "model_list": [
             {"model_name": name, "litellm_params": dict(d["litellm_params"]), "model_info": dict(d["model_info"])}

@@ -44,7 +44,12 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 class FetchError(ModelLoadError):
-    """A model could not be fetched; the message names the repo, the endpoint and what to do."""
+    """A model could not be fetched; the message names the repo, the endpoint and what to do.
+    ``kind``: unreachable | offline | gated | no_revision | not_found | not_mlx | http | disk | download."""
+
+    def __init__(self, message: str, kind: str = "download") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def looks_like_repo_id(value: str) -> bool:
@@ -140,7 +145,7 @@ def hub_reachable(repo: str) -> Iterator[None]:
     if asked and not ours:
         raise FetchError(f"{repo} is not in the local Hugging Face cache ({hub_cache_dir()}) and {asked[0]}=1 is set, "
                          f"so it cannot be downloaded: unset {asked[0]} to let the stack fetch it, or download it "
-                         "elsewhere and copy the cache.")
+                         "elsewhere and copy the cache.", "offline")
     with _OFFLINE_LOCK:
         before = constants.HF_HUB_OFFLINE
         constants.HF_HUB_OFFLINE = False
@@ -197,16 +202,29 @@ def fetch(repo: str, revision: str | None = None, *, console: bool = True,
     return path
 
 
-def _fetch(repo: str, revision: str | None, console: bool, say: Callable[[str], None],
-           progress: FetchProgress) -> Path:
+@dataclass(frozen=True)
+class RemoteRepo:
+    """What the hub says of a model repo at a revision: its commit and the sizes of the files MLX loads."""
+    repo: str
+    commit: str
+    sizes: dict[str, int]
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(n for name, n in self.sizes.items() if name.endswith(".safetensors"))
+
+
+def remote_repo(repo: str, revision: str | None = None) -> RemoteRepo:
+    """Ask the hub (HF_ENDPOINT) for ``repo``'s MLX files and their sizes, fetching nothing;
+    FetchError naming why it cannot be used (unreachable, gated, no such repo or revision, no
+    config.json or .safetensors weights)."""
     import httpx
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError, RevisionNotFoundError)
     from huggingface_hub.utils import filter_repo_objects
 
-    endpoint, cache = hub_endpoint(), hub_cache_dir()
-    rev = revision or "main"
+    endpoint, rev = hub_endpoint(), revision or "main"
     where = f"the Hugging Face hub at {endpoint} (HF_ENDPOINT)"
     with hub_reachable(repo):
         try:
@@ -214,28 +232,41 @@ def _fetch(repo: str, revision: str | None, console: bool, say: Callable[[str], 
         except (httpx.ConnectError, httpx.TimeoutException, OfflineModeIsEnabled) as exc:
             raise FetchError(f"cannot download {repo}: {where} cannot be reached ({type(exc).__name__}: {exc}). "
                              "Check the network (or HF_ENDPOINT), or download the model on another machine into "
-                             "the Hugging Face cache and copy it here.") from None
+                             "the Hugging Face cache and copy it here.", "unreachable") from None
         except GatedRepoError:
             raise FetchError(f"cannot download {repo}: it is gated on {where}; accept its licence on the hub "
-                             "and set HF_TOKEN in the environment.") from None
+                             "and set HF_TOKEN in the environment.", "gated") from None
         except RevisionNotFoundError:
-            raise FetchError(f"cannot download {repo}: {where} has no revision {rev!r} of it.") from None
+            raise FetchError(f"cannot download {repo}: {where} has no revision {rev!r} of it.", "no_revision") from None
         except RepositoryNotFoundError:
             raise FetchError(f"cannot download {repo}: {where} has no model repo of that name (or it is "
-                             "private: set HF_TOKEN). Check the spelling (owner/name).") from None
+                             "private: set HF_TOKEN). Check the spelling (owner/name).", "not_found") from None
         except HfHubHTTPError as exc:
             raise FetchError(f"cannot download {repo}: {where} answered HTTP {_status(exc)}; try again "
-                             "later.") from None
-        commit = info.sha or rev
-        sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
-        wanted = sorted(filter_repo_objects(sizes, allow_patterns=list(MLX_PATTERNS)))
-        if "config.json" not in wanted:
-            raise FetchError(f"cannot use {repo}: it has no config.json on {where}; it is not a model repo "
-                             "MLX can load.")
-        if not any(name.endswith(".safetensors") for name in wanted):
-            raise FetchError(f"cannot use {repo}: it has no .safetensors weights on {where} (MLX loads only "
-                             "those; .bin / .gguf / .onnx are not fetched). Pick an MLX conversion of the model, "
-                             "e.g. one under mlx-community/.")
+                             "later.", "http") from None
+    sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or ()}
+    wanted = sorted(filter_repo_objects(sizes, allow_patterns=list(MLX_PATTERNS)))
+    if "config.json" not in wanted:
+        raise FetchError(f"cannot use {repo}: it has no config.json on {where}; it is not a model repo "
+                         "MLX can load.", "not_mlx")
+    if not any(name.endswith(".safetensors") for name in wanted):
+        raise FetchError(f"cannot use {repo}: it has no .safetensors weights on {where} (MLX loads only "
+                         "those; .bin / .gguf / .onnx are not fetched). Pick an MLX conversion of the model, "
+                         "e.g. one under mlx-community/.", "not_mlx")
+    return RemoteRepo(repo, info.sha or rev, {name: sizes[name] for name in wanted})
+
+
+def _fetch(repo: str, revision: str | None, console: bool, say: Callable[[str], None],
+           progress: FetchProgress) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    endpoint, cache = hub_endpoint(), hub_cache_dir()
+    rev = revision or "main"
+    where = f"the Hugging Face hub at {endpoint} (HF_ENDPOINT)"
+    remote = remote_repo(repo, revision)
+    commit, sizes, wanted = remote.commit, remote.sizes, sorted(remote.sizes)
+    with hub_reachable(repo):
         folder = repo_folder(repo, cache)
         missing = [name for name in wanted if not _cached(folder, commit, name)]
         need = sum(sizes[name] for name in missing)
@@ -243,7 +274,7 @@ def _fetch(repo: str, revision: str | None, console: bool, say: Callable[[str], 
         if need > free:
             raise FetchError(f"cannot download {repo}: its {len(missing)} missing files need {gib(need)} and "
                              f"{cache} has {gib(free)} free. Free some space, or point HF_HUB_CACHE (or HF_HOME) "
-                             "at a larger disk.")
+                             "at a larger disk.", "disk")
         progress.update(state="downloading", bytes_total=need, files_total=len(missing))
         if missing:
             say(f"downloading {repo} ({rev}) from {endpoint}: {len(missing)} files, {gib(need)}")

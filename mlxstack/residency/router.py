@@ -45,7 +45,7 @@ from ..launcher import litellm_config as lc
 from ..launcher.stack import LaunchError, _mlx_probe, _spawn_mlx, wait_ready
 from ..launcher.supervisor import Child, Supervisor
 from ..models.catalog import installed_models
-from ..models.hub import looks_like_repo_id
+from ..models.hub import FetchError, looks_like_repo_id, remote_repo
 from ..models.memory import total_memory_bytes
 from ..server.http.guard import bearer_token, key_matches
 from ..server.http.pooled_server import PooledHTTPServer, peer_closed
@@ -59,6 +59,10 @@ BUDGET_FRACTION = 0.75          # MODEL_MEMORY_BUDGET=0: of RAM / Metal's recomm
 KV_SHARE = 4                    # PROMPT_CACHE_MAX_BYTES=0: each model's KV budget is budget / KV_SHARE
 UNLOAD_GRACE_SECONDS = 30.0     # an unloading server flushes its disk-tier writes before it exits
 MONITOR_SECONDS = 0.5
+# A repo id the hub cannot give: FetchError.kind -> (status, code)
+FETCH_STATUS = {"not_found": (404, "model_not_found"), "no_revision": (404, "model_not_found"),
+                "not_mlx": (400, "model_not_supported"), "gated": (403, "model_gated"),
+                "offline": (503, "hub_unreachable"), "unreachable": (503, "hub_unreachable"), "http": (502, "hub_error")}
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                         "proxy-authorization", "proxy-connection", "host", "content-length"})
 
@@ -188,7 +192,12 @@ class Router:
             if target is not None and target != name:
                 return self.resolve(None if target == "main" else target)
         if cand is None and looks_like_repo_id(name) and self.settings.model_fetch:
-            cand = Candidate(name=name, model_path=name, weights=0)   # fetched by its server; counted once there
+            try:                                    # fetched by its server; sized by the hub's listing first
+                remote = remote_repo(name)
+            except FetchError as exc:
+                status, code = FETCH_STATUS.get(exc.kind, (502, "model_fetch_failed"))
+                raise RouterError(status, code, str(exc)) from None
+            cand = Candidate(name=name, model_path=name, weights=remote.weights_bytes)
         if cand is None:
             available = ", ".join(sorted({c.name for c in self.catalog.values()}))
             raise RouterError(404, "model_not_found", f"The model {name!r} does not exist here. Installed: {available} "
@@ -298,6 +307,8 @@ class Router:
                                 f"MLX server of {cand.name}", lambda m: log.info("%s", m), "MLX_STARTUP_TIMEOUT_SECONDS")
             res.served, res.fetch = str(health.get("model") or cand.name), None
             res.load_seconds = time.monotonic() - res.started
+            if cand.name not in self.catalog:                 # fetched by its load: installed now
+                self.catalog = self._catalog()
             weights = cand.weights or self._weights_after_load(cand)
             if not self.settings.model_process_bytes:          # measured: what a server holds beyond its weights
                 self.process_bytes = max(self.process_bytes, rss_bytes(res.child.pid) - weights)
