@@ -50,6 +50,7 @@ class Config:
     kv_scheme: str = "uniform"        # KV_QUANT_SCHEME (with kv_bits): uniform | turboquant
     budget_tokens: int = 0            # PROMPT_CACHE_MAX_BYTES, in tokens of this model (0: none)
     disk: bool = False
+    keep_on_exit: bool = False        # with disk: entries reach it only at shutdown (DISK_KEEP_ON_EXIT), none written through
     max_sequences: int = 8
     chunk: int = 64                   # PREFILL_CHUNK_TOKENS / PREFILL_STEP_SIZE: several chunks a prompt
 
@@ -58,6 +59,7 @@ class Config:
         parts += [f"{'tq' if self.kv_scheme == 'turboquant' else 'kv'}{self.kv_bits}@{self.quant_start}"] if self.kv_bits else []
         parts += [f"budget{self.budget_tokens}"] if self.budget_tokens else []
         parts += ["disk"] if self.disk else []
+        parts += ["keep"] if self.keep_on_exit else []
         return "-".join(parts)
 
 
@@ -142,6 +144,8 @@ def _settings(path: Path, config: Config, tmp: Path, warm: bool, budget: int = 0
                  "max_concurrent_sequences": config.max_sequences, "prompt_cache_max_bytes": budget}
     if config.disk:
         warm_only |= {"disk_cache_dir": str(tmp / "disk"), "disk_cache_min_tokens": 1}
+        if config.keep_on_exit:
+            warm_only |= {"disk_cache_min_tokens": 1 << 20, "disk_keep_on_exit": True}
     return engine_settings(path, **common, **warm_only)
 
 

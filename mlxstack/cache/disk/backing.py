@@ -89,6 +89,9 @@ class DiskBacking:
         for entry in cache.entries():
             if entry.disk_id is None and entry.payload is not None and entry.depth >= self.min_spill_tokens:
                 entry.disk_id = self._put_everywhere(entry)
+                if entry.disk_id is None:         # the write queue was full: drain it and write this one
+                    self.tier.flush()
+                    entry.disk_id = self._put_everywhere(entry)
                 kept += entry.disk_id is not None
         self.kept_at_exit = kept
         return kept
