@@ -184,12 +184,12 @@ def models(rest: list[str]) -> int:
     from .models.catalog import human_size, installed_models
 
     settings = load_settings()
-    served = served_model(settings.mlx_host, settings.mlx_port)
+    served = served_models(settings.mlx_host, settings.mlx_port)
     rows = [("NAME", "FAMILY", "SIZE", "CONTEXT", "QUANT", "RESIDENT")]
     for entry in installed_models(settings):
         rows.append((entry.name, entry.family, human_size(entry.size_bytes),
                      str(entry.context) if entry.context else "?", entry.quantization,
-                     "yes" if served is not None and served in (entry.served_as, entry.name) else "no"))
+                     "yes" if served & {entry.served_as, entry.name} else "no"))
     if len(rows) == 1:
         print("no MLX models installed here (mlxstack pull OWNER/NAME downloads one; MODELS_DIR names a folder of them)",
               file=sys.stderr)
@@ -200,21 +200,29 @@ def models(rest: list[str]) -> int:
     return 0
 
 
-def served_model(host: str, port: int, timeout: float = 1.0) -> str | None:
-    """The model id the MLX server at host:port answers /health with; None where none answers."""
+def served_models(host: str, port: int, timeout: float = 1.0) -> set[str]:
+    """The model ids the MLX port answers /health with: its one model, or under MODELS_ON_DEMAND
+    every model the router holds ready (its name and the id its server serves); empty where
+    nothing answers."""
     import json
     import urllib.request
 
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as resp:
-            return json.loads(resp.read()).get("model") or None
+            health = json.loads(resp.read())
     except Exception as exc:  # noqa: BLE001 - a 503 while loading still names the model
         body = getattr(exc, "read", None)
         try:
-            return json.loads(body()).get("model") or None if body else None
+            health = json.loads(body()) if body else {}
         except Exception:  # noqa: BLE001
-            return None
+            return set()
+    if not isinstance(health, dict):
+        return set()
+    if health.get("router"):
+        return {n for m in health.get("models") or () if m.get("state") == "ready"
+                for n in (m.get("model"), m.get("served")) if n}
+    return {health["model"]} if health.get("model") else set()
 
 
 def build_native(rest: list[str]) -> int:

@@ -161,6 +161,13 @@ def test_three_models_round_robin_within_a_budget_for_two(router, models_dir):
         assert len({text for text, _ in replies[model]}) == 1, replies[model]
     # memory returned: an unloaded model's process is gone
     assert not alive(pids["tiny-c"])
+    # `mlxstack models` marks what the router holds
+    env = {**os.environ, "MODELS_DIR": str(models_dir), "MLX_PORT": str(router.port), "MLX_HOST": "127.0.0.1",
+           "HF_HUB_CACHE": str(models_dir.parent / "no-hub"), "MODEL_CACHE_DIR": str(models_dir.parent / "no-cache")}
+    out = subprocess.run([sys.executable, "-m", "mlxstack.cli", "models"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    rows = {line.split()[0]: line.split()[-1] for line in out.stdout.splitlines()[1:]}
+    assert rows == {"tiny-a": "yes", "tiny-b": "yes", "tiny-c": "no"}, out.stdout + out.stderr
 
 
 def test_concurrent_first_requests_share_one_load(router):
