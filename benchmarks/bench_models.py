@@ -125,7 +125,7 @@ def in_process_unload() -> dict:
     from mlxstack.residency.router import rss_bytes
     import os
 
-    path = ensure_embedded_model(str(Path.home() / ".cache" / "mlxstack"))
+    path = ensure_embedded_model(Path.home() / ".cache" / "mlxstack")
     before = rss_bytes(os.getpid()), mx.get_active_memory()
     model, tok = load(str(path))
     mx.eval(model.parameters())
@@ -146,7 +146,7 @@ def main() -> int:
     from mlxstack.models.embedded_model import ensure_embedded_model
     from tests.fixtures import tiny_models as tm
 
-    embedded = Path(ensure_embedded_model(str(Path.home() / ".cache" / "mlxstack")))
+    embedded = Path(ensure_embedded_model(Path.home() / ".cache" / "mlxstack"))
     tmp = Path(tempfile.mkdtemp(prefix="bench_models_"))
     models_dir = tmp / "models"
     tm.build_tiny_dense(models_dir / "tiny-b", embedded)
