@@ -421,14 +421,13 @@ def test_a_model_no_deployment_takes_is_a_404_listing_the_served_ones():
 
     served = ["openai/tiny", "tiny", "claude-*"]
     known = lambda m: m in served or m.startswith("claude-")          # a wildcard like claude-*
-    body = lambda d: json.dumps(d).encode()
-    chat = unknown_model("/v1/chat/completions", body({"model": "gpt-9", "messages": []}), known, lambda: served)
+    chat = unknown_model("/v1/chat/completions", {"model": "gpt-9", "messages": []}, known, lambda: served)
     assert (chat.status, chat.body) == (404, {"error": {
         "message": "The model `gpt-9` does not exist. Available models: openai/tiny, tiny; aliases: claude-*.", "type": "invalid_request_error",
         "param": "model", "code": "model_not_found"}})
-    msgs = unknown_model("/v1/messages", body({"model": "gpt-9"}), known, lambda: served)
+    msgs = unknown_model("/v1/messages", {"model": "gpt-9"}, known, lambda: served)
     assert (msgs.status, msgs.body["type"], msgs.body["error"]["type"]) == (404, "error", "not_found_error")
     for path, d in [("/v1/chat/completions", {"model": "tiny"}), ("/v1/messages", {"model": "claude-opus-4"}),
                     ("/v1/responses", {"input": "no model"}), ("/v1/models", {"model": "gpt-9"})]:
-        assert unknown_model(path, body(d), known, lambda: served) is None, path
-    assert unknown_model("/v1/chat/completions", b"not json", known, lambda: served) is None
+        assert unknown_model(path, d, known, lambda: served) is None, path
+    assert unknown_model("/v1/chat/completions", None, known, lambda: served) is None      # not JSON

@@ -292,10 +292,11 @@ def carry_token_prompt(body: bytes) -> bytes | None:
     (anything else is its 500 "Unmapped prompt format"), so the ids go in ``mlxstack_prompt``,
     which it forwards untouched and the MLX server prefers, and ``prompt`` becomes a placeholder
     string. None: nothing to rewrite (a string prompt, a body that is not JSON)."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+    return carried_prompt(decode_body(body)[0])
+
+
+def carried_prompt(data: Any) -> bytes | None:
+    """``carry_token_prompt`` over a body already decoded."""
     if not isinstance(data, dict):
         return None
     prompt = data.get("prompt")
@@ -305,19 +306,33 @@ def carry_token_prompt(body: bytes) -> bytes | None:
     return json.dumps({**data, "prompt": "(token ids in mlxstack_prompt)", TOKEN_PROMPT: one}).encode()
 
 
+def decode_body(body: bytes | None) -> tuple[Any, str | None]:
+    """(the body's JSON value, or None; why it is not JSON, or None) -- decoded once per request
+    for every check below."""
+    if body is None or not body.strip():
+        return None, None
+    try:
+        return json.loads(body), None
+    except ValueError as exc:
+        return None, f"The request body is not valid JSON: {exc}"
+    except RecursionError:
+        return None, "The request body is nested too deeply"
+
+
 def check_body(method: str, path: str, body: bytes | None) -> Rejection | None:
     """The body of a request whose key passed: 400 for a shape LiteLLM cannot take, else None."""
+    return check_decoded(method, path, body, *decode_body(body))
+
+
+def check_decoded(method: str, path: str, body: bytes | None, data: Any, invalid: str | None) -> Rejection | None:
+    """``check_body`` over the body ``decode_body`` gave."""
     if method != "POST" or body is None or path.rstrip("/").endswith("/count_tokens") and not body:
         return None
     checker = {"chat": check_chat, "responses": check_responses, "messages": check_messages}.get(route_kind(path))
     if checker is None:
         return None
-    try:
-        data = json.loads(body) if body.strip() else None
-    except ValueError as exc:
-        return _error(path, 400, f"The request body is not valid JSON: {exc}", "body")
-    except RecursionError:
-        return _error(path, 400, "The request body is nested too deeply", "body")
+    if invalid is not None:
+        return _error(path, 400, invalid, "body")
     if not isinstance(data, dict):
         return _error(path, 400, f"The request body must be a JSON object, got {type(data).__name__ if data is not None else 'nothing'}",
                       "body")
@@ -327,16 +342,12 @@ def check_body(method: str, path: str, body: bytes | None) -> Rejection | None:
     return None
 
 
-def unknown_model(path: str, body: bytes | None, known: Callable[[str], bool],
+def unknown_model(path: str, data: Any, known: Callable[[str], bool],
                   available: Callable[[], list[str]]) -> Rejection | None:
-    """404 ``model_not_found`` listing what is served, for a body naming a model no deployment or
-    wildcard of LiteLLM's router takes (LiteLLM 1.106.2 answers those 400 "no healthy deployments",
-    which the SDKs raise as BadRequestError); None for every other request."""
-    if body is None or route_kind(path) not in ("chat", "responses", "completions", "messages"):
-        return None
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
+    """404 ``model_not_found`` listing what is served, for a decoded body naming a model no
+    deployment or wildcard of LiteLLM's router takes (LiteLLM 1.106.2 answers those 400 "no healthy
+    deployments", which the SDKs raise as BadRequestError); None for every other request."""
+    if route_kind(path) not in ("chat", "responses", "completions", "messages"):
         return None
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model or known(model):
@@ -437,15 +448,16 @@ class FrontDoor:
                 if size > MAX_BODY:
                     break
             body = b"".join(chunks) if not more and size <= MAX_BODY else None
+        data, invalid = decode_body(body) if method == "POST" else (None, None)
         try:
-            refused = check_body(method, path, body)      # the key passed above
+            refused = check_decoded(method, path, body, data, invalid)      # the key passed above
         except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
             log.exception("front door check failed; passing the request on")
             refused = None
         if refused is None and method == "POST":
             try:
                 names = _litellm_router_names()
-                refused = unknown_model(path, body, *names) if names is not None else None
+                refused = unknown_model(path, data, *names) if names is not None else None
             except Exception:  # noqa: BLE001 - a bug here must never cost a request: LiteLLM decides
                 log.exception("front door model check failed; passing the request on")
                 refused = None
@@ -453,7 +465,7 @@ class FrontDoor:
             await _respond(send, refused)
             return
         kind = route_kind(path)
-        carried = carry_token_prompt(body) if kind == "completions" and method == "POST" and body else None
+        carried = carried_prompt(data) if kind == "completions" and method == "POST" else None
         if carried is not None:
             headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(carried)).encode())]}
