@@ -122,7 +122,7 @@ def in_process_unload() -> dict:
     from mlx_lm import load
 
     from mlxstack.models.embedded_model import ensure_embedded_model
-    from mlxstack.residency.router import rss_bytes
+    from mlxstack.models.memory import process_rss_bytes as rss_bytes
     import os
 
     path = ensure_embedded_model(Path.home() / ".cache" / "mlxstack")

@@ -351,15 +351,10 @@ def port_pid(port: int) -> int | None:
 
 
 def rss_mib(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    from mlxstack.models.memory import process_rss_bytes
+
+    rss = process_rss_bytes(pid) if pid is not None else 0
+    return rss / 2 ** 20 if rss else None
 
 
 class OwnStack:

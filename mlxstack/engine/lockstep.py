@@ -43,6 +43,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..constraints.grammars import GrammarSpec
+from ..models.memory import process_rss_bytes
 from ..runner.sampling import SamplingParams
 from . import record_codec
 from .request import ChatJob
@@ -351,7 +352,7 @@ class Lockstep:
 
     def _own_report(self) -> dict:
         return {"rank": self.rank, "turns": self.turns, "active_memory": mx.get_active_memory(),
-                "peak_memory": mx.get_peak_memory(), "rss": _rss_bytes(), "high_water_rss": _rss_bytes("VmHWM")}
+                "peak_memory": mx.get_peak_memory(), "rss": process_rss_bytes(), "high_water_rss": process_rss_bytes(field="VmHWM")}
 
     def _replica(self, name: str, *args: Any) -> Callable[[], Any]:
         """This rank's copy of a call rank 0 ran (its result is rank 0's to return; a failure here
@@ -376,18 +377,6 @@ class Lockstep:
                 "share_seconds": round(self.share_seconds, 6),
                 "share_us_per_turn": round(self.share_seconds / max(1, self.turns) * 1e6, 1),
                 "per_rank": [v for _, v in sorted(list(self.rank_stats.items()))]}
-
-
-def _rss_bytes(field: str = "VmRSS") -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _safe(check: Callable[[], bool]) -> bool:

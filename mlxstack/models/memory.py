@@ -1,4 +1,5 @@
-"""Default KV-cache byte budget: a fraction of what the device can hold."""
+"""Memory facts: the default KV-cache byte budget (a fraction of what the device can hold), and a
+process's resident memory."""
 from __future__ import annotations
 
 import os
@@ -23,3 +24,16 @@ def total_memory_bytes() -> int:
 def default_cache_budget() -> int:
     """40% of RAM (Linux/CPU) or of Metal's recommended working set (Apple Silicon)."""
     return int(total_memory_bytes() * BUDGET_FRACTION)
+
+
+def process_rss_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A process's resident memory (``field``: VmRSS, or VmHWM its high-water mark) from Linux
+    /proc; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -45,8 +45,8 @@ from ..launcher import litellm_config as lc
 from ..launcher.stack import LaunchError, _mlx_probe, _spawn_mlx, wait_ready
 from ..launcher.supervisor import Child, Supervisor
 from ..models.catalog import installed_models
-from ..models.hub import FetchError, looks_like_repo_id, remote_repo
-from ..models.memory import total_memory_bytes
+from ..models.hub import FetchError, gib, looks_like_repo_id, remote_repo
+from ..models.memory import process_rss_bytes as rss_bytes, total_memory_bytes
 from ..server.http.guard import bearer_token, key_matches
 from ..server.http.pooled_server import PooledHTTPServer, peer_closed
 from ..system.secrets import make_private_dir
@@ -103,21 +103,6 @@ class Resident:
     fetch: dict | None = None
     started: float = 0.0
     load_seconds: float | None = None
-
-
-def gib(n: int) -> str:
-    return f"{n / 2 ** 30:.2f} GiB"
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set of a process (Linux /proc; 0 where it cannot be read)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class Router:
