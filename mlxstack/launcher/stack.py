@@ -540,10 +540,10 @@ def run_stack(settings: Settings, *, python: str = sys.executable, repo: Path = 
             mlx, health = servers["mlx"].child, healths["mlx"]
             served = str(health.get("model") or lc.model_name(settings))
             say(f"MLX server ready after {time.monotonic() - mlx.started:.1f}s, serving {served}; starting LiteLLM")
-            listed = lc.served_models(settings) if settings.models_on_demand else []
-            window = next((ctx for name, ctx in listed if name == served), None) if listed else lc.served_context_window(settings)
-            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, window,
-                                                      tuple((n, c) for n, c in listed if n != served)))
+            listed = lc.served_models(settings)        # one model, or MODELS_ON_DEMAND's router: every installed one
+            window = dict(listed).get(served, listed[0][1] if listed else None)
+            others = tuple(m for m in listed if m[0] != served) if settings.models_on_demand else ()
+            _config_or_refuse(lambda: lc.write_config(settings, served, config_path, window, others))
             env = litellm_env(settings)
         else:
             groups = _model_groups(settings, backends, say)

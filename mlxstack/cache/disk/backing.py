@@ -38,7 +38,6 @@ class DiskBacking:
         self.spills = 0
         self.write_throughs = 0
         self.restored = 0
-        self.kept_at_exit = 0
         self.load_seconds = 0.0
         # Several ranks (engine/lockstep.py): each rank's tier holds its own part of every entry.
         # What one rank's tier did -- a write refused, a file evicted, dropped or unreadable -- is
@@ -93,7 +92,6 @@ class DiskBacking:
                     self.tier.flush()
                     entry.disk_id = self._put_everywhere(entry)
                 kept += entry.disk_id is not None
-        self.kept_at_exit = kept
         return kept
 
     def forget(self, entry: CacheEntry, reason: str) -> None:
