@@ -113,7 +113,7 @@ def part_a(args: Any) -> bool:
         pass
     print(f"(a) model loaded in {time.perf_counter() - t:.1f}s; tokenizer {type(loaded.tokenizer).__name__}")
     tok, renderer, state = loaded.tokenizer, engine.renderer, engine.state
-    cache = state.prompt_cache
+    cache = state.kv.index
 
     def count(msgs: list[dict]) -> int:
         return len(encode(tok, renderer.render(msgs, PI_TOOLS, False)))

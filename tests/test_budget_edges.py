@@ -15,12 +15,12 @@ from tests.test_model_families import TURNS
 def test_an_entry_over_the_byte_budget_is_served_from_disk_every_turn(tiny_dense_path, tmp_path):
     probe = build_engine(disk_settings(tiny_dense_path, tmp_path / "probe"))
     run_turns(probe, TURNS[:1])
-    one_turn = max(e.nbytes for e in probe.state.prompt_cache.entries())
+    one_turn = max(e.nbytes for e in probe.state.kv.index.entries())
     probe.state.close()
 
     # A small side entry fits; every entry of the conversation is over the budget.
     eng = build_engine(disk_settings(tiny_dense_path, tmp_path / "tier", prompt_cache_max_bytes=one_turn - 1))
-    pc = eng.state.prompt_cache
+    pc = eng.state.kv.index
     side, _ = run_turns(eng, ["Hi"], session="side")
     side_ids = [e.entry_id for e in pc.entries()]
     assert side_ids and pc.nbytes < one_turn - 1
@@ -51,6 +51,6 @@ def test_snapshots_on_disk_after_a_restart_with_no_snapshot_room(tiny_kind_paths
         out = restarted.run(job(messages[:-1], max_tokens=8, session="disk")[0])
         assert out.raw_text == cold[1].raw_text
         assert out.cached_tokens == out.prompt_tokens - 1 and out.timings["cache_tier"] == "disk"
-    pc = restarted.state.prompt_cache
+    pc = restarted.state.kv.index
     assert pc.counters.get("disk_load_failures") == 0 and pc.entries("snapshot") == []
     restarted.state.close()

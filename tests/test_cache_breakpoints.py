@@ -72,7 +72,7 @@ def test_a_branch_at_a_cache_control_mark_reuses_exactly_up_to_it(servers):
     assert first["usage"]["cache_creation_input_tokens"] == mark
     assert first["usage"]["input_tokens"] == n_first - mark
     assert first["usage"]["cache_creation"] == {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": mark}
-    snaps = [e for e in warm.app.state.prompt_cache.entries(POOL_SNAPSHOT) if e.depth == mark]
+    snaps = [e for e in warm.app.state.kv.index.entries(POOL_SNAPSHOT) if e.depth == mark]
     assert len(snaps) == 1 and snaps[0].ttl == 3600.0
     misses = counter(warm, "hybrid_trim_miss")
 
@@ -120,7 +120,7 @@ def test_a_responses_prompt_cache_breakpoint_with_its_ttl(servers):
     second = post(warm, "/v1/responses", body(ASKS[1]))
     assert second["usage"]["input_tokens_details"]["cached_tokens"] == mark
     assert second["output"][-1]["content"] == post(cold, "/v1/responses", body(ASKS[1], mark=False))["output"][-1]["content"]
-    entries = [e for e in warm.app.state.prompt_cache.entries(POOL_SNAPSHOT) if e.depth == mark]
+    entries = [e for e in warm.app.state.kv.index.entries(POOL_SNAPSHOT) if e.depth == mark]
     assert [e.ttl for e in entries] == [43200.0]
 
 

@@ -57,7 +57,7 @@ def test_a_hit_is_checked_out_by_reference_and_replies_equal_cold(tiny_dense_pat
     assert all(o.cached_tokens >= prev.prompt_tokens - 1 for prev, o in zip(w, w[1:]))
     assert checkouts == [{"PrefixedKVCache"}] * 3                    # every warm turn, every layer
     # the entry a warm turn stores is rooted on the arrays it reused: nothing reused was copied
-    held = [payload for _, payload in warm.state.prompt_cache.held()]
+    held = [payload for _, payload in warm.state.kv.index.held()]
     deepest = max(held, key=lambda p: p.depth)
     assert all(len(layer.arrays) == 4 for layer in deepest.layers)   # (tail k, tail v, root k, root v)
 

@@ -45,13 +45,13 @@ def test_a_reply_goes_out_before_its_turn_closes_and_the_next_turn_hits_as_deep(
     short, long_ = _admit(sched, SHORT, 3, "a"), _admit(sched, LONG, 24, "b")
     while not short.done():
         sched.step()
-    entries = len(eng.state.prompt_cache)
+    entries = len(eng.state.kv.index)
     assert len(sched.group) == 1 and not long_.done()        # the long one still decodes
     assert [s.job.body["session_id"] for s in sched.closing] == ["a"] and sched.replied_early == 1
     assert short.result().text == first.text and short.result().completion_tokens == 3
 
     again = _admit(sched, _next_turn(SHORT, first.text), 3, "a")   # admitting stores the pending turn
-    assert sched.closing == [] and len(eng.state.prompt_cache) == entries + 1
+    assert sched.closing == [] and len(eng.state.kv.index) == entries + 1
     while not sched.idle():
         sched.step()
     assert again.result().cached_tokens == second.cached_tokens

@@ -53,7 +53,7 @@ def test_restart_then_continue_is_a_disk_hit_with_parity(tiny_kind_paths, tmp_pa
 
     restarted = build_engine(disk_settings(path, tmp_path))
     assert restarted.state.disk.restored >= 1
-    assert restarted.state.prompt_cache.nbytes == 0      # index read, no tensor loaded yet
+    assert restarted.state.kv.index.nbytes == 0      # index read, no tensor loaded yet
     follow = messages + [{"role": "user", "content": TURNS[2]}]
     warm = restarted.run(job(follow, max_tokens=8, session="disk")[0])
     ref = cold_reference(path, TURNS[:2], TURNS[2])
@@ -69,7 +69,7 @@ def test_ram_evictions_spill_to_disk_and_come_back(tiny_dense_path, tmp_path):
                                      disk_cache_min_tokens=10**6))   # no write-through: spills only
     a, msgs_a = run_turns(eng, TURNS[:1], session="A")
     b, _ = run_turns(eng, ["Something else entirely, a different opening question."], session="B")
-    pc = eng.state.prompt_cache
+    pc = eng.state.kv.index
     assert len(pc.entries()) == 1 and pc.counters.get("spills") >= 1
     assert any(e.payload is None and e.disk_id is not None for e in pc.entries(include_disk=True))
     back = eng.run(job(msgs_a + [{"role": "user", "content": TURNS[1]}], max_tokens=8, session="A")[0])
@@ -95,7 +95,7 @@ def test_a_corrupt_file_is_dropped_counted_and_never_served(tiny_dense_path, tmp
     assert out.timings["cache_tier"] != "disk"
     stats = eng.state.disk.stats()
     assert stats["corrupt_dropped"] >= 1 and eng.state.disk.load_failures >= 1
-    assert not any(e.disk_id in {int(f.stem) for f in files} for e in eng.state.prompt_cache.entries(include_disk=True))
+    assert not any(e.disk_id in {int(f.stem) for f in files} for e in eng.state.kv.index.entries(include_disk=True))
     eng.state.close()
 
 

@@ -90,7 +90,7 @@ def test_watchdog_abort_keeps_the_prompt_kv_and_nothing_else(tiny_dense_path):
     o = eng.run(j)
     assert o.finish_reason == "length" and o.aborted
     # the KV it computed stays (nothing prefilled is thrown away) ...
-    (entry,) = eng.state.prompt_cache.entries()
+    (entry,) = eng.state.kv.index.entries()
     assert entry.depth >= o.prompt_tokens
     # ... but no conversation state: no turn record, no healing entry
     assert len(eng.state.turns) == 0 and len(eng.state.healing) == 0
@@ -145,7 +145,7 @@ def test_request_whose_client_already_left_is_dropped_without_running(tiny_dense
     j, _ = job([{"role": "user", "content": "hello"}], cancel=lambda: True)
     with pytest.raises(ClientGone):
         eng.run(j)
-    assert len(eng.state.prompt_cache) == 0 and eng.state.counters.get("requests") == 0
+    assert len(eng.state.kv.index) == 0 and eng.state.counters.get("requests") == 0
 
 
 def test_norm_safety_check_falls_back_to_original_tokens(tiny_dense_path):
@@ -173,7 +173,7 @@ def test_watchdog_abandons_a_long_prefill_between_chunks(tiny_dense_path):
     j, streamed = job([{"role": "user", "content": "word " * 200}], max_tokens=5)
     o = eng.run(j)
     assert o.aborted and o.finish_reason == "length" and o.completion_tokens == 0 and streamed == []
-    assert len(eng.state.prompt_cache) == 0
+    assert len(eng.state.kv.index) == 0
 
 
 @pytest.mark.parametrize("partition", [True, False])
@@ -189,7 +189,7 @@ def test_session_partitioning_serves_the_sessions_own_entry_and_counts_whose_ent
         outcomes.append(eng.run(j))
     first, b_turn, side = outcomes
     assert first.cached_tokens == 0 and b_turn.cached_tokens > 16 and side.cached_tokens == b_turn.cached_tokens
-    entries = {e.entry_id: e for e in eng.state.prompt_cache.entries()}
+    entries = {e.entry_id: e for e in eng.state.kv.index.entries()}
     a_entry, b_entry = sorted(entries)[:2]
     c = eng.state.counters
     if partition:

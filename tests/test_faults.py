@@ -88,7 +88,7 @@ def reference(dense):
 
 
 def entry_tokens(engine) -> set[tuple[int, ...]]:
-    return {tuple(int(t) for t in e.model_tokens) for e in engine.state.prompt_cache.entries()}
+    return {tuple(int(t) for t in e.model_tokens) for e in engine.state.kv.index.entries()}
 
 
 def check(engine, jobs: list[ChatJob], out: dict, failed: set[str], reference, sched: EngineCore | None = None) -> None:
@@ -289,7 +289,7 @@ def test_disk_load_fault_falls_back_to_a_cold_prefill(dense, reference, tmp_path
     turn1 = first.run(fjob("r0", SHORT[0]))
     first.state.close()
     eng = _disk_engine(dense, tmp_path)
-    assert eng.state.prompt_cache.disk_only() >= 1
+    assert eng.state.kv.index.disk_only() >= 1
     with faults.injected("disk_load"):
         out = eng.run(fjob("r1", SHORT[0]))
         assert faults.fired("disk_load") == 1

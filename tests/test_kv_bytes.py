@@ -205,7 +205,7 @@ def test_a_prefix_checked_out_by_reference_is_counted_once_in_the_tier(tiny_dens
     counted there; the requests in flight add only what they hold of their own."""
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8))
     follow = _turn_then_follow_up(eng)
-    [(entry, payload)] = eng.state.prompt_cache.held()
+    [(entry, payload)] = eng.state.kv.index.held()
     sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     f = Future()
     f.set_running_or_notify_cancel()
@@ -227,7 +227,7 @@ def test_admission_never_spills_the_entry_a_request_in_flight_holds(tiny_dense_p
     -- never the entry in flight (spilling it frees nothing and loses a hot entry)."""
     eng = build_engine(engine_settings(tiny_dense_path, shared_prefix_min_tokens=8, speculative="off"))
     follow = _turn_then_follow_up(eng)
-    [(entry, payload)] = eng.state.prompt_cache.held()
+    [(entry, payload)] = eng.state.kv.index.held()
     sched = EngineCore(eng, 4, 256, batching=batching_support(eng)[0])
     futures = _run(sched, [[{"role": "user", "content": "Count from one to ten."}]], 8)   # an unrelated request
     f = Future()
@@ -241,7 +241,7 @@ def test_admission_never_spills_the_entry_a_request_in_flight_holds(tiny_dense_p
     g.set_running_or_notify_cancel()
     sched.admit(other, g)
     assert sched.parked is None and len(sched.prefilling) == 3           # room, with the prefix counted once
-    assert [e.entry_id for e, _ in eng.state.prompt_cache.held()] == [entry.entry_id]   # still in RAM
+    assert [e.entry_id for e, _ in eng.state.kv.index.held()] == [entry.entry_id]   # still in RAM
     while not sched.idle():
         sched.step()
     assert all(x.result().completion_tokens > 0 for x in (*futures, f, g))

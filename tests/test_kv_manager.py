@@ -3,9 +3,10 @@ tiny model, real caches; parity against a cold prefill of the same tokens."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from mlxstack.cache.prompt_cache import MISS, POOL_KV
+from mlxstack.cache.manager import MISS, POOL_KV, Lookup
 from mlxstack.runner.generate import feed
 from tests.conftest import build_engine, engine_settings
 
@@ -41,7 +42,7 @@ def test_a_miss_checks_out_the_models_empty_caches_and_a_hit_exactly_its_depth(e
     assert empty.depth == 0 and len(empty.layers) == len(fed(engine, TOKENS[:1]).layers)
     state = kv.snapshot(fed(engine, TOKENS))
     entry = kv.store(TOKENS, TOKENS, state, pool=POOL_KV, session_id="s", parent=None, ttl=None, inserted=[])
-    match = engine.state.prompt_cache.lookup(TOKENS[:30] + [1, 2], TOKENS[:30] + [1, 2])
+    match = engine.state.kv.index.lookup(TOKENS[:30] + [1, 2], TOKENS[:30] + [1, 2])
     assert match.hit and match.entry.entry_id == entry.entry_id and match.depth == 30
     live = kv.checkout(match, match.entry.payload)
     assert live.depth == 30
@@ -85,13 +86,9 @@ def test_find_drops_an_entry_whose_tensors_cannot_be_loaded_and_looks_again(engi
     entry = kv.store(TOKENS, TOKENS, state, pool=POOL_KV, session_id="sess-b", parent=None, ttl=None, inserted=[])
     entry.payload = None                      # as a disk-only entry whose file is gone (no disk tier here)
     before = st.counters.snapshot().get("disk_load_failures", 0)
-    calls = []
-
-    def lookup():
-        calls.append(1)
-        return st.prompt_cache.lookup(TOKENS, TOKENS)
-
-    found = kv.find(lookup)
-    assert len(calls) == 2 and not found.match.hit and found.stored is None and not found.gave_up
+    query = Lookup(np.array(TOKENS), np.array(TOKENS), session_id="sess-b")
+    assert kv.match(query).entry.entry_id == entry.entry_id          # what find's first try finds
+    found = kv.find(query)
+    assert not found.match.hit and found.stored is None and not found.gave_up   # the second try: a miss
     assert st.counters.snapshot().get("disk_load_failures", 0) == before + 1
-    assert st.prompt_cache.lookup(TOKENS, TOKENS).hit is False
+    assert kv.index.get(entry.entry_id) is None and kv.match(query).hit is False

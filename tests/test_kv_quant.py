@@ -35,7 +35,7 @@ def test_quantised_hits_equal_a_quantised_cold_run(tiny_dense_hd64_path, bits, s
     assert [o.raw_text for o in w] == [o.raw_text for o in c]
     hits = [o for o in w[1:] if o.cached_tokens]
     assert len(hits) == 3 and all(o.cached_tokens >= start for o in hits)
-    for e in warm.state.prompt_cache.entries():         # full precision below the start, as cold
+    for e in warm.state.kv.index.entries():         # full precision below the start, as cold
         assert {s.kind for s in e.payload.layers} == ({"quantized"} if e.depth > start else {"kv"})
 
 
@@ -119,7 +119,7 @@ def test_a_hit_below_the_start_from_a_deeper_entry_equals_a_cold_run(tiny_dense_
     warm = q_engine(tiny_dense_hd64_path, "4", 96)
     cold = q_engine(tiny_dense_hd64_path, "4", 96, cache=False)
     w1, _ = run_turns(warm, TURNS[:2], session="a")
-    assert max(e.depth for e in warm.state.prompt_cache.entries()) > 96
+    assert max(e.depth for e in warm.state.kv.index.entries()) > 96
     other = ["A different opening question about rivers and the sea."] + TURNS[1:3]
     w, _ = run_turns(warm, other, session="b")
     c, _ = run_turns(cold, other, session="b")
@@ -186,7 +186,7 @@ def test_on_a_batch_invariant_backend_every_stored_uniform_code_is_a_cold_feeds(
     follow = _messages(1) + [{"role": "assistant", "content": outs[1].text}, {"role": "user", "content": "And module 7?"}]
     outs.append(eng.run(job(follow, max_tokens=12, session="s1")[0]))
     assert outs[0].cached_tokens == 0 and all(o.cached_tokens > 200 for o in outs[1:])
-    entries = eng.state.prompt_cache.entries()
+    entries = eng.state.kv.index.entries()
     assert len(entries) == 4
     for e in entries:
         assert {s.kind for s in e.payload.layers} == {"quantized"}

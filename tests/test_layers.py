@@ -150,3 +150,30 @@ def test_the_engine_and_the_scheduler_never_import_the_cpu_backend(path):
     what the CPU backend is stays inside backends/cpu."""
     wrong = sorted(m for m in imported_modules(path) if m == "backends.cpu" or m.startswith("backends.cpu."))
     assert not wrong, f"{path.relative_to(PKG)} imports {wrong}: select the CPU backend through mlxstack.backends"
+
+
+OUTSIDE_CACHE = sorted(p for p in PKG.glob("**/*.py") if p.relative_to(PKG).parts[0] != "cache")
+
+
+@pytest.mark.parametrize("path", OUTSIDE_CACHE, ids=lambda p: str(p.relative_to(PKG)))
+def test_the_cache_index_is_touched_only_inside_cache(path):
+    """The KV manager (cache/manager.py) holds the index and answers lookups as data (``Lookup`` ->
+    ``Found``): no module outside cache/ imports cache/prompt_cache.py, names ``PromptCache`` or
+    reads an index through an attribute (``.prompt_cache``, ``kv.index``)."""
+    wrong = sorted(m for m in imported_modules(path) if m == "cache.prompt_cache" or m.startswith("cache.prompt_cache."))
+    assert not wrong, f"{path.relative_to(PKG)} imports {wrong}: ask cache/manager.py KVManager"
+    text = path.read_text()
+    named = [n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name) and n.id == "PromptCache"]
+    attrs = [f"{ast.unparse(n)}" for n in ast.walk(ast.parse(text))
+             if isinstance(n, ast.Attribute) and (n.attr == "prompt_cache" or (n.attr == "index" and
+                                                  isinstance(n.value, ast.Attribute) and n.value.attr == "kv"))]
+    assert not named and not attrs, f"{path.relative_to(PKG)} reaches the index: {named + attrs}"
+
+
+def test_the_index_check_sees_an_attribute_read(tmp_path):
+    """The check above can fail: an engine-side read of the index through the KV manager is caught."""
+    src = "def f(state):\n    return state.kv.index.held(), state.prompt_cache\n"
+    tree = ast.parse(src)
+    attrs = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and
+             (n.attr == "prompt_cache" or (n.attr == "index" and isinstance(n.value, ast.Attribute) and n.value.attr == "kv"))]
+    assert sorted(attrs) == ["state.kv.index", "state.prompt_cache"]

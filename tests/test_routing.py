@@ -157,7 +157,7 @@ def test_a_dead_backend_moves_its_session_and_no_live_backend_is_none():
 # --- the summary ----------------------------------------------------------------------------------
 def _state():
     cache = PromptCache(PromptCacheConfig(block_size=4, max_entries=8), namespace_seed("m"))
-    return SimpleNamespace(prompt_cache=cache, turns=SessionTurnStore(), cache_budget=1000)
+    return SimpleNamespace(kv=SimpleNamespace(index=cache), turns=SessionTurnStore(), cache_budget=1000)
 
 
 def test_summary_lists_the_prefixes_of_sessions_whose_kv_is_held():
@@ -166,7 +166,7 @@ def test_summary_lists_the_prefixes_of_sessions_whose_kv_is_held():
     gone = [SYSTEM, {"role": "user", "content": "evicted"}]
     state.turns.update("s-held", held)
     state.turns.update("s-gone", gone)
-    entry = state.prompt_cache.insert(list(range(10)), list(range(10)), object(), nbytes=100, session_id="s-held")
+    entry = state.kv.index.insert(list(range(10)), list(range(10)), object(), nbytes=100, session_id="s-held")
     body = build_summary(state, model_id="m", ready=True, queue_depth=2, busy=True, now=5.0)
     assert body["prefixes"] == dict(message_digests(held))          # s-gone has no entry: not listed
     assert (body["entries"], body["bytes"], body["tokens"], body["sessions"], body["budget_bytes"]) == (1, 100, 10, 1, 1000)

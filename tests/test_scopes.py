@@ -202,7 +202,7 @@ def test_the_tenant_header_counts_only_with_the_backend_key(embedded_model_path)
         ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who am I?"}]
         chat(s, ask, tenant="alice", key=None)
         assert cached(chat(s, ask, tenant="bob", key=None)[0]) > 0       # one tenant: the header is ignored
-        assert {e.scope for e in s.app.state.prompt_cache.entries()} == {""}
+        assert {e.scope for e in s.app.state.kv.index.entries()} == {""}
         assert cached(chat(s, ask, salt="x", key=None)[0]) == 0          # a salt is the client's own word
     finally:
         s.close()
@@ -213,7 +213,7 @@ def test_sessions_healing_and_stored_responses_are_per_scope(server):
     ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
     a1, _ = chat(server, ask, tenant="carol", session_id="shared-name")
     b1, _ = chat(server, ask, tenant="dave", session_id="shared-name")
-    sessions = {e.session_id for e in st.prompt_cache.entries()}
+    sessions = {e.session_id for e in st.kv.index.entries()}
     assert {f"{scope_of('carol', '')}/shared-name", f"{scope_of('dave', '')}/shared-name"} <= sessions
     # healing: carol's reply, echoed by dave word for word, is not healed into dave's conversation
     assert a1["choices"][0]["message"]["content"] == b1["choices"][0]["message"]["content"]
@@ -276,7 +276,7 @@ def test_the_disk_tier_keeps_each_entrys_scope_across_a_restart(embedded_model_p
         s.close()
     s = LiveServer(engine_settings(embedded_model_path, **settings))
     try:
-        assert {e.scope for e in s.app.state.prompt_cache.entries(include_disk=True)} == {scope_of("gina", "")}
+        assert {e.scope for e in s.app.state.kv.index.entries(include_disk=True)} == {scope_of("gina", "")}
         assert cached(chat(s, ask, tenant="hank")[0]) == 0
         assert cached(chat(s, ask)[0]) == 0
         warm, _ = chat(s, ask, tenant="gina")

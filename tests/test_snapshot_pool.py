@@ -50,7 +50,7 @@ def test_ten_branches_at_one_mark_all_read_it(warm, monkeypatch, session):
     each deeper snapshot and went first: branches 2-7 read it, 8-10 read 0); the pool evicts the branches' own
     snapshots, oldest first (history end, then prompt[:-1]), never the mark."""
     mark = mark_position(warm, ASKS[0])
-    cache = warm.app.state.prompt_cache
+    cache = warm.app.state.kv.index
     stored = record_inserts(monkeypatch, cache)
     extra = {"session_id": session} if session else {}
     read = [post(warm, "/v1/messages", {**anthropic({"type": "ephemeral", "ttl": "1h"}, ask), **extra})
@@ -81,9 +81,9 @@ def test_follow_ups_keep_their_snapshots_older_turns_leave_first(tiny_kind_paths
 
     def trace(eng):
         ticks = itertools.count()
-        eng.state.prompt_cache.clock = lambda: float(next(ticks))     # ages by operations, not by this machine's speed
+        eng.state.kv.index.clock = lambda: float(next(ticks))     # ages by operations, not by this machine's speed
         first = [eng.run(job(convo(p), max_tokens=n, session=f"k{i}")[0]) for i, (p, n) in enumerate(zip(prompts, lengths))]
-        turn1 = [(e.session_id, e.entry_id, e.hits) for e in sorted(eng.state.prompt_cache.entries(POOL_SNAPSHOT),
+        turn1 = [(e.session_id, e.entry_id, e.hits) for e in sorted(eng.state.kv.index.entries(POOL_SNAPSHOT),
                                                                     key=lambda e: e.entry_id)]
         follow = [convo("Go on.", convo(p) + [{"role": "assistant", "content": o.text}]) for p, o in zip(prompts, first)]
         again = [eng.run(job(m, max_tokens=8, session=f"k{i}")[0]) for i, m in enumerate(follow)]
@@ -98,7 +98,7 @@ def test_follow_ups_keep_their_snapshots_older_turns_leave_first(tiny_kind_paths
     # conversation by conversation, in the order they went on; within one, by score: two never-read
     # snapshots by age (the older first); the windowed kinds' k0 opening snapshot, which the other
     # conversations' first turns read (3 hits), weighs its hits against its depth
-    log = eng.state.prompt_cache.eviction_log
+    log = eng.state.kv.index.eviction_log
     assert [r for _, r in log] == ["count"] * 8 and len(log) == 8
     assert [{log[i][0], log[i + 1][0]} for i in range(0, 8, 2)] == [{turn1[i][1], turn1[i + 1][1]} for i in range(0, 8, 2)]
     hits = [h for _, _, h in turn1]
@@ -106,7 +106,7 @@ def test_follow_ups_keep_their_snapshots_older_turns_leave_first(tiny_kind_paths
     assert [eid for eid, _ in log[2:]] == [eid for _, eid, _ in turn1[2:]]
     if kind not in ("gpt_oss", "gemma3"):
         assert [eid for eid, _ in log[:2]] == [eid for _, eid, _ in turn1[:2]]
-    assert len(eng.state.prompt_cache.entries(POOL_SNAPSHOT)) == 8
+    assert len(eng.state.kv.index.entries(POOL_SNAPSHOT)) == 8
 
 
 def test_a_warm_turn_whose_echo_differs_resumes_from_its_history_end(tiny_kind_paths):
@@ -116,7 +116,7 @@ def test_a_warm_turn_whose_echo_differs_resumes_from_its_history_end(tiny_kind_p
     with room for all (the 5th and 6th used to read 0: the history end, marked superseded by its
     own prompt[:-1], went first); the first to leave are the history ends the warm turns passed."""
     def trace(eng):
-        cache, cached, history_ends = eng.state.prompt_cache, [], []
+        cache, cached, history_ends = eng.state.kv.index, [], []
         for i in range(6):
             p = PROMPTS[i % 5] + f" (conversation {i})"
             a = eng.run(job(convo(p), max_tokens=12, session=f"c{i}")[0])

@@ -126,7 +126,7 @@ def test_a_warm_turn_is_served_from_a_coded_snapshot(tiny_kind_paths, kind):
     stats = engine.state.stats()
     assert sum(stats["hits"].values()) >= 3 and stats["recurrent_state_codes"] == {"scheme": "turboquant", "bits": 4,
                                                                                      "seed": SEED}
-    entries = engine.state.prompt_cache.entries()
+    entries = engine.state.kv.index.entries()
     assert entries
     for e in entries:          # every stored recurrent layer coded; attention KV as it was
         assert {s.kind for s in e.payload.layers} == ({"arrays"} if kind == "mamba2" else {"arrays", "kv"})
@@ -153,14 +153,14 @@ def test_a_coded_entry_on_disk_serves_its_own_setting_and_no_other(tiny_kind_pat
     first = build_engine(disk_settings(path, tmp_path / "a", **on))
     _, messages = run_turns(first, TURNS[:2])
     first.state.close()
-    ram = {tuple(e.model_tokens): e.payload for e in first.state.prompt_cache.entries()}
+    ram = {tuple(e.model_tokens): e.payload for e in first.state.kv.index.entries()}
     follow = messages + [{"role": "user", "content": TURNS[2]}]
 
     again = build_engine(disk_settings(path, tmp_path / "a", **on))
     assert again.state.disk.restored >= 1
     warm = again.run(job(follow, max_tokens=8, session="disk")[0])
     assert warm.cached_tokens > 0 and warm.timings["cache_tier"] == "disk"
-    loaded = [e for e in again.state.prompt_cache.entries() if e.payload is not None and e.depth <= warm.cached_tokens]
+    loaded = [e for e in again.state.kv.index.entries() if e.payload is not None and e.depth <= warm.cached_tokens]
     assert loaded
     for e in loaded:
         mine = ram[tuple(e.model_tokens)]
@@ -187,10 +187,10 @@ def test_a_coded_entry_on_disk_serves_its_own_setting_and_no_other(tiny_kind_pat
     blind = build_engine(disk_settings(path, tmp_path / "c"))
     blind.state.close()
     blind.state.disk = DiskBacking(DiskTier(tmp_path / "a", namespace, 1 << 30), 32)
-    assert blind.state.disk.restore(blind.state.prompt_cache) >= 1
+    assert blind.state.disk.restore(blind.state.kv.index) >= 1
     before = blind.state.counters.snapshot().get("disk_load_failures", 0)
     out = blind.run(job(follow, max_tokens=8, session="disk")[0])
     assert out.cached_tokens == 0 and out.completion_tokens > 0
     assert blind.state.counters.snapshot().get("disk_load_failures", 0) > before
-    assert all(not codings(e.payload.layers) for e in blind.state.prompt_cache.entries() if e.payload is not None)
+    assert all(not codings(e.payload.layers) for e in blind.state.kv.index.entries() if e.payload is not None)
     blind.state.disk.tier.close()

@@ -37,7 +37,7 @@ def test_stats_read_payloads_only_under_the_cache_lock(tiny_dense_hd64_path):
     # KV_BITS on: stats() inspects the payload's layers (quantized bytes), the read that raced
     eng = build_engine(engine_settings(tiny_dense_hd64_path, kv_bits="8", kv_group_size=64, quantized_kv_start=0))
     run_turns(eng, TURNS[:2], session="a")
-    pc = eng.state.prompt_cache
+    pc = eng.state.kv.index
     for eid, e in list(pc._entries.items()):
         pc._entries[eid] = GuardedEntry(**{f.name: getattr(e, f.name) for f in dataclasses.fields(CacheEntry)})
     GuardedEntry.lock, GuardedEntry.unlocked_reads = pc._lock, 0

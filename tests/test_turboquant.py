@@ -166,7 +166,7 @@ def test_turboquant_hits_equal_a_turboquant_cold_run(tiny_dense_hd64_path, bits,
     assert [o.raw_text for o in w] == [o.raw_text for o in c]
     hits = [o for o in w[1:] if o.cached_tokens]
     assert len(hits) == 3 and all(o.cached_tokens >= start for o in hits)
-    for e in warm.state.prompt_cache.entries():
+    for e in warm.state.kv.index.entries():
         assert {s.kind for s in e.payload.layers} == ({"turboquant"} if e.depth > start else {"kv"})
     stats = warm.state.stats()
     assert stats["kv_quant"] == {"scheme": "turboquant", "bits": int(bits), "group_size": 64, "start": start,
@@ -308,7 +308,7 @@ def test_turboquant_rows_decode_batched_and_equal_each_request_alone(tiny_dense_
     alone = tq_engine(tiny_dense_hd64_path, "4", start, cache=False)
     refs = [alone.run(job(p, max_tokens=24, session=f"r{i}")[0]) for i, p in enumerate(prompts)]
     assert [o.raw_text for o in outs] == [r.raw_text for r in refs]
-    kinds = {s.kind for e in eng.state.prompt_cache.entries() for s in e.payload.layers}
+    kinds = {s.kind for e in eng.state.kv.index.entries() for s in e.payload.layers}
     assert kinds == {"turboquant"}
     follow = prompts[1] + [{"role": "assistant", "content": outs[1].text}, {"role": "user", "content": "and then?"}]
     warm = eng.run(job(follow, max_tokens=12, session="tq1")[0])

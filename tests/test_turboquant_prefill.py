@@ -23,7 +23,7 @@ PROMPTS = [[{"role": "user", "content": f"list {i} things about {topic}" + " ple
 def _coded(eng, start: int) -> set[int]:
     """The full-precision heads of every stored entry deeper than ``start`` (each must be coded)."""
     heads = set()
-    for e in eng.state.prompt_cache.entries():
+    for e in eng.state.kv.index.entries():
         layer = e.payload.layers[0]
         if e.depth > start:
             assert layer.kind == "turboquant", (e.depth, layer.kind)
@@ -223,7 +223,7 @@ def test_on_a_batch_invariant_backend_every_stored_code_is_a_cold_runs(embedded_
         pytest.skip("no batch-invariant path here (no C compiler: the native kernels are not built)")
     outs, sched, shares = _run(eng, [job(_messages(i), max_tokens=12, session=f"s{i}")[0] for i in range(3)])
     assert sched.shared_prefills == 2 and max(shares) == 3
-    entries = eng.state.prompt_cache.entries()
+    entries = eng.state.kv.index.entries()
     assert len(entries) == 3 and all(e.depth > outs[0].prompt_tokens for e in entries)
     for e in entries:
         cold = LiveCache(make_prompt_cache(model), 0, eng.state.kv_quant)

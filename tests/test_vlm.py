@@ -90,14 +90,19 @@ def test_engine_is_vlm_and_prefill_matches_mlx_vlm_forward(engines):
     assert ours.raw_text == theirs.text
 
 
+def lookup(engine, prep, j):
+    """The KV manager's match for ``prep`` (cache/manager.py: the image rules included)."""
+    _, stable = engine.stable_prefix(prep, "s", j)
+    return engine.state.kv.match(engine.lookup_of(prep, "s", stable, j.scope))
+
+
 def test_warm_prefill_from_offset_matches_cold_logits(engines):
     warm, cold = engines
     first = [SYSTEM, user("Describe it.", image_url(0))]
     out = warm.run(job(first))
     follow = first + [{"role": "assistant", "content": out.raw_text}, user("And the colours?", image_url(5))]
     prep = warm.prepare(job(follow))
-    match, _ = warm.lookup(prep, "s", job(follow))
-    match = warm.validate_match(prep, match)
+    match = lookup(warm, prep, job(follow))
     assert match.hit and match.depth >= span_of(prep, 0)[1]        # image 1 reused
     assert match.depth <= span_of(prep, 1)[0]                        # image 2 prefilled
     hot = warm.prefill(checkout(match.entry.payload, match.depth), prep, match.depth, lambda _c: None, [])
@@ -182,15 +187,16 @@ def test_cut_inside_an_image_retreats_and_evicts(engines):
     messages = [SYSTEM, user("Describe it.", image_url(0))]
     warm.run(job(messages))
     prep = warm.prepare(job(messages))
-    match, _ = warm.lookup(prep, "s", job(messages))
+    query = warm.lookup_of(prep, "s", 0)
+    match = lookup(warm, prep, job(messages))
     start, end = span_of(prep)
-    at_start = warm.validate_match(prep, match._replace(depth=start))
+    at_start = warm.state.kv.within_images(query, match._replace(depth=start))
     assert at_start.depth == start                                    # a cut at the image's start is clean
     assert warm.state.counters.get("vlm_retreat") == 0
-    inside = warm.validate_match(prep, match._replace(depth=start + 2))
+    inside = warm.state.kv.within_images(query, match._replace(depth=start + 2))
     assert not inside.hit
     assert warm.state.counters.get("vlm_retreat") == 1
-    assert warm.state.prompt_cache.get(match.entry.entry_id) is None
+    assert warm.state.kv.index.get(match.entry.entry_id) is None
     out = warm.run(job(messages))                                     # fresh prefill, still correct
     assert out.cached_tokens == 0
     warm.state.counters.bump("vlm_retreat", -1)                       # the fixture asserts clean traffic

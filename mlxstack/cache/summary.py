@@ -182,7 +182,7 @@ def build_summary(state: Any, *, model_id: str, ready: bool, queue_depth: int, b
     if state is None:
         body.update(entries=0, bytes=0, sessions=0, prefixes={}, heads=[])
         return body
-    pc = state.prompt_cache
+    pc = state.kv.index
     entries = pc.entries(include_disk=True)
     in_ram = [e for e in entries if e.payload is not None]
     # Most recently used sessions first, so the cap drops the coldest ones.

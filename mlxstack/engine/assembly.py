@@ -243,7 +243,7 @@ class PromptAssembly:
         sent it (the router's too), in the request's cache scope. A raw prompt without a client id:
         the digest of its first block of tokens (a prefix that does not grow as it is continued)."""
         if job.raw_prompt is not None:
-            first = prep.model_tokens[: self.state.prompt_cache.config.block_size]
+            first = prep.model_tokens[: self.state.kv.config.block_size]
             implicit = SessionContext("completion:" + prefix_hash_session_id(first)[:32], "prompt-prefix")
             return scoped(extract_session_context(job.body, job.headers, implicit=implicit), job.scope)
         return scoped(extract_session_context(job.body, job.headers, implicit=self.implicit_session(job.messages)),

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..cache.kv_ops import LiveCache
 from ..cache.lifetimes import applied_lifetime, written_segments
-from ..cache.prompt_cache import MISS, POOL_KV, POOL_SNAPSHOT, MatchResult
+from ..cache.manager import MISS, Lookup, MatchResult
 from ..config import faults
 from ..parsing.call_gate import CallGate
 from ..parsing.harmony import HarmonyStopper
@@ -84,30 +84,13 @@ class ChatEngine(PromptAssembly, TurnFinish):
                              is_vlm=bool(getattr(self.loaded, "is_vlm", False)),
                              rank_group=self.loaded.extra.get("group"), replicated=lambda: st.replicated)
 
-    def lookup(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int]:
-        """(match, stable messages) for a prepared prompt (``_find`` computes the stable prefix
-        once for all its tries and calls ``_lookup``)."""
-        stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
-        return self._lookup(prep, session_id, stable_tokens, job.scope), stable_msgs
-
-    def _lookup(self, prep: PreparedPrompt, session_id: str, stable_tokens: int, scope: str = "") -> MatchResult:
-        """The prompt cache's match in the request's scope: by key, then (when it stops short of
-        the session's stable prefix, or misses) the broad lookup over entries sharing a block and
-        the session's lineage."""
-        cache = self.state.prompt_cache
-        hashes = cache.hashes(prep.key_np, scope)
-        # CACHE_SESSION_PARTITIONING: the session's own entry wins among equally deep ones
-        prefer = session_id if self.settings.cache_session_partitioning else ""
-        match = cache.lookup(prep.key_np, prep.model_np, key_hashes=hashes, prefer_session=prefer, scope=scope)
-        if match.depth < min(stable_tokens, len(prep.model_tokens) - 1) or (not match.hit and len(cache)):
-            second = cache.lookup(prep.key_np, prep.model_np, broad=True, key_hashes=hashes,
-                                  extra_candidates=self.state.sessions.candidates(session_id), prefer_session=prefer,
-                                  scope=scope)
-            if second.depth > match.depth:
-                match = second._replace(match_type="session" if second.entry.pool == POOL_KV else "snapshot")
-        if match.hit and match.entry.pool == POOL_SNAPSHOT:
-            match = match._replace(match_type="snapshot")
-        return match
+    def lookup_of(self, prep: PreparedPrompt, session_id: str, stable_tokens: int, scope: str = "") -> Lookup:
+        """What this request looks up (cache/manager.py ``Lookup``: data; the match rules are the
+        KV manager's). CACHE_SESSION_PARTITIONING: the session's own entry wins among equally deep ones."""
+        images, markers = self.image_spans(prep)
+        return Lookup(prep.key_np, prep.model_np, scope=scope, session_id=session_id,
+                      prefer_session=bool(self.settings.cache_session_partitioning), stable_tokens=stable_tokens,
+                      images=images, markers=markers)
 
     # ---------------------------------------------------------------- backend seams (VLM overrides)
     @property
@@ -122,9 +105,9 @@ class ChatEngine(PromptAssembly, TurnFinish):
         """The cache key of ``model_tokens[:depth]`` (a VLM key carries image markers too)."""
         return prep.key_tokens[:depth]
 
-    def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
-        """Last check on a hit before checkout (VLM: never cut inside an image)."""
-        return match
+    def image_spans(self, prep: PreparedPrompt) -> tuple[tuple, tuple | None]:
+        """([start, end) of each image's pads, each image's marker or None) for the lookup (VLM)."""
+        return (), None
 
     def prefill(self, live: LiveCache, prep: PreparedPrompt, start: int,
                 checkpoint: Callable[[LiveCache], None], at: list[int],
@@ -193,7 +176,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         history_end = prep.history_end
         marks = [k for k, _ttl in prep.breakpoints]
         checkpoints: list[int] = []
-        if st.prompt_cache.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
+        if st.kv.enabled and s.snapshot_max_entries > 0 and not st.layout.always_trimmable:
             checkpoints = sorted({k for k in (history_end, n_prompt - 1, *marks) if match.depth < k < n_prompt})
         lifetimes = {k: self.lifetime(ttl) for k, ttl in prep.breakpoints}
         report.breakpoints = tuple(sorted(lifetimes.items()))
@@ -215,11 +198,10 @@ class ChatEngine(PromptAssembly, TurnFinish):
     def _find(self, prep: PreparedPrompt, session_id: str, job: ChatJob) -> tuple[MatchResult, int, bool, Any]:
         """Lookup over both tiers (cache/manager.py ``find``) -> (match, stable messages, from
         disk, the state to check out)."""
-        if not self.state.prompt_cache.enabled:
+        if not self.state.kv.enabled:
             return MISS, 0, False, None
         stable_msgs, stable_tokens = self.stable_prefix(prep, session_id, job)
-        found = self.state.kv.find(lambda: self.validate_match(prep, self._lookup(prep, session_id, stable_tokens,
-                                                                                   job.scope)))
+        found = self.state.kv.find(self.lookup_of(prep, session_id, stable_tokens, job.scope))
         return found.match, (0 if found.gave_up else stable_msgs), found.from_disk, found.stored
 
     # ---------------------------------------------------------------- tool_choice / JSON mode

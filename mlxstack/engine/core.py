@@ -478,7 +478,7 @@ class EngineCore:
 
     def _tier_arrays(self) -> dict[int, int]:
         """The RAM tier's arrays (id -> bytes), walked again only when its entries changed."""
-        held = self.engine.state.prompt_cache.held()
+        held = self.engine.state.kv.held()
         key = tuple((e.entry_id, id(p)) for e, p in held)
         if key != self._tier_key:
             self._tier_key, self._tier_ids = key, resident_arrays(p for _, p in held)
@@ -517,7 +517,7 @@ class EngineCore:
         request is admitted: one closing forward for all of them instead of one in every step
         where some row ended, and no reply waits for one. Once the batch is empty, the pending
         ones and these close now, together, and these replies go out after their store."""
-        if len(self.group) and self.group.prefills_together and self.engine.state.prompt_cache.enabled:
+        if len(self.group) and self.group.prefills_together and self.engine.state.kv.enabled:
             now, later = time.perf_counter(), [s for s in ended if self.engine.completed(s)]
             for seq in later:
                 seq.t_end = now
@@ -550,7 +550,7 @@ class EngineCore:
         template's closer) in one batched forward instead of one forward each; finish() then only
         stores. Anything unusual (an abort, a failure here) is left to finish()'s own path."""
         eng = self.engine
-        if not self.group.prefills_together or len(finished) < 2 or not eng.state.prompt_cache.enabled:
+        if not self.group.prefills_together or len(finished) < 2 or not eng.state.kv.enabled:
             return
         plans: list[tuple[Request, list[int], list[int]]] = []
         for seq in finished:

@@ -33,7 +33,7 @@ def start_report(state: Any, job: ChatJob, prep: PreparedPrompt, session_id: str
     """(the prompt's fingerprint, the report) once the lookup has run."""
     fp = prompt_fingerprint(job, prep)
     cached = match.depth if match.hit else 0
-    on = bool(state.prompt_cache.enabled)
+    on = bool(state.kv.enabled)
     previous = state.fingerprint("session:" + session_id)
     session = diagnose(previous, fp, prep.model_np, cached=cached, cache_on=on) if previous is not None else None
     asked = None

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ..cache.lcp import lcp
-from ..cache.prompt_cache import POOL_KV, POOL_SNAPSHOT
+from ..cache.manager import POOL_KV, POOL_SNAPSHOT
 from ..parsing.harmony import healing_patch
 from ..prompt.canonicalize import canonicalize_messages
 from ..prompt.healing import apply_patch
@@ -115,7 +115,7 @@ class TurnFinish:
         if report is None:
             return None
         n_prompt = len(seq.prep.model_tokens)
-        stores = self.state.prompt_cache.enabled and not aborted and n_prompt > seq.start
+        stores = self.state.kv.enabled and not aborted and n_prompt > seq.start
         report.written = n_prompt - seq.start if stores else 0
         if not stores:
             report.segments = ()
@@ -130,7 +130,7 @@ class TurnFinish:
 
     def _store_turn(self, seq: Request, aborted: bool, raw_ids: list[int]) -> None:
         st, job = self.state, seq.job
-        if not st.prompt_cache.enabled or seq.stored:
+        if not st.kv.enabled or seq.stored:
             return
         seq.stored = True
         try:
@@ -377,7 +377,7 @@ class TurnFinish:
         n_prompt = len(prep.model_tokens)
         in_kv = (seq.generated if seq.closed is None else seq.closed)[: max(0, live.depth - n_prompt)]
         depth = live.depth
-        if depth <= seq.start or depth < self.state.prompt_cache.config.block_size:
+        if depth <= seq.start or depth < self.state.kv.config.block_size:
             return
         self._store(seq, in_kv, prompt_depth=min(depth, n_prompt))
         self.state.counters.bump("salvaged_prefill_tokens", min(depth, n_prompt) - seq.start)
@@ -390,7 +390,7 @@ class TurnFinish:
             self._store_entries(seq, continuation, prompt_depth, inserted)
         except BaseException:
             for entry_id in inserted:
-                try:   # its session record and disk copy go with it (EngineState._on_evict)
+                try:   # its session record and disk copy go with it (KVManager._on_evict)
                     self.state.kv.remove(entry_id, "store_failed")
                 except Exception:  # noqa: BLE001 - best effort: the original error is what matters
                     log.exception("removing entry %s after a failed store failed", entry_id)

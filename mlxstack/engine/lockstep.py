@@ -172,7 +172,7 @@ class Lockstep:
         engine.clock = self.clock
         per_rank = self.agree_min(state.cache_budget // max(1, local_ranks))
         state.cache_budget = per_rank * self.size
-        state.prompt_cache.config = replace(state.prompt_cache.config, max_bytes=state.cache_budget)
+        state.kv.set_budget(state.cache_budget)
         state.join_ranks(self)
         return per_rank
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 from ..cache.kv_ops import KVState, LiveCache
 from ..cache.lcp import as_tokens
-from ..cache.prompt_cache import MatchResult
+from ..cache.manager import MatchResult
 from ..prompt.session_context import SessionContext
 from ..runner.sampling import Sampler, SamplingParams
 from ..scheduler.status import RequestStatus

@@ -12,7 +12,6 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
@@ -22,11 +21,10 @@ from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.kv_ops import LiveCache
-from ..cache.manager import KVManager
+from ..cache.manager import KVManager, PromptCacheConfig
 from ..runner.kv_bytes import resident_bytes
 from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
-from ..cache.prompt_cache import CacheEntry, PromptCache, PromptCacheConfig
 from ..cache.sessions import SessionIndex, SessionTurnStore
 from ..cache.state_codes import StateCodes
 from ..config.settings import Settings
@@ -64,17 +62,15 @@ class EngineState:
         )
         seed = namespace_seed(model_id, template_hash=template_hash(template_source))
         disk = self._open_disk(disk_namespace_parts) if config.max_entries > 0 else None
-        self.prompt_cache = PromptCache(config, seed, self.counters, on_evict=self._on_evict,
-                                        on_spill=disk.spill if disk is not None else None)
         self.turns = SessionTurnStore(settings.prompt_cache_session_max_idle_seconds,
                                       max_bytes=settings.session_store_max_bytes)
         self.sessions = SessionIndex(settings.prompt_cache_max_entries_per_session,
                                      max_idle_seconds=settings.prompt_cache_session_max_idle_seconds)
         # the one set of verbs a request's KV goes through (cache/manager.py): lookup over both
-        # tiers, checkout, fork, snapshot, store
-        self.kv = KVManager(self.prompt_cache, disk, self.sessions, self.counters, kv_quant, codes=state_codes)
+        # tiers, checkout, fork, snapshot, store; it holds the index (nothing here touches it)
+        self.kv = KVManager(config, seed, disk, self.sessions, self.counters, kv_quant, codes=state_codes)
         if disk is not None:
-            n = disk.restore(self.prompt_cache)
+            n = self.kv.restore_index()
             log.info("disk tier %s: %d entries indexed (%.1f MiB), budget %.1f GiB", disk.tier.directory, n,
                      disk.tier.stats()["bytes"] / 2**20, disk.tier.max_bytes / 2**30)
         self.healing = (HealingStore(settings.healing_store_max_entries, self._healing_view,
@@ -140,7 +136,8 @@ class EngineState:
         rank keeps the same entries. Runs on every rank at the same point (collectives)."""
         self.group_bytes = lock.sum_bytes
         self.replicated = True
-        self.prompt_cache.clock = self.turns.clock = self.sessions.clock = lock.clock
+        self.kv.set_clock(lock.clock)
+        self.turns.clock = self.sessions.clock = lock.clock
         disk = self.disk
         if not lock.all_ok(disk is not None):
             if disk is not None:                  # another rank has no tier here: none has
@@ -148,13 +145,13 @@ class EngineState:
                 self._drop_disk(clear_restored=True)
             return
         disk.agree, disk.agree_union = lock.all_ok, lock.union
-        restored = self.prompt_cache.entries(include_disk=True)
+        restored = self.kv.entries(include_disk=True)
         seen = "|".join(f"{e.pool}:{e.session_id}:{len(e.model_tokens)}:"
                         f"{hashlib.blake2b(e.key_tokens.tobytes(), digest_size=8).hexdigest()}" for e in restored)
         healed = "|".join(k for k, _ in self.healing.items()) if self.healing is not None else ""
         if not lock.digest_agrees(seen + "#" + healed):
             log.warning("the ranks' disk tiers restored different entries: every rank starts with its tier empty")
-            self.prompt_cache.clear()
+            self.kv.clear()
             if self.healing is not None:
                 for key, _ in self.healing.items():
                     self.healing.forget(key)
@@ -164,12 +161,7 @@ class EngineState:
             e.last_used = now - (len(restored) - i) * 1e-6
 
     def _drop_disk(self, clear_restored: bool) -> None:
-        if clear_restored:
-            self.prompt_cache.clear()
-        self.prompt_cache.on_spill = None
-        if self.disk is not None:
-            self.disk.close()
-        self.disk = None
+        self.kv.drop_disk(clear_restored)
         if self.healing_journal is not None:
             self.healing_journal.close()
             self.healing_journal = None
@@ -180,7 +172,7 @@ class EngineState:
         """Flush queued disk writes (shutdown); with DISK_KEEP_ON_EXIT every RAM entry first."""
         if self.disk is not None:
             if self.settings.disk_keep_on_exit and not self.replicated:
-                self.disk.keep(self.prompt_cache)
+                self.kv.keep_on_disk()
             self.disk.close()
         if self.healing_journal is not None:
             self.healing_journal.close()
@@ -195,13 +187,6 @@ class EngineState:
 
     def new_cache(self, model: Any) -> LiveCache:
         return LiveCache(make_prompt_cache(model), 0, self.kv_quant)
-
-    def _on_evict(self, entry: CacheEntry, reason: str) -> None:
-        self.sessions.forget_entry(entry.entry_id)
-        if self.disk is not None:
-            self.disk.forget(entry, reason)
-        entry.payload = None
-        mx.clear_cache()  # hand freed buffers back to the allocator / OS
 
     def record(self, job: Any, outcome: Any, prep: Any) -> None:
         row = {
@@ -253,15 +238,15 @@ class EngineState:
                 log.exception("record hook failed")
 
     def stats(self) -> dict:
-        pc = self.prompt_cache
-        held = pc.held()                      # payloads read under the cache lock (never re-read)
+        kv = self.kv
+        held = kv.held()                      # payloads read under the cache lock (never re-read)
         entries = [e for e, _ in held]
         counters = self.counters.snapshot()
         with self.rows_lock:
             rows = list(self.rows)
         tier = resident_bytes(payload for _, payload in held)
         return {
-            "enabled": pc.enabled,
+            "enabled": kv.enabled,
             "cache_layout": self.layout.describe(),
             "kv_quant": ({"scheme": self.kv_quant.scheme, "bits": self.kv_quant.bits,
                           "group_size": self.kv_quant.group_size, "start": self.kv_quant.start,
@@ -283,15 +268,15 @@ class EngineState:
             "quantized_bytes": sum(e.nbytes for e, payload in held
                                    if any(s.kind in QUANTIZED_KINDS for s in getattr(payload, "layers", ()))),
             "budget_bytes": self.cache_budget,
-            "max_entries": pc.config.max_entries,
-            "block_size": pc.config.block_size,
+            "max_entries": kv.config.max_entries,
+            "block_size": kv.config.block_size,
             "sessions": len(self.sessions),
             "turn_records": len(self.turns),
             "healing": ({"entries": len(self.healing), "healed": self.healing.healed, "bytes": self.healing.nbytes}
                         if self.healing else None),
             "turn_store_bytes": self.turns.nbytes,
             "disk": self.disk.stats() if self.disk is not None else None,
-            "disk_only_entries": pc.disk_only(),
+            "disk_only_entries": kv.disk_only(),
             "correctness": {k: counters.get(k, 0) for k in CORRECTNESS_COUNTERS},
             "hits": {k[5:]: v for k, v in counters.items() if k.startswith("hits_")},
             "misses": counters.get("misses", 0),

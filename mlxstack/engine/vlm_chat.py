@@ -8,11 +8,12 @@ What differs from the text engine (engine/chat.py):
   the processor with each image's placeholder expanded to its patch count. The cache key is the
   text-only tokenizer's render of the canonical messages with the same expansion, plus a
   2-token identity marker after each image's pad run (CACHE_VLM_IMAGE_IDENTITY).
-- ``validate_match``: the cache accepts reuse by model-token LCP, and two images of the same size
-  expand to identical pad tokens. So a hit may only cover an image whose marker in the entry's
-  key equals the request's; otherwise the reuse is cut back to that image's first pad token. A
-  reuse that would end inside a run of the *same* image (never on clean traffic) evicts the entry,
-  retreats to a fresh prefill and bumps ``vlm_retreat``.
+- ``image_spans``: the cache accepts reuse by model-token LCP, and two images of the same size
+  expand to identical pad tokens. So the lookup carries each image's pad span and marker, and the
+  KV manager (cache/manager.py ``Lookup``) lets a hit cover an image only where the entry's key
+  holds the same marker, else cuts it back to that image's first pad token; a reuse that would
+  end inside a run of the *same* image (never on clean traffic) evicts the entry, retreats to a
+  fresh prefill and bumps ``vlm_retreat``.
 - ``prefill`` from offset P: embeddings for ``model_tokens[P:]`` (text embeddings with the image
   rows replaced by vision-tower features; the tower runs only for images at or after P, one
   image at a time so cold and warm runs compute identical features) are fed to the language
@@ -34,7 +35,6 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.kv_ops import LiveCache
-from ..cache.prompt_cache import MISS, MatchResult
 from ..prompt.images import (
     ImageError,
     ImageLimits,
@@ -172,35 +172,12 @@ class VLMChatEngine(ChatEngine):
     def new_cache(self) -> LiveCache:
         return LiveCache(make_prompt_cache(self.lm), 0)
 
-    def validate_match(self, prep: PreparedPrompt, match: MatchResult) -> MatchResult:
-        """Never reuse KV for an image unless the entry saw the same image, never cut inside one."""
-        spans = prep.extras.get("spans") or []
-        if not match.hit or not spans:
-            return match
-        entry = match.entry
-        depth = match.depth
-        identity = bool(self.settings.cache_vlm_image_identity)
-        key = np.asarray(entry.key_tokens)
-        neg = np.flatnonzero(key < 0).tolist()
-        entry_markers = [(int(key[a]), int(key[b])) for a, b in zip(neg[0::2], neg[1::2])]
-        for k, (start, end) in enumerate(spans):
-            if depth <= start:
-                break  # a cut exactly at an image's first pad token is clean
-            same = identity and k < len(entry_markers) and entry_markers[k] == prep.extras["markers"][k]
-            if not same:
-                depth = start  # a different (or unverifiable) image: reuse only up to it
-                break
-            if depth < end:
-                log.warning("vlm retreat: entry %d would be reused to %d, inside image %d [%d, %d); evicting",
-                            entry.entry_id, depth, k, start, end)
-                self.state.counters.bump("vlm_retreat")
-                self.state.kv.remove(entry.entry_id, "vlm_retreat")
-                return MISS
-        if depth == match.depth:
-            return match
-        if depth <= 0 or depth < entry.floor:
-            return MISS
-        return match._replace(depth=depth, match_type="lcp")
+    def image_spans(self, prep: PreparedPrompt) -> tuple[tuple, tuple | None]:
+        """Each image's pads and, under CACHE_VLM_IMAGE_IDENTITY, its marker: the KV manager never
+        reuses an image an entry did not see, never cuts inside one (cache/manager.py)."""
+        spans = tuple(tuple(sp) for sp in prep.extras.get("spans") or ())
+        markers = prep.extras.get("markers") if self.settings.cache_vlm_image_identity else None
+        return spans, (tuple(tuple(m) for m in markers) if markers is not None else None)
 
     def prefill(self, work: LiveCache, prep: PreparedPrompt, start: int,
                 checkpoint: Callable[[LiveCache], None], at: list[int],

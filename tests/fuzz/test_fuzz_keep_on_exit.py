@@ -30,8 +30,8 @@ def test_entries_kept_at_exit_serve_the_next_start_as_the_cold_reference(config,
     try:
         h.run(wave("a"))
         assert h.warm.state.disk.write_throughs == 0          # nothing on disk before the shutdown
-        in_ram = len(h.warm.state.prompt_cache.entries())
-        indexed = len(h.warm.state.prompt_cache.entries(include_disk=True))    # RAM + spilled ones
+        in_ram = len(h.warm.state.kv.index.entries())
+        indexed = len(h.warm.state.kv.index.entries(include_disk=True))    # RAM + spilled ones
         h.restart()
         assert in_ram > 0 and h.warm.state.disk.restored == indexed          # every entry came back from disk
         h.run(wave("a"))                                      # the same conversations, after the restart
