@@ -26,7 +26,8 @@ from mlx_lm.models.cache import (
 
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout, dump_state, load_state, state_fingerprint
 from mlxstack.cache.layer_kinds import KINDS, class_from_key, kind_of, probe_layout
-from mlxstack.runner.generate import SamplingParams, decode, feed, prefill
+from mlxstack.runner.generate import SamplingParams, feed, prefill
+from tests.fixtures.reference_decode import decode
 
 N_GEN = 10
 ATOL = 1e-4

@@ -14,7 +14,8 @@ from mlxstack.cache.counters import CacheCounters
 from mlxstack.cache.hashing import namespace_seed
 from mlxstack.cache.kv_ops import LiveCache, capture, checkout, state_fingerprint
 from mlxstack.cache.prompt_cache import PromptCache, PromptCacheConfig
-from mlxstack.runner.generate import SamplingParams, decode, feed, prefill
+from mlxstack.runner.generate import SamplingParams, feed, prefill
+from tests.fixtures.reference_decode import decode
 
 N_GEN = 12
 ATOL = 1e-4

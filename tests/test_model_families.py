@@ -13,6 +13,7 @@ import pytest
 from mlxstack.engine.chat import ContextLengthExceeded
 from mlxstack.prompt.render import encode
 from tests.conftest import build_engine, engine_settings
+from tests.fixtures.scripted import ScriptedReplies
 from tests.test_engine import job
 
 pytestmark = pytest.mark.slow  # multi-turn parity for every model family in process (docs/testing.md#tiers)
@@ -104,35 +105,12 @@ def test_max_kv_size_overrides_the_model_window(tiny_kind_paths):
 
 
 # ---------------------------------------------------------------------------- GPT-OSS harmony
-class ScriptedHarmony:
-    """Stands in for generate.decode: yields a scripted harmony reply (fed through the real model
-    into the real cache, token by token, like decode), then the real decode takes over."""
-
-    def __init__(self, generate_mod):
-        self.queue: list[list[int]] = []
-        self.generate = generate_mod
-
-    def __call__(self, model, cache, first_logits, history, params, should_stop=lambda: False, **kw):
-        if not self.queue:
-            yield from self.generate.decode(model, cache, first_logits, history, params, should_stop, **kw)
-            return
-        tokens = self.queue.pop(0)[: params.max_tokens]
-        for i, tok in enumerate(tokens):
-            last = i == len(tokens) - 1
-            self.generate.feed(model, cache, [tok], 1)   # decode feeds even the stop token
-            yield tok
-            if last or should_stop():
-                return
-
-
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                            "required": ["city"]}}}]
 
 
 def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch):
-    from mlxstack.runner import generate
-
     warm, cold = engines("gpt_oss")
     assert warm.loaded.family == "harmony" and warm.harmony
     tok = warm.loaded.tokenizer
@@ -141,8 +119,7 @@ def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch)
     reply = ('<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>'
              '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
              '<|message|>{"city":"Paris","days":2}<|call|>')
-    script = ScriptedHarmony(generate)
-    monkeypatch.setattr("mlxstack.engine.chat.decode", script)
+    script = ScriptedReplies().install(monkeypatch)
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris for two days?"}]
     outs = {}
     for name, eng in (("warm", warm), ("cold", cold)):
@@ -170,17 +147,14 @@ def test_harmony_tool_loop_is_parsed_healed_and_stays_warm(engines, monkeypatch)
 
 
 def test_harmony_final_answer_stops_and_splits(engines, monkeypatch):
-    from mlxstack.runner import generate
-
     warm, _ = engines("gpt_oss")
     tok = warm.loaded.tokenizer
     # The model ends its final message with <|end|> instead of <|return|>, then starts a user
     # turn: the harmony stopper ends generation at the <|end|>, nothing after leaks.
     reply = ('<|channel|>analysis<|message|>Short.<|end|><|start|>assistant<|channel|>final<|message|>'
              'It is sunny.<|end|><|start|>user<|message|>more')
-    script = ScriptedHarmony(generate)
+    script = ScriptedReplies().install(monkeypatch)
     script.queue.append(encode(tok, reply))
-    monkeypatch.setattr("mlxstack.engine.chat.decode", script)
     j, out = job([{"role": "user", "content": "Weather?"}], max_tokens=200, session="harmony-final")
     o = warm.run(j)
     assert o.finish_reason == "stop"

@@ -5,7 +5,7 @@ warm turns reuse the KV cache; and where a template itself changes an earlier tu
 
 Replies the random model cannot produce (a closed ``<think>`` block, a tool call) come from a
 scripted decode: the scripted tokens are fed through the real model into the real cache, just
-as ``generate.decode`` feeds sampled ones, so the KV holds what a real model would have.
+as the decode loop feeds sampled ones (tests/fixtures/scripted.py), so the KV holds what a real model would have.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 
 from mlxstack.server.openai.chat_reply import StreamAssembler, completion_body
-from mlxstack.runner import generate
 from mlxstack.parsing.reasoning import split_output
 from mlxstack.parsing.tool_calls import make_tool_call_id
 from mlxstack.prompt.render import encode
 from tests.conftest import build_engine, engine_settings
+from tests.fixtures.scripted import ScriptedReplies
 from tests.fixtures import agent_shapes as shapes
 from tests.fixtures.tiny_models import CHAT_TEMPLATE
 from tests.test_engine import SYSTEM, TOOLS, job
@@ -116,35 +116,12 @@ def variants(tmp_path_factory, tiny_dense_path):
 # ----------------------------------------------------------------------------------- scripted replies
 
 
-class ScriptedDecode:
-    """Stands in for ``generate.decode``: yields queued replies token by token, feeding each
-    yielded token but the last into the cache (as decode does), then falls back to sampling."""
-
-    def __init__(self) -> None:
-        self.queue: list[list[int]] = []
-
-    def __call__(self, model, cache, first_logits, history, params, should_stop=lambda: False, **kw):
-        if not self.queue:
-            yield from generate.decode(model, cache, first_logits, history, params, should_stop, **kw)
-            return
-        tokens = self.queue.pop(0)[: params.max_tokens]
-        for i, tok in enumerate(tokens):
-            last = i == len(tokens) - 1 or tok in params.stop_token_ids
-            if not last:
-                generate.feed(model, cache, [tok], 1)
-            yield tok
-            if last or should_stop():
-                return
-
-
 @pytest.fixture
 def script(monkeypatch):
-    s = ScriptedDecode()
-    monkeypatch.setattr("mlxstack.engine.chat.decode", s)
-    return s
+    return ScriptedReplies().install(monkeypatch)
 
 
-def say(script: ScriptedDecode, engine, text: str) -> None:
+def say(script: ScriptedReplies, engine, text: str) -> None:
     """Queue ``text`` followed by the end-of-turn token as the next reply."""
     tok = engine.loaded.tokenizer
     script.queue.append(encode(tok, text) + [tok.convert_tokens_to_ids("<|im_end|>")])

@@ -17,15 +17,14 @@ from mlxstack.runner.generate import feed, last_logits
 from mlxstack.runner.sampling import Sampler, SamplingParams
 from tests.conftest import LiveServer, build_engine, engine_settings, http_json
 from tests.test_engine import SYSTEM, TOOLS, job
-from tests.test_prefix_stability import ScriptedDecode, _swap, say, variant
+from tests.fixtures.scripted import ScriptedReplies
+from tests.test_prefix_stability import _swap, say, variant
 from tests.fixtures.tiny_models import CHAT_TEMPLATE
 
 
 @pytest.fixture
 def script(monkeypatch):
-    s = ScriptedDecode()
-    monkeypatch.setattr("mlxstack.engine.chat.decode", s)
-    return s
+    return ScriptedReplies().install(monkeypatch)
 
 
 @pytest.fixture(scope="module")

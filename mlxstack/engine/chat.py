@@ -26,7 +26,7 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..prompt.render import encode
 from ..prompt.tokenize import encoder_for
-from ..runner.generate import Aborted, decode, feed, folds, last_logits, prefill
+from ..runner.generate import Aborted, feed, folds, last_logits, prefill
 from ..runner.rows import RunnerContext
 from ..runner.sampling import Sampler
 from ..runner.stopping import StopMatcher, stop_token_ids
@@ -73,6 +73,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
         state.kv.fresh = self.new_cache   # a miss checks out this model's empty caches
+        self.alone: Any = None            # engine/core.py EngineCore of one slot: ``run`` (factory.py)
         self.runner = self.runner_context()
 
     def runner_context(self) -> RunnerContext:
@@ -93,6 +94,8 @@ class ChatEngine(PromptAssembly, TurnFinish):
                       images=images, markers=markers)
 
     # ---------------------------------------------------------------- backend seams (VLM overrides)
+    prefills_whole = False   # the rest of a prompt goes through ``prefill`` in one call (a VLM)
+
     @property
     def decode_model(self) -> Any:
         """The module decode steps call (a VLM decodes through its language model)."""
@@ -254,30 +257,12 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return should_stop
 
     def run(self, job: ChatJob) -> ChatOutcome:
-        """The whole request on the calling (inference) thread."""
-        seq = self.start(job)
-        should_stop = self._should_stop(seq)
-        try:
-            logits = self.prefill(seq.live, seq.prep, seq.start, lambda live: seq.snapshots.append(self.state.kv.snapshot(live)),
-                                  [k - seq.start for k in seq.checkpoints], should_stop)
-        except Aborted:
-            logits = None
-        seq.t_first = time.perf_counter()
-        if logits is not None and not job.prefill_only:
-            self._decode(seq, logits, should_stop)
-        seq.t_end = time.perf_counter()
-        return self.finish(seq)
-
-    def _decode(self, seq: Request, logits: Any, should_stop: Callable[[], bool]) -> None:
-        """Decode alone with the pipelined loop (engine.run: VLMs, MAX_CONCURRENT_SEQUENCES=1, warm
-        prompts; the scheduler's decode group -- drafts included -- serves every other request)."""
-        if not self.begin_decode(seq, logits):
-            return
-        for tok in decode(self.decode_model, seq.live, logits, seq.prep.model_tokens, seq.params, should_stop,
-                          sampler=seq.sampler):
-            if self.consume(seq, tok):
-                break
-        self.end_decode(seq)
+        """The whole request on the calling (inference) thread, through this engine's own engine
+        core of one slot (engine/factory.py sets ``alone``): the same phases, the same prefill and
+        the same decode loop as every request the scheduler serves."""
+        if self.alone is None:
+            raise RuntimeError("this engine has no core to run on: build it with engine/factory.py make_engine")
+        return self.alone.run(job)
 
     # ---------------------------------------------------------------- incremental phases
     def begin_decode(self, seq: Request, logits: Any) -> bool:
@@ -393,18 +378,28 @@ class ChatEngine(PromptAssembly, TurnFinish):
         elif self._should_stop(seq)():
             seq.prefill_aborted = True
             return True
+        if self.prefills_whole:
+            return self._prefill_whole(seq)
         end = min(n - 1, seq.pos + max(1, budget))
         stop_at = min([k for k in (*seq.checkpoints, *seq.stops) if seq.pos < k <= end], default=end)
         faults.hit("prefill_chunk", seq.job.request_id)
-        if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
-            # the rest is short: its forward yields the first token's logits too (runner/generate
-            # FOLD_MAX) -- no second forward for the last token, alone or in the batch's next step
-            seq.logits = feed(self.loaded.model, seq.live, tokens[seq.pos:], self.settings.prefill_step_size,
-                              logits=True)
-            seq.pos = n
+        # a hang-up or the watchdog is heard between the chunk's forwards too (PREFILL_STEP_SIZE):
+        # the chunk stops there and the request ends with what it computed (finish.py salvage)
+        stop = self._should_stop(seq)
+        try:
+            if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
+                # the rest is short: its forward yields the first token's logits too (runner/generate
+                # FOLD_MAX) -- no second forward for the last token, alone or in the batch's next step
+                seq.logits = feed(self.loaded.model, seq.live, tokens[seq.pos:], self.settings.prefill_step_size,
+                                  stop, logits=True)
+                seq.pos = n
+                return True
+            if stop_at > seq.pos:
+                feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size, stop)
+        except Aborted:
+            seq.prefill_aborted = True
             return True
         if stop_at > seq.pos:
-            feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size)
             seq.pos = stop_at
             if stop_at in seq.checkpoints:
                 seq.snapshots.append(self.state.kv.snapshot(seq.live))
@@ -415,6 +410,21 @@ class ChatEngine(PromptAssembly, TurnFinish):
             seq.pos = n
             return True
         return False
+
+    def _prefill_whole(self, seq: Request) -> bool:
+        """The rest of the prompt in one call of the backend's own prefill seam (``prefill``: a
+        VLM's embeddings and positions, runner/vlm.py), checkpoints captured on the way; the
+        row then decodes through the module that prefill set up (``decode_model``)."""
+        try:
+            seq.logits = self.prefill(seq.live, seq.prep, seq.pos,
+                                      lambda live: seq.snapshots.append(self.state.kv.snapshot(live)),
+                                      [k - seq.pos for k in seq.checkpoints if k > seq.pos], self._should_stop(seq))
+        except Aborted:
+            seq.prefill_aborted = True
+            return True
+        seq.pos = len(seq.prep.model_tokens)
+        seq.decode_model = self.decode_model
+        return True
 
     def feed_last(self, seq: Request) -> None:
         """Feed a deferred last prompt token now (a sequence that will not decode after all)."""

@@ -47,7 +47,7 @@ from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
 from ..runner.rows import Verdict
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
-from .chat import ChatEngine, ChatJob, Request
+from .chat import ChatEngine, ChatJob, ChatOutcome, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from ..scheduler.admission import applies, committed_bytes, need_bytes, room
 from ..scheduler.plan import Scheduler, StepPlan, left
@@ -309,6 +309,24 @@ class EngineCore:
                     log.exception("request %s could not take its shared prefix", seq.job.request_id)
                     seq.follows = None
                 seq.status = RequestStatus.PREFILLING
+
+    def run(self, job: ChatJob) -> ChatOutcome:
+        """``job`` alone, start to finish, on the calling (inference) thread: admitted, then
+        stepped until its future resolves -- the path every request takes (ChatEngine.run). An
+        exception escaping a step empties this core first (``recover``), as the worker does."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        self.admit(job, future)
+        while not future.done():
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - every request in flight fails with it
+                self.recover(exc)
+                if not future.done():
+                    resolve(future, exc=exc)
+            if self.idle() and not future.done():   # nothing left to step: never spin
+                resolve(future, exc=RuntimeError(f"bug: request {job.request_id} left the core unresolved"))
+        return future.result()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:

@@ -60,6 +60,9 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
     else:
         engine = ChatEngine(loaded, renderer, state, settings,
                             draft=draft_model(loaded, settings, state.counters, backend))
+    # ``engine.run`` (warm prompts, tools, tests) serves one request through an engine core of its
+    # own: one decode loop, one prefill path for every caller (LESSONS 90)
+    engine.alone = EngineCore(engine, 1, settings.prefill_chunk_tokens, False)
     engine.speculation.calibrated(engine.decode_model, settings.max_concurrent_sequences or 8)
     log.info("speculative decoding: %s%s", engine.speculation.describe(),
              f"; a step of 1 + k drafts costs (rows x width: plain steps) {engine.speculation.costs.table}"
@@ -68,15 +71,16 @@ def make_engine(loaded: Any, settings: Any) -> ChatEngine:
 
 
 def make_core(engine: ChatEngine, settings: Any) -> tuple[EngineCore | None, str]:
-    """The engine core for ``engine`` -- continuous batching (MAX_CONCURRENT_SEQUENCES > 1), one
-    slot (= 1), or None: VLMs run one request at a time on the worker itself -- and the line that
-    says how it schedules. Whether decode steps batch is decided once here, by a real batched
+    """The engine core for ``engine`` -- continuous batching (MAX_CONCURRENT_SEQUENCES > 1), or one
+    slot (= 1, and a VLM: its prefill is mlx-vlm's own, its decode rows unbatched) -- and the line
+    that says how it schedules. Whether decode steps batch is decided once here, by a real batched
     forward against single ones (runner/batch.py ``batching_support``)."""
     from ..runner.batch import batching_support
 
     n = settings.max_concurrent_sequences or DEFAULT_MAX_SEQUENCES
     if engine.loaded.is_vlm:
-        return None, "scheduling: one request at a time (VLM)"
+        return (EngineCore(engine, 1, settings.prefill_chunk_tokens, False),
+                "scheduling: one request at a time (VLM)")
     engine.by_reference_depth()   # decided at load (a model check), not in a first hit's TTFT
     if n <= 1:   # one slot: first come, first served, and the decode group's drafts still apply
         return (EngineCore(engine, 1, settings.prefill_chunk_tokens, False),

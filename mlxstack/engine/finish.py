@@ -306,7 +306,7 @@ class TurnFinish:
         continue straight into the next turn.
         """
         target, to_feed = self.plan_close(seq, content_ids)
-        feed(self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
+        feed(seq.decode_model or self.decode_model, seq.live, to_feed, self.settings.prefill_step_size)
         return target
 
     def plan_close(self, seq: Request, content_ids: list[int]) -> tuple[list[int], list[int]]:

@@ -230,3 +230,5 @@ class Request:
     preempted_at: float = 0.0         # when it last left the batch for a more urgent request
     preemptions: int = 0              # times it did
     shielded: bool = False            # came back by waiting: not preempted again (no starvation)
+    decode_model: Any = None          # what this row's decode steps call, when not the model's own
+                                      # (a VLM: its language model at this prompt's rope offset)

@@ -165,6 +165,8 @@ class VLMChatEngine(ChatEngine):
         return prep.key_tokens[: depth + 2 * covered]
 
     # ---------------------------------------------------------------- backend seams
+    prefills_whole = True    # mlx-vlm's embeddings for the rest of the prompt, one call (runner/vlm.py)
+
     @property
     def decode_model(self) -> Any:
         return self._decoder

@@ -434,7 +434,7 @@ class DecodeGroup:
             else:                                    # each member on its own cache: its own forward
                 for j, (s, t) in enumerate(zip(seqs, current)):
                     if id(s) not in failed:
-                        nxt[j] = row_work(s, lambda s=s, t=t: self._forward_one(model, s, t))
+                        nxt[j] = row_work(s, lambda s=s, t=t: self._forward_one(s.decode_model or model, s, t))
         try:
             mx.async_eval([n for n in nxt if n is not None])
         except Exception as exc:  # noqa: BLE001 - one evaluation for every row: all are lost

@@ -1,17 +1,16 @@
-"""Prefill and decode on an explicit ``LiveCache``: the one generation loop every request uses.
+"""Prompt feeding on an explicit ``LiveCache``: what every prefill chunk and turn close runs.
 
     logits = prefill(model, live, tokens[P:], step=512)              # live.depth grows by len
-    for tok in decode(model, live, logits, history, params):          # yields token ids
-        ...
+    feed(model, live, tokens, step)                                   # no logits
+    logits = last_logits(model, live, token)
 
-Unlike ``mlx_lm.generate_step``, the repetition penalty sees the *whole* history (cached prefix
-included), so a cache hit never changes sampling; the caller can checkpoint the cache at chosen
-positions of the prompt (snapshots for caches that cannot be cut back later); and sampling
-state is per request (runner/sampling.py), never MLX's global random state.
+The caller can checkpoint the cache at chosen positions of the prompt (snapshots for caches that
+cannot be cut back later). Decoding has one loop, the decode group's (runner/batch.py), for every
+request: rows of a batch and a request served alone alike (LESSONS 90).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +21,7 @@ from .mlx_stream import generation_stream
 from .sampling import Sampler, SamplingParams
 from .forward import exact_positions, forward
 
-__all__ = ["Aborted", "SamplingParams", "Sampler", "feed", "last_logits", "prefill", "decode", "cache_arrays"]
+__all__ = ["Aborted", "SamplingParams", "Sampler", "feed", "last_logits", "prefill", "cache_arrays"]
 
 
 class Aborted(RuntimeError):
@@ -130,52 +129,3 @@ def prefill(
         return feed(model, live, rest, step, should_stop, boundary, logits=True)
     feed(model, live, rest[:-1], step, should_stop, boundary)
     return last_logits(model, live, tokens[-1])
-
-
-def decode(
-    model: nn.Module,
-    live: LiveCache,
-    first_logits: mx.array,
-    history: Sequence[int],
-    params: SamplingParams,
-    should_stop: Callable[[], bool] = lambda: False,
-    sampler: Sampler | None = None,
-    vocab_size: int | None = None,
-    on_step: Callable[[LiveCache], None] | None = None,
-) -> Iterator[int]:
-    """Yield sampled token ids until max_tokens, a stop token, or ``should_stop()``.
-
-    As in mlx-lm, step n+1 is built from the still-lazy token n and dispatched *before* token n
-    is read back, so graph construction overlaps computation. The cache can therefore hold one
-    token more than was consumed (a stop token, or the token before an abort): ``live.depth``
-    counts what was fed, callers never assume it equals what was yielded.
-    """
-    if sampler is None:
-        sampler = Sampler(params, history, vocab_size or int(first_logits.shape[-1]))
-    stream = generation_stream()
-
-    def step(tok: mx.array) -> mx.array:
-        with mx.stream(stream):
-            sampler.accept(tok)
-            if on_step is not None:
-                on_step(live)
-            live.maybe_quantize()
-            logits = forward(model, tok.reshape(1, 1), live.layers)[:, -1, :]
-            live.advance(1)
-            return sampler.sample(logits)
-
-    with mx.stream(stream):
-        y = sampler.sample(first_logits)
-    mx.async_eval(y)
-    produced = 0
-    while True:
-        produced += 1
-        next_y = None
-        if produced < params.max_tokens:
-            next_y = step(y)
-            mx.async_eval(next_y)
-        tok = int(y.item())
-        yield tok
-        if next_y is None or tok in params.stop_token_ids or should_stop():
-            return
-        y = next_y
