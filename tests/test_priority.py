@@ -295,3 +295,44 @@ def test_with_a_backlog_behind_a_full_batch_the_urgent_request_decodes_alone(den
     assert core.resumed == 2 and all(f.done() for f in futures)
     assert [f.result().raw_text for f in futures] == [_alone(dense, _job(BACKGROUND[i % 4], 1, 24)).raw_text
                                                       for i in range(4)]
+
+
+def test_an_urgent_request_overtakes_one_parked_for_memory_and_every_reply_is_what_it_is_alone(dense):
+    """A budget that holds the decoding background row A (as measured in flight) and the short
+    urgent question U, not A and the long background prompt B: B is parked for memory; U, more
+    urgent than every parked request, is admitted past it (LESSONS 91) and replies while B still
+    waits; B starts once A's memory is free. Every reply is what it is alone."""
+    from mlxstack.scheduler.admission import need_bytes
+    from mlxstack.scheduler.policy import growth
+
+    a = lambda: _job(BACKGROUND[0], 1, 24, session="ba")                                      # noqa: E731
+    b = lambda: _job(BACKGROUND[1] + " Explain every step in detail." * 24, 1, 8, session="bb")  # noqa: E731
+    u = lambda: _job("Quick: what is 2+2?", 0, 6, session="u")                                # noqa: E731
+    alone = {k: _alone(dense, mk()) for k, mk in (("a", a), ("b", b), ("u", u))}
+
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 1, 30.0))
+    drv = Driver(core)
+    fa = drv.submit(a())
+    while len(core.group) < 1:
+        drv.turn()
+    per_token, per_seq = core._per_token()
+    need = {k: need_bytes(per_token, per_seq, o.prompt_tokens, growth(mk().params.max_tokens, 0))
+            for (k, o), mk in zip(alone.items(), (a, b, u))}
+    eng.state.cache_budget = core.committed_bytes() + need["u"] + 8 * per_token   # A as held, and U
+    assert need["b"] > need["u"] + 8 * per_token
+    fb = drv.submit(b())
+    drv.turn()
+    parked = core.parked
+    assert parked is not None and len(parked.prep.model_tokens) == alone["b"].prompt_tokens   # B
+    assert parked.status is RequestStatus.PARKED and not core.has_room(1) and core.has_room(0)
+    fu = drv.submit(u())
+    drv.turn()
+    assert drv.backlog == [] and core.parked is parked                 # U started past the parked B
+    while not fu.done():
+        drv.turn()
+        assert (core.parked is parked or fu.done()) and not fb.done()  # B waits until U's memory is free
+    assert fu.result().raw_text == alone["u"].raw_text and not fa.done()
+    drv.until_idle()
+    assert [fa.result().raw_text, fb.result().raw_text] == [alone["a"].raw_text, alone["b"].raw_text]
+    assert core.parked_total == 1 and core.waiting_memory == [] and core.preemptions == 0

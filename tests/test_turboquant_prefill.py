@@ -252,7 +252,7 @@ def test_rows_longer_than_a_batch_invariant_call_are_not_fed_together(embedded_m
     exact = exact_positions(model, eng.state.kv_quant)
     if exact is None:
         pytest.skip("no batch-invariant path here (no C compiler: the native kernels are not built)")
-    lives = [eng.state.new_cache(model) for _ in range(2)]
+    lives = [eng.state.kv.new() for _ in range(2)]
     for i, lv in enumerate(lives):
         feed(model, lv, list(range(100 + i, 140 + i)), 512)
     assert not feed_together(model, lives, [[7] * (exact + 1), [8, 9]])

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import faults
 from .counters import CacheCounters
@@ -74,8 +75,7 @@ class Found(NamedTuple):
 
 class KVManager:
     def __init__(self, config: PromptCacheConfig, seed: int, disk: Any, sessions: SessionIndex,
-                 counters: CacheCounters, quant: KVQuant | None, fresh: Callable[[], LiveCache] | None = None,
-                 codes: StateCodes | None = None) -> None:
+                 counters: CacheCounters, quant: KVQuant | None, codes: StateCodes | None = None) -> None:
         self.disk = disk               # cache/disk/backing.py DiskBacking, or None
         # the index (RAM tier + disk-only entries); nothing outside cache/ touches it
         self.index = PromptCache(config, seed, counters, on_evict=self._on_evict,
@@ -84,7 +84,9 @@ class KVManager:
         self.counters = counters
         self.quant = quant
         self.codes = codes             # RECURRENT_STATE_BITS: stored recurrent states coded (lossy), or None
-        self.fresh = fresh             # a new, empty LiveCache for the model (set by the engine)
+        # the module whose empty caches a miss checks out (the engine names it: a VLM's language
+        # model); data, not a callback into the engine
+        self.cache_model: Any = None
         self.group_bytes: Callable[[int], int] = lambda n: n
 
     # ---------------------------------------------------------------- lookup and checkout
@@ -189,9 +191,9 @@ class KVManager:
         return checkout(state, state.depth, self.quant)
 
     def new(self) -> LiveCache:
-        if self.fresh is None:
-            raise RuntimeError("KVManager.fresh is not set: the engine gives it the model's empty caches")
-        return self.fresh()
+        if self.cache_model is None:
+            raise RuntimeError("KVManager.cache_model is not set: the engine names the model whose caches a miss gets")
+        return LiveCache(make_prompt_cache(self.cache_model), 0, self.quant)
 
     def fork(self, leader: LiveCache, depth: int) -> LiveCache:
         """A follower's caches holding ``leader``'s first ``depth`` tokens by reference -- the

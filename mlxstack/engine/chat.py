@@ -72,7 +72,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # step (engine/lockstep.py), so a deadline fires at the same step on every rank
         self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
-        state.kv.fresh = self.new_cache   # a miss checks out this model's empty caches
+        state.kv.cache_model = loaded.model   # a miss checks out this model's empty caches
         self.alone: Any = None            # engine/core.py EngineCore of one slot: ``run`` (factory.py)
         self.runner = self.runner_context()
 
@@ -83,7 +83,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
                              kv_quant=st.kv_quant, speculation=self.speculation, counters=st.counters,
                              shared_prefix_min_tokens=int(getattr(self.settings, "shared_prefix_min_tokens", 0) or 0),
                              is_vlm=bool(getattr(self.loaded, "is_vlm", False)),
-                             rank_group=self.loaded.extra.get("group"), replicated=lambda: st.replicated)
+                             rank_group=self.loaded.extra.get("group"), replicated=st.replicated)
 
     def lookup_of(self, prep: PreparedPrompt, session_id: str, stable_tokens: int, scope: str = "") -> Lookup:
         """What this request looks up (cache/manager.py ``Lookup``: data; the match rules are the
@@ -102,7 +102,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return self.loaded.model
 
     def new_cache(self) -> LiveCache:
-        return self.state.new_cache(self.loaded.model)
+        return self.state.kv.new()
 
     def key_prefix(self, prep: PreparedPrompt, depth: int) -> list[int]:
         """The cache key of ``model_tokens[:depth]`` (a VLM key carries image markers too)."""

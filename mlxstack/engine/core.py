@@ -19,7 +19,7 @@ Admission is FIFO up to ``max_sequences`` in flight and within the KV byte budge
 (PROMPT_CACHE_MAX_BYTES). A request is started (rendered, looked up, checked out); when the KV
 held in flight (measured: ``live_kv_bytes``), what the requests in flight will still add and what
 it will add (uncached prompts, up to ``GROWTH`` generated tokens each, at the model's bytes per
-token) would pass the budget while others are in flight, it is parked -- one at most, no row,
+token) would pass the budget while others are in flight, it is parked -- no row,
 nothing admitted behind it -- until enough of them finish; alone, a request always runs. The RAM
 cache tier makes room for what a starting request will hold (spilled / evicted in its usual
 order: a hot session's entries last). The worker's bounded queue (503 when full) holds the rest.
@@ -107,7 +107,9 @@ class EngineCore:
         self.failed = 0               # requests failed by the scheduler (not by their own finish)
         self.recoveries = 0           # times the whole state was thrown away (recover)
         self.shared_prefills = 0      # requests that took a common prompt prefix from another's prefill
-        self.parked: Request | None = None   # started, waiting for KV memory (admission by bytes)
+        # started, waiting for KV memory (admission by bytes): one, or with priorities one per
+        # request more urgent than every one parked before it (``has_room``)
+        self.waiting_memory: list[Request] = []
         self.parked_total = 0         # requests that had to wait for memory
         self._token_bytes: tuple[int, int] | None = None
         self._tier_key: tuple = ()
@@ -131,7 +133,12 @@ class EngineCore:
 
     @property
     def active(self) -> int:
-        return len(self.prefilling) + len(self.group) + (self.parked is not None) + len(self.preempted)
+        return len(self.prefilling) + len(self.group) + len(self.waiting_memory) + len(self.preempted)
+
+    @property
+    def parked(self) -> Request | None:
+        """The request that starts first once memory allows (the most urgent parked), or None."""
+        return self.waiting_memory[0] if self.waiting_memory else None
 
     @property
     def prioritised(self) -> bool:
@@ -141,17 +148,25 @@ class EngineCore:
 
     def has_room(self, urgency: int | None = None) -> bool:
         """Whether a request (of priority ``urgency``) may start now: a row free and no request
-        parked. A preempted row keeps its row against a request no more urgent than it (it
-        resumes first), not against a more urgent one."""
-        if self.parked is not None:
+        parked that it would overtake -- with priorities a request more urgent than every parked
+        one starts (and parks ahead of them if memory is short: LESSONS 91). A preempted row keeps
+        its row against a request no more urgent than it (it resumes first), not against a more
+        urgent one."""
+        if self.waiting_memory and not self._overtakes(urgency):
             return False
         held = sum(1 for s in self.preempted if urgency is None or s.job.priority <= urgency)
-        return len(self.prefilling) + len(self.group) + held < self.max_sequences
+        rows = len(self.prefilling) + len(self.group) + len(self.waiting_memory) + held
+        return rows < self.max_sequences
+
+    def _overtakes(self, urgency: int | None) -> bool:
+        """Whether a request of priority ``urgency`` goes before every parked one."""
+        return (self.prioritised and urgency is not None
+                and all(urgency < s.job.priority for s in self.waiting_memory))
 
     def room_for(self, urgency: int) -> bool:
         """``has_room`` for a request of priority ``urgency``; with priorities, a full batch makes
         room by preempting its least urgent row when that one is less urgent."""
-        if not self.has_room(urgency) and self.prioritised and self.parked is None:
+        if not self.has_room(urgency) and self.prioritised and (not self.waiting_memory or self._overtakes(urgency)):
             rows = self._preemptible()
             i = priority.least_urgent([s.job.priority for s in rows], urgency)
             if i is not None:
@@ -165,8 +180,7 @@ class EngineCore:
 
     def in_flight(self) -> list[Request]:
         """Every request in flight, whatever its status."""
-        return [*self.prefilling, *self.group.seqs, *self.preempted, *self.closing,
-                *([self.parked] if self.parked is not None else [])]
+        return [*self.prefilling, *self.group.seqs, *self.preempted, *self.closing, *self.waiting_memory]
 
     def in_flight_counts(self) -> Counter[tuple[int, str]]:
         """Requests in flight per (priority, status): what the stats and /metrics show."""
@@ -241,18 +255,20 @@ class EngineCore:
         """The cache entries ``seq`` and the requests in flight were checked out of: they hold
         those arrays (by reference, or until their first append), so spilling the entries frees
         no memory and loses a hot entry."""
-        seqs = [seq, *self.prefilling, *self.group.seqs, *self.closing, *self.preempted]
+        seqs = [seq, *self.prefilling, *self.group.seqs, *self.closing, *self.preempted, *self.waiting_memory]
         return {s.match.entry.entry_id for s in seqs if s.match.hit and s.match.entry is not None}
 
     def _unpark(self) -> None:
-        seq = self.parked
-        if seq is None:
-            return
-        if seq.job.is_cancelled():        # a client that left is let in: its prefill stops after one chunk
-            self.parked = None
-            self._enter(seq)
-        elif self._admit_or_park(seq):
-            self.parked = None
+        """Parked requests start, the most urgent first, while memory allows; one that still does
+        not fit stops the rest (none overtakes it). A client that left is let in at once: its
+        prefill stops after one chunk."""
+        while self.waiting_memory:
+            seq = self.waiting_memory.pop(0)    # not counted beside itself while its room is computed
+            if seq.job.is_cancelled():
+                self._enter(seq)
+            elif not self._admit_or_park(seq):
+                self.waiting_memory.insert(0, seq)
+                return
 
     def idle(self) -> bool:
         return self.active == 0
@@ -271,7 +287,10 @@ class EngineCore:
         self.futures[id(seq)] = future
         if not self._admit_or_park(seq):
             seq.status = RequestStatus.PARKED
-            self.parked = seq
+            # ahead of every parked one less urgent than it (``has_room`` let it overtake them)
+            at = next((i for i, s in enumerate(self.waiting_memory) if seq.job.priority < s.job.priority),
+                      len(self.waiting_memory))
+            self.waiting_memory.insert(at, seq)
             self.parked_total += 1
 
     def _enter(self, seq: Request) -> None:
@@ -359,7 +378,7 @@ class EngineCore:
     # ------------------------------------------------------------------ priorities
     def _urgent(self) -> int | None:
         """The most urgent priority in flight (prefilling, parked or decoding), None when empty."""
-        seqs = [*self.prefilling, *self.group.seqs, *([self.parked] if self.parked is not None else [])]
+        seqs = [*self.prefilling, *self.group.seqs, *self.waiting_memory]
         return min((s.job.priority for s in seqs), default=None)
 
     def _by_priority(self) -> None:
@@ -381,7 +400,7 @@ class EngineCore:
         if not self.preempted:
             return
         now = time.perf_counter()
-        free = self.max_sequences - len(self.prefilling) - len(self.group) - (self.parked is not None)
+        free = self.max_sequences - len(self.prefilling) - len(self.group) - len(self.waiting_memory)
         less = sum(1 for s in self.group.seqs if urgent is not None and s.job.priority > urgent)
         beside = self.policy.beside if self.prioritised else self.max_sequences
         back = priority.to_resume([(s.job.priority, now - s.preempted_at) for s in self.preempted],
@@ -513,7 +532,7 @@ class EngineCore:
         futures, self.futures = self.futures, {}
         self.scheduler.reset()
         self.closing = []                 # replied already; their turns are simply not stored
-        self.parked = None
+        self.waiting_memory = []
         self.preempted = []
         self.group.reset()
         self.group.take_failed()

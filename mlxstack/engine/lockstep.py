@@ -174,6 +174,7 @@ class Lockstep:
         state.cache_budget = per_rank * self.size
         state.kv.set_budget(state.cache_budget)
         state.join_ranks(self)
+        engine.runner.replicated = True   # what the runner knows of it: data, read by its steps
         return per_rank
 
     # ------------------------------------------------------------------ transport

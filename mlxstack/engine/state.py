@@ -12,7 +12,6 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.counters import CORRECTNESS_COUNTERS, CacheCounters
 from ..cache.diagnosis import FingerprintStore, as_dict, describe
@@ -20,7 +19,6 @@ from ..cache.disk.backing import DiskBacking
 from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
-from ..cache.kv_ops import LiveCache
 from ..cache.manager import KVManager, PromptCacheConfig
 from ..runner.kv_bytes import resident_bytes
 from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
@@ -184,9 +182,6 @@ class EngineState:
 
     def heal(self, messages: list[dict], scope: str = "") -> list[dict]:
         return self.healing.heal(messages, scope) if self.healing is not None else messages
-
-    def new_cache(self, model: Any) -> LiveCache:
-        return LiveCache(make_prompt_cache(model), 0, self.kv_quant)
 
     def record(self, job: Any, outcome: Any, prep: Any) -> None:
         row = {

@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.kv_ops import LiveCache
 from ..prompt.images import (
@@ -81,6 +80,7 @@ class VLMChatEngine(ChatEngine):
         model = loaded.model
         cfg = getattr(model, "config", None)
         self.lm = model.language_model
+        state.kv.cache_model = self.lm    # its caches are the language model's (no KV quantisation: factory.py)
         self.image_pad_id = int(getattr(cfg, "image_token_id", None)
                                 if getattr(cfg, "image_token_id", None) is not None
                                 else loaded.config.get("image_token_id", loaded.config.get("image_token_index")))
@@ -170,9 +170,6 @@ class VLMChatEngine(ChatEngine):
     @property
     def decode_model(self) -> Any:
         return self._decoder
-
-    def new_cache(self) -> LiveCache:
-        return LiveCache(make_prompt_cache(self.lm), 0)
 
     def image_spans(self, prep: PreparedPrompt) -> tuple[tuple, tuple | None]:
         """Each image's pads and, under CACHE_VLM_IMAGE_IDENTITY, its marker: the KV manager never

@@ -65,9 +65,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("mlxstack_turns_closed_together", "Turns closed (last token + turn closer fed) "
                                   "in one forward pass with other sequences finishing in the same step.",
                                   value=sched.closed_together if sched is not None else 0)
-        yield GaugeMetricFamily("mlxstack_waiting_for_memory", "1 while a started request waits for KV memory "
+        yield GaugeMetricFamily("mlxstack_waiting_for_memory", "Started requests waiting for KV memory "
                                 "(admission by PROMPT_CACHE_MAX_BYTES).",
-                                value=int(sched.parked is not None) if sched is not None else 0)
+                                value=len(sched.waiting_memory) if sched is not None else 0)
         yield CounterMetricFamily("mlxstack_waited_for_memory", "Requests that had to wait for KV memory before "
                                   "they could start.", value=sched.parked_total if sched is not None else 0)
         yield GaugeMetricFamily("mlxstack_preempted_sequences", "Decode rows out of the batch for a more urgent "

@@ -28,7 +28,7 @@ class RunnerContext:
     shared_prefix_min_tokens: int = 0
     is_vlm: bool = False
     rank_group: Any = None         # several ranks: the MLX group every decision is agreed over
-    replicated: Callable[[], bool] = lambda: False    # ranks in lockstep (decided after load)
+    replicated: bool = False       # ranks in lockstep (set when the ranks join: engine/lockstep.py bind)
     memo: dict = field(default_factory=dict)          # load-time checks, answered once
 
     def new_cache(self) -> Any:

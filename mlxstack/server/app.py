@@ -293,7 +293,7 @@ class App:
                                "prefill_chunk_tokens": sched.prefill_budget, "steps": sched.steps,
                                "batched_prefills": sched.short_batches,
                                "turns_closed_together": sched.closed_together,
-                               "waiting_for_memory": int(sched.parked is not None),
+                               "waiting_for_memory": len(sched.waiting_memory),
                                "waited_for_memory_total": sched.parked_total,
                                "priority_scheduling": sched.prioritised,
                                "preempted": len(sched.preempted), "preemptions_total": sched.preemptions,

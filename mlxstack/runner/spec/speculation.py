@@ -134,7 +134,7 @@ def wants_step(group: Any, budgets: dict[int, int]) -> bool:
         return False
     costs = group.ctx.speculation.costs
     price = costs.cost
-    if group.ctx.replicated():
+    if group.ctx.replicated:
         # decide from tokens alone (the prior), never from wall times: ranks in lockstep must take
         # the same steps (each rank's clock differs: they would part and wait on each other's
         # collectives forever). A seeded row needs nothing of the kind: its draws are keyed by
