@@ -131,3 +131,44 @@ def test_policy_and_admission_arithmetic():
     assert applies(0, True, False) is False                         # no budget
     assert applies(5000, False, False) is False                     # alone: always runs
     assert applies(5000, True, True) is False                       # several ranks decide alike
+
+
+# ---------------------------------------------------------------------------- the plan's row moves
+def row(name: str, prio: int, tail=False, shielded=False, preempted_at=0.0, left_=False):
+    return SimpleNamespace(name=name, job=SimpleNamespace(priority=prio, prefill_only=False), tail=tail,
+                           shielded=shielded, preempted_at=preempted_at, gone=left_,
+                           prep=SimpleNamespace(model_tokens=list(range(10))), start=0, pos=-1, follows=None,
+                           live=SimpleNamespace(depth=0))
+
+
+def gone(r) -> bool:
+    return getattr(r, "gone", False)
+
+
+def moved(plan: StepPlan) -> tuple:
+    return tuple(tuple(r.name for r in rs) for rs in (plan.end, plan.preempt, plan.resume)) + (plan.urgent,)
+
+
+def test_the_plan_moves_rows_for_an_urgent_prompt_and_back_once_it_is_gone():
+    """An urgent prompt waiting to prefill: the less urgent decode rows beyond ``beside`` leave (the
+    least urgent first, the last to join among equals; never a row whose last prompt token rides in
+    the next step, never one shielded); a preempted row whose client left ends; once nothing more
+    urgent is in flight the preempted rows come back, most urgent first, as rows free up."""
+    from mlxstack.scheduler.plan import InFlight
+
+    s = Scheduler(prefill_budget=64, prefills_together=False, aging_s=30.0)
+    a, b, c, d = row("a", 1), row("b", 2), row("c", 2, tail=True), row("d", 2, shielded=True)
+    urgent = row("u", 0)
+    s.enter(urgent)
+    flight = InFlight(decoding=(a, b, c, d), max_rows=4, prioritised=True, beside=1, aging_s=30.0, now=100.0)
+    plan = s.schedule(gone, never, flight)
+    assert moved(plan) == ((), ("a", "b"), (), 0) and plan.prefill is urgent
+    s.drop(urgent)
+    a.preempted_at = b.preempted_at = 100.0
+    x = row("x", 1, preempted_at=90.0, left_=True)
+    back = InFlight(decoding=(c, d), preempted=(a, b, x), max_rows=4, prioritised=True, beside=1, now=101.0)
+    assert moved(s.schedule(gone, never, back)) == (("x",), (), ("a", "b"), 2)
+    one_row = InFlight(decoding=(c, d, row("e", 1)), preempted=(b, a), max_rows=4, prioritised=True, beside=1,
+                       now=101.0)
+    assert moved(s.schedule(gone, never, one_row)) == ((), (), ("a",), 1)      # one free row: the more urgent
+    assert moved(s.schedule(gone, never, InFlight(decoding=(a, b), max_rows=4))) == ((), (), (), None)  # off

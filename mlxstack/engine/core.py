@@ -7,10 +7,13 @@ every one with its full cache pipeline (lookup -> checkout at its own depth -> p
     core.step()                    # schedule -> execute -> update (below); resolves finished futures
 
 One step:
-1. **schedule** (scheduler/plan.py, no MLX): the step's prefill -- several waiting requests'
-   short remainders in one forward, or one request's next chunk (the rules are there);
-2. **execute** on the runner (runner/: the only place a model runs): that prefill, then one decode
-   token for EVERY decoding sequence in one batched forward (runner/batch.py DecodeGroup);
+1. **schedule** (scheduler/plan.py, no MLX): the step's row moves (preempted rows whose client
+   left end, less urgent rows leave the batch for a more urgent request, preempted ones rejoin)
+   and its prefill -- several waiting requests' short remainders in one forward, or one
+   request's next chunk (the rules are there), as a ``StepPlan``;
+2. **execute** on the runner (runner/: the only place a model runs): the row moves, that prefill,
+   then one decode token for EVERY decoding sequence in one batched forward (runner/batch.py
+   DecodeGroup ``step`` -> per-row ``RowOutput``: data);
 3. **update**: prefilled requests join the batch, followers take their leader's KV, finished
    replies resolve; a reply that ends while other rows still decode goes out at once, its turn
    closed and stored with the others' once the batch empties or a request is admitted (``_end``).
@@ -50,7 +53,7 @@ from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_togeth
 from .chat import ChatEngine, ChatJob, ChatOutcome, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from ..scheduler.admission import applies, committed_bytes, need_bytes, room
-from ..scheduler.plan import Scheduler, StepPlan, left
+from ..scheduler.plan import InFlight, Scheduler, StepPlan, left
 from ..scheduler.policy import growth
 from ..scheduler import priority
 from ..scheduler.shared_prefill import plan_follow, ready
@@ -95,7 +98,7 @@ class EngineCore:
         self.group = DecodeGroup(engine.runner, batching)
         self.scheduler = Scheduler(prefill_budget, self.group.prefills_together)
         self.policy = policy
-        self.preempted: list[Request] = []   # left the batch for a more urgent request (``_by_priority``)
+        self.preempted: list[Request] = []   # left the batch for a more urgent request (the plan's ``preempt``)
         self.preemptions = 0          # rows that did
         self.resumed = 0              # rows that came back
         self.futures: dict[int, Future] = {}
@@ -350,9 +353,9 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         self._unpark()
-        self._by_priority()
         self.scheduler.aging_s = self.policy.aging_s if self.prioritised else None
-        plan = self.scheduler.schedule(self._stopped, self._prefixed)
+        plan = self.scheduler.schedule(self._stopped, self._prefixed, self._flight())
+        self._move_rows(plan)
         if plan.short:
             self._prefill_short(list(plan.short))
         elif plan.prefill is not None:
@@ -376,42 +379,27 @@ class EngineCore:
         self._unpark()                    # room freed by this step: the parked request starts next
 
     # ------------------------------------------------------------------ priorities
-    def _urgent(self) -> int | None:
-        """The most urgent priority in flight (prefilling, parked or decoding), None when empty."""
-        seqs = [*self.prefilling, *self.group.seqs, *self.waiting_memory]
-        return min((s.job.priority for s in seqs), default=None)
+    def _flight(self) -> InFlight:
+        """What the scheduler reads of the requests in flight (plain lists, scheduler/plan.py)."""
+        return InFlight(decoding=tuple(self.group.seqs), preempted=tuple(self.preempted),
+                        parked=tuple(self.waiting_memory), max_rows=self.max_sequences,
+                        prioritised=self.prioritised, beside=self.policy.beside, aging_s=self.policy.aging_s,
+                        now=time.perf_counter())
 
-    def _by_priority(self) -> None:
-        """Before the step's work: preempted rows whose client left end now; while a more urgent
-        request is in flight, the less urgent decode rows beyond ``beside`` leave the batch
-        (``to_preempt``); rows free again take preempted ones back (``to_resume``, the most
-        urgent first, waiting raising their urgency)."""
-        if not self.preempted and not self.prioritised:
-            return
-        gone = [s for s in self.preempted if self._stopped(s)]
-        if gone:
-            self.preempted = [s for s in self.preempted if not any(s is g for g in gone)]
-            self._ended(gone)
-        urgent = self._urgent() if self.prioritised else None
-        rows = self._preemptible()
-        pick = priority.to_preempt([s.job.priority for s in rows], urgent, self.policy.beside)
-        if pick:
-            self._preempt([rows[i] for i in pick])
-        if not self.preempted:
-            return
-        now = time.perf_counter()
-        free = self.max_sequences - len(self.prefilling) - len(self.group) - len(self.waiting_memory)
-        less = sum(1 for s in self.group.seqs if urgent is not None and s.job.priority > urgent)
-        beside = self.policy.beside if self.prioritised else self.max_sequences
-        back = priority.to_resume([(s.job.priority, now - s.preempted_at) for s in self.preempted],
-                                  urgent, less, beside, free, self.policy.aging_s)
-        for i in back:
-            seq = self.preempted[i]
-            # one that came back by waiting longer than its priority allows stays (no starvation)
-            seq.shielded = urgent is not None and seq.job.priority > urgent
+    def _move_rows(self, plan: StepPlan) -> None:
+        """The plan's row moves, before its prefill: preempted rows whose client left end, less
+        urgent decode rows leave the batch, preempted rows rejoin it (one that came back by
+        waiting past its priority is not preempted again: no starvation)."""
+        if plan.end:
+            self.preempted = [s for s in self.preempted if not any(s is g for g in plan.end)]
+            self._ended(list(plan.end))
+        if plan.preempt:
+            self._preempt(list(plan.preempt))
+        for seq in plan.resume:
+            seq.shielded = plan.urgent is not None and seq.job.priority > plan.urgent
             self._resume(seq)
-        taken = {id(self.preempted[i]) for i in back}
-        self.preempted = [s for s in self.preempted if id(s) not in taken]
+        if plan.resume:
+            self.preempted = [s for s in self.preempted if not any(s is r for r in plan.resume)]
 
     def _preempt(self, seqs: list[Request]) -> None:
         """Rows leave the batch with their whole KV and pending token (runner/batch.py

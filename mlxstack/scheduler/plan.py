@@ -1,10 +1,16 @@
-"""One step's plan: which waiting requests prefill, and how -- decided on plain data.
+"""One step's plan: which rows leave or rejoin the batch, which waiting requests prefill and
+how -- decided on plain data.
 
     sched = Scheduler(prefill_budget=512, prefills_together=True)
     sched.enter(req)                                   # started and admitted: waits to prefill
-    plan = sched.schedule(stopped, prefixed)           # -> StepPlan
-    ... the engine core has the runner execute it, then:
+    plan = sched.schedule(stopped, prefixed, InFlight(decoding=..., preempted=..., ...))   # -> StepPlan
+    ... the engine core applies the plan's row moves, has the runner execute the rest, then:
     sched.drop(req)                                    # its prefill finished or failed
+
+Rows first (with priorities, scheduler/priority.py): preempted rows whose client left end; while
+a request more urgent than some decode rows is in flight, the less urgent ones beyond ``beside``
+leave the batch (``preempt``); free rows take preempted ones back, the most urgent first
+(``resume``). The plan names them; the engine core moves them (runner/batch.py preempt / resume).
 
 A step prefills within ``prefill_budget`` tokens: when prefills may share a forward and two or
 more waiting requests have short remainders (a warm agent turn's new tokens), all of them in one
@@ -31,16 +37,35 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .policy import choose_short, next_round_robin, remaining, shortest_fitting
-from .priority import effective
+from .priority import effective, to_preempt, to_resume
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What the engine core holds besides the waiting prompts: requests, read for plain facts
+    (``job.priority``, ``tail``, ``shielded``, ``preempted_at``)."""
+    decoding: tuple[Any, ...] = ()    # the decode batch's rows, in the order they joined
+    preempted: tuple[Any, ...] = ()   # out of the batch for a more urgent request
+    parked: tuple[Any, ...] = ()      # started, waiting for KV memory
+    max_rows: int = 1                 # MAX_CONCURRENT_SEQUENCES
+    prioritised: bool = False         # PRIORITY_SCHEDULING on (and one rank)
+    beside: int = 0                   # PRIORITY_DECODE_ROWS
+    aging_s: float = 30.0             # PRIORITY_AGING_SECONDS
+    now: float = 0.0                  # perf_counter seconds (preempted_at is read against it)
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one step prefills (its decode covers every row of the batch)."""
+    """One step: the rows that end, leave or rejoin the batch, then what it prefills; its decode
+    covers every row of the batch after those moves and the prefills that finish."""
     step: int
     short: tuple[Any, ...] = ()     # requests whose whole remainders are fed together in one forward
     prefill: Any = None             # or the one request whose next chunk is fed
     budget: int = 0                 # tokens the prefill may feed
+    end: tuple[Any, ...] = ()       # preempted rows whose client left: they end now
+    preempt: tuple[Any, ...] = ()   # decode rows that leave the batch for a more urgent request
+    resume: tuple[Any, ...] = ()    # preempted rows that rejoin it, most urgent first
+    urgent: int | None = None       # the most urgent priority in flight (with priorities)
 
 
 def left(req: Any) -> int:
@@ -73,18 +98,46 @@ class Scheduler:
         self.prefilling = []
         self._rr, self._short_last = -1, False
 
-    def schedule(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> StepPlan:
+    def schedule(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool],
+                 flight: InFlight = InFlight()) -> StepPlan:
         self.steps += 1
+        rows = self._rows(stopped, flight)
         short = self._short_batch(stopped, prefixed)
         if len(short) >= 2:
             self._short_last = True
             self.short_batches += 1
             self.prefilling = [r for r in self.prefilling if not any(r is s for s in short)]
             self._rr = -1
-            return StepPlan(self.steps, short=tuple(short), budget=self.prefill_budget)
+            return StepPlan(self.steps, short=tuple(short), budget=self.prefill_budget, **rows)
         if self.prefilling:
-            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill()], budget=self.prefill_budget)
-        return StepPlan(self.steps)
+            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill()], budget=self.prefill_budget,
+                            **rows)
+        return StepPlan(self.steps, **rows)
+
+    def _rows(self, stopped: Callable[[Any], bool], f: InFlight) -> dict[str, Any]:
+        """The plan's row moves (scheduler/priority.py): which preempted rows end, which decode
+        rows leave, which preempted rows come back."""
+        if not f.preempted and not f.prioritised:
+            return {}
+        end = tuple(s for s in f.preempted if stopped(s))
+        urgent = min((s.job.priority for s in (*self.prefilling, *f.decoding, *f.parked)), default=None) \
+            if f.prioritised else None
+        movable = [s for s in f.decoding if not s.tail and not s.shielded]
+        # rows that may not leave but are less urgent take their places beside the urgent one first
+        fixed = sum(1 for s in f.decoding if urgent is not None and s.job.priority > urgent
+                    and not any(s is m for m in movable))
+        preempt = tuple(movable[i] for i in to_preempt([s.job.priority for s in movable], urgent,
+                                                       max(0, f.beside - fixed)))
+        out = [s for s in f.preempted if not any(s is e for e in end)]
+        waiting = [(s, f.now - s.preempted_at) for s in out] + [(s, 0.0) for s in preempt]
+        if not waiting:
+            return {"end": end, "preempt": preempt, "urgent": urgent}
+        staying = [s for s in f.decoding if not any(s is p for p in preempt)]
+        free = f.max_rows - len(self.prefilling) - len(staying) - len(f.parked)
+        less = sum(1 for s in staying if urgent is not None and s.job.priority > urgent)
+        back = to_resume([(s.job.priority, w) for s, w in waiting], urgent, less,
+                         f.beside if f.prioritised else f.max_rows, free, f.aging_s)
+        return {"end": end, "preempt": preempt, "resume": tuple(waiting[i][0] for i in back), "urgent": urgent}
 
     def _short_batch(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> list[Any]:
         """Waiting requests whose whole remainders fit one padded batch within the budget (a long
