@@ -20,6 +20,9 @@ Stages and their figures (benchmarks/guard/verdict.py lists them):
   spec       spec_copy, spec_loop, spec_free, spec_mixed8: decode tok/s (first streamed token to
              the last) with SPECULATIVE=auto / off, two whole stacks streamed through LiteLLM,
              rounds interleaved in alternating order; replies must be identical
+  priority   priority8: the user's question asked while 8 Claude Code sub-agents decode (priorities
+             on, through LiteLLM): its TTFT alone / behind them (bench_priority.py); its reply
+             must be its reply alone
 
 Every ratio over rounds is the median of the per-round ratios. ``--set KEY=VALUE`` changes OUR
 server / engines in every stage (never mlx_lm.server; the speculation stage's reference stack
@@ -741,9 +744,52 @@ def stage_spec(ctx: Ctx) -> dict[str, dict]:
     return figs
 
 
+# ----------------------------------------------------------------------------- stage: priority
+def stage_priority(ctx: Ctx) -> dict[str, dict]:
+    """bench_priority.py at 8 sub-agents with PRIORITY_SCHEDULING on (the default), one stack through
+    LiteLLM: the user's question asked once 8 rows decode; its TTFT alone (median of 3, right before)
+    / behind the 8. Its reply must be its reply alone."""
+    from bench_priority import background_load, interactive
+
+    t_stage = time.perf_counter()
+    max_tokens, ask_tokens = (60 if ctx.args.quick else 160), 48
+    env = {**AGENTS_OURS_ENV, "MAX_CONCURRENT_SEQUENCES": "8", "MAX_QUEUED_REQUESTS": "64", **ctx.sets}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-guard-priority-"))
+    stacks: dict[str, Stack] = {}
+    try:
+        stacks = start_stacks([("priority", env)], tmp)
+        stack = stacks["priority"]
+        model = (stack.get(stack.base + "/v1/models", STACK_KEY).get("data") or [{}])[0].get("id", "default_model")
+        interactive(stack.base, model, ask_tokens)          # warm: the question's prefix cached
+        t0 = time.perf_counter()
+        alone = [interactive(stack.base, model, ask_tokens) for _ in range(3)]
+        mixed = background_load(stack.base, stack.mlx, model, 8, max_tokens, True, ask_tokens)
+        own = time.perf_counter() - t0
+        sched = stack.get(stack.mlx + "/v1/cache/stats", STACK_MLX_KEY).get("scheduler") or {}
+    finally:
+        for st in stacks.values():
+            _release(st)
+        shutil.rmtree(tmp, ignore_errors=True)
+    a_ttft = statistics.median(a["ttft"] for a in alone)
+    ask = mixed["ask"]
+    identical = ask["text"] == alone[0]["text"]
+    figs = {"priority8": {
+        "value": a_ttft / ask["ttft"], "identical": identical,
+        "what": BY_NAME["priority8"].what + " (one stack, streamed through LiteLLM)",
+        "parts": {"alone_ttft_s": round(a_ttft, 3), "ttft_s": round(ask["ttft"], 3),
+                  "alone_decode_tok_s": round(statistics.median(a["decode"] for a in alone), 1),
+                  "decode_tok_s": round(ask["decode"], 1), "background": 8, "background_max_tokens": max_tokens,
+                  "preemptions": sched.get("preemptions_total"), "resumed": sched.get("resumed_total"),
+                  "via": "LiteLLM"},
+        "summary": f"TTFT alone {a_ttft:.3f} s / behind 8 sub-agents {ask['ttft']:.3f} s"
+                   + ("" if identical else ", REPLY DIFFERS")}}
+    spread(figs, {"priority8": own}, time.perf_counter() - t_stage)
+    return figs
+
+
 STAGE_FUNCS = {"bandwidth": stage_bandwidth, "grammar": stage_grammar, "warm": stage_warm, "agents": stage_agents,
-               "spec": stage_spec}
-RUN_ORDER = ("bandwidth", "grammar", "warm", "agents", "spec")   # in-process stages first, one model load
+               "spec": stage_spec, "priority": stage_priority}
+RUN_ORDER = ("bandwidth", "grammar", "warm", "agents", "spec", "priority")   # in-process stages first, one model load
 
 
 # ----------------------------------------------------------------------------- main

@@ -162,7 +162,7 @@ def test_markdown_table():
     md = g.render_markdown(g.judge(figures, b, "cpu"), figures, META)
     lines = md.splitlines()
     assert lines[0] == ("**Bench guard, 2025-01-02**: commit `abc1234`, Test CPU, 2 cores, 24.0 GiB RAM, backend cpu; "
-                        "10.0 min; 2 passed, 1 failed, 7 not run.")
+                        "10.0 min; 2 passed, 1 failed, 8 not run.")
     assert lines[2] == "| Figure | What | Ratio | Baseline | Target |"
     assert "| `spec_copy` | copy \\| through LiteLLM | 2.00× ✗ | 3.00× | ≥ 2.50× |" in lines
     assert "| `restart_warm_4k` | TTFT of a continuing turn at ~4k tokens: cold / after a restart (disk tier) " \
@@ -176,7 +176,7 @@ def test_text_table_names_each_failure():
     figures = {"spec_copy": {"value": 2.0, "identical": True, "summary": "on 20 / off 10 tok/s", "seconds": 12.3}}
     text = g.render_text(g.judge(figures, {"targets": {"spec_copy": 2.5}}, "cpu"), figures)
     assert "FAIL spec_copy: 2.00× is below the target 2.50×; no baseline for backend 'cpu'" in text.splitlines()
-    assert text.splitlines()[-1] == "0 passed, 1 failed, 9 not run"
+    assert text.splitlines()[-1] == "0 passed, 1 failed, 10 not run"
     assert "on 20 / off 10 tok/s" in text
 
 
