@@ -7,7 +7,7 @@ was loaded, and the reply equals a cold run.
 from __future__ import annotations
 
 from tests.conftest import build_engine
-from tests.test_disk_cache import cold_reference, disk_settings, run_turns
+from tests.test_disk_cache import disk_settings, run_turns
 from tests.test_engine import job
 from tests.test_model_families import TURNS
 

@@ -168,6 +168,21 @@ def test_billing_header_is_stripped_from_the_model_input(tiny_dense_path):
     assert "cch=9f8e7d" in off.model_text
 
 
+def test_run_serves_its_request_through_an_engine_core_of_one_slot(tiny_dense_path, monkeypatch):
+    """``ChatEngine.run`` has no loop of its own (LESSONS 90): its request is admitted, prefilled
+    and decoded by the engine core's steps, every decode token through the decode group."""
+    from mlxstack.runner.batch import DecodeGroup
+
+    eng = build_engine(engine_settings(tiny_dense_path, speculative="off"))
+    steps, decoded = eng.alone.steps, []
+    real = DecodeGroup.step
+    monkeypatch.setattr(DecodeGroup, "step", lambda group: decoded.append(len(group.seqs)) or real(group))
+    o = eng.run(job([{"role": "user", "content": "Count to five."}], max_tokens=6)[0])
+    assert o.completion_tokens == 6 and o.finish_reason == "length"
+    assert eng.alone.max_sequences == 1 and eng.alone.idle() and eng.alone.steps - steps == 6
+    assert decoded == [1] * 6          # the prefill joins the batch in the first step; a token read back a step
+
+
 def test_watchdog_abandons_a_long_prefill_between_chunks(tiny_dense_path):
     eng = build_engine(engine_settings(tiny_dense_path, prefill_step_size=8, generation_watchdog_seconds=0.000001))
     j, streamed = job([{"role": "user", "content": "word " * 200}], max_tokens=5)
