@@ -452,7 +452,7 @@ def test_ranks_in_lockstep_decide_from_the_prior_never_from_their_clocks(embedde
     order): wall times differ per rank, so a replicated engine ignores what it measured -- here a
     measured 10 plain steps for any wider step -- and drafts as the prior says."""
     eng, _ = engines(embedded_model_path, prompt_cache_max_entries_global=0)
-    eng.state.replicated = True
+    eng.state.replicated = eng.runner.replicated = True    # as engine/lockstep.py bind leaves them
     eng.speculation.costs.record(1, 1, 0.1)
     for w in range(2, 10):
         eng.speculation.costs.record(1, w, 1.0)
