@@ -385,7 +385,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         faults.hit("prefill_chunk", seq.job.request_id)
         # a hang-up or the watchdog is heard between the chunk's forwards too (PREFILL_STEP_SIZE):
         # the chunk stops there and the request ends with what it computed (finish.py salvage)
-        stop = self._should_stop(seq)
+        stop, fed = self._should_stop(seq), stop_at > seq.pos
         try:
             if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
                 # the rest is short: its forward yields the first token's logits too (runner/generate
@@ -394,12 +394,12 @@ class ChatEngine(PromptAssembly, TurnFinish):
                                   stop, logits=True)
                 seq.pos = n
                 return True
-            if stop_at > seq.pos:
+            if fed:
                 feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size, stop)
         except Aborted:
             seq.prefill_aborted = True
             return True
-        if stop_at > seq.pos:
+        if fed:
             seq.pos = stop_at
             if stop_at in seq.checkpoints:
                 seq.snapshots.append(self.state.kv.snapshot(seq.live))

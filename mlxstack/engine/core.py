@@ -151,7 +151,7 @@ class EngineCore:
 
     def has_room(self, urgency: int | None = None) -> bool:
         """Whether a request (of priority ``urgency``) may start now: a row free and no request
-        parked that it would overtake -- with priorities a request more urgent than every parked
+        parked that it may not overtake -- with priorities a request more urgent than every parked
         one starts (and parks ahead of them if memory is short: LESSONS 91). A preempted row keeps
         its row against a request no more urgent than it (it resumes first), not against a more
         urgent one."""
@@ -177,9 +177,8 @@ class EngineCore:
         return self.has_room(urgency)
 
     def _preemptible(self) -> list[Request]:
-        """Decode rows that may leave for a more urgent request: not one whose last prompt token
-        still rides in the next step, not one that came back by waiting (no starvation)."""
-        return [s for s in self.group.seqs if not s.tail and not s.shielded]
+        """Decode rows that may leave for a more urgent request (scheduler/priority.py ``movable``)."""
+        return [s for s in self.group.seqs if priority.movable(s)]
 
     def in_flight(self) -> list[Request]:
         """Every request in flight, whatever its status."""

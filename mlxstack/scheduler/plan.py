@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .policy import choose_short, next_round_robin, remaining, shortest_fitting
-from .priority import effective, to_preempt, to_resume
+from .priority import effective, movable, to_preempt, to_resume
 
 
 @dataclass(frozen=True)
@@ -122,11 +122,10 @@ class Scheduler:
         end = tuple(s for s in f.preempted if stopped(s))
         urgent = min((s.job.priority for s in (*self.prefilling, *f.decoding, *f.parked)), default=None) \
             if f.prioritised else None
-        movable = [s for s in f.decoding if not s.tail and not s.shielded]
+        may_leave = [s for s in f.decoding if movable(s)]
         # rows that may not leave but are less urgent take their places beside the urgent one first
-        fixed = sum(1 for s in f.decoding if urgent is not None and s.job.priority > urgent
-                    and not any(s is m for m in movable))
-        preempt = tuple(movable[i] for i in to_preempt([s.job.priority for s in movable], urgent,
+        fixed = sum(1 for s in f.decoding if urgent is not None and s.job.priority > urgent and not movable(s))
+        preempt = tuple(may_leave[i] for i in to_preempt([s.job.priority for s in may_leave], urgent,
                                                        max(0, f.beside - fixed)))
         out = [s for s in f.preempted if not any(s is e for e in end)]
         waiting = [(s, f.now - s.preempted_at) for s in out] + [(s, 0.0) for s in preempt]

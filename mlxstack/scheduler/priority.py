@@ -18,6 +18,15 @@ Three choices follow from it (engine/core.py and engine/worker.py apply them eac
 """
 from __future__ import annotations
 
+from typing import Any
+
+
+def movable(row: Any) -> bool:
+    """Whether a decode row may leave for a more urgent request: not one whose last prompt token
+    still rides in the next step (``tail``), not one that came back by waiting (``shielded``: no
+    starvation)."""
+    return not row.tail and not row.shielded
+
 
 def effective(priority: int, waited_s: float, aging_s: float) -> float:
     """A waiting request's urgency: its priority less one level per ``aging_s`` waited."""
