@@ -143,8 +143,10 @@ def main() -> int:
                            "same_replies": mixed["texts"] == base["texts"] and ask["text"] == alone[0]["text"]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                stats = stack.get(stack.mlx + "/v1/cache/stats", "sk-bench-guard-mlx").get("scheduler", {})
-                print(f"{label}: preemptions {stats.get('preemptions_total')}, resumed {stats.get('resumed_total')}",
+                every = stack.get(stack.mlx + "/v1/cache/stats", "sk-bench-guard-mlx")
+                stats = every.get("scheduler", {})
+                print(f"{label}: preemptions {stats.get('preemptions_total')}, resumed {stats.get('resumed_total')}, "
+                      f"plain decode step ms by rows {(every.get('speculation') or {}).get('plain_step_ms')}",
                       flush=True)
             finally:
                 _release(stack)

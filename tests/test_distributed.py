@@ -758,3 +758,32 @@ def test_a_three_rank_group_forms_and_serves_with_strangers_at_its_control_port(
         for s in held:
             s.close()
         server.stop()
+
+
+def test_ranks_join_with_the_caches_own_collectives(tmp_path, embedded_model_path):
+    """Under lockstep the KV tiers agree through cache/ranks.py (imports and calls point down):
+    every hook the bind leaves in the KV manager, its index, the disk tier and the session stores
+    is a RankGroup method, and each collective answers for a group of one."""
+    import mlx.core as mx
+
+    from mlxstack.cache.ranks import RankGroup
+    from mlxstack.engine.lockstep import Lockstep
+    from tests.conftest import build_engine, engine_settings
+
+    engine = build_engine(engine_settings(embedded_model_path, disk_cache_dir=str(tmp_path), disk_cache_min_tokens=32))
+    lock = Lockstep(mx.distributed.init(), channel=None)
+    lock.bind(engine, 1)
+    state, kv = engine.state, engine.state.kv
+    assert kv.disk is not None and state.replicated and engine.runner.replicated
+    hooks = [kv.group_bytes, kv.index.clock, kv.disk.agree, kv.disk.agree_union, state.sessions.clock,
+             state.turns.clock]
+    for hook in hooks:
+        assert isinstance(hook.__self__, RankGroup) and hook.__self__ is lock.ranks
+        assert hook.__func__.__module__ == "mlxstack.cache.ranks"
+    ranks = lock.ranks
+    assert ranks.sum_bytes(7) == 7 and ranks.agree_min(9) == 9
+    assert ranks.union([5, 2, 5]) == [2, 5] and ranks.union([]) == []
+    assert ranks.all_ok(True) is True and ranks.all_ok(False) is False
+    assert ranks.digest_agrees("entries") is True
+    ranks.now = 123.5                       # what a turn's record sets: rank 0's clock everywhere
+    assert kv.index.clock() == state.sessions.clock() == engine.clock() == 123.5

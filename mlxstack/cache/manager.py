@@ -18,8 +18,9 @@ tier; a fork takes the leader's first ``depth`` tokens from each layer's kind
 disk-only entry is loaded, verified and promoted here, and a store records the entry in the
 session index and writes it through to disk in one place. The index (cache/prompt_cache.py), the
 cache kinds (cache/layer_kinds.py) and the tiers stay what they were; this is the one door the
-engine uses to them. Several ranks (engine/lockstep.py) count an entry's bytes over the group:
-``group_bytes``.
+engine uses to them. Several ranks (engine/lockstep.py) join with the cache's own collectives
+(``join``, cache/ranks.py): an entry's bytes counted over the group, rank 0's clock, every disk
+read and write agreed -- the cache never calls the engine.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .counters import CacheCounters
 from .kv_ops import KVState, LiveCache, capture, checkout
 from .layer_kinds import KVQuant, eval_state
 from .prefixed_kv import PrefixedKVCache
+from .ranks import RankGroup
 from .prompt_cache import (  # noqa: F401 - re-exported: the engine's names for an entry and a match
     MISS,
     POOL_KV,
@@ -284,6 +286,15 @@ class KVManager:
     def set_budget(self, max_bytes: int) -> None:
         """The RAM tier's byte budget (several ranks: the group's, engine/lockstep.py)."""
         self.index.config = replace(self.index.config, max_bytes=max_bytes)
+
+    def join(self, ranks: RankGroup) -> None:
+        """Several ranks hold this model: an entry's bytes are every rank's part summed (so each
+        rank evicts the same entries), TTLs and last use read rank 0's clock, and the disk tier's
+        reads and writes hold only where they held on every rank (cache/ranks.py)."""
+        self.group_bytes = ranks.sum_bytes
+        self.set_clock(ranks.clock)
+        if self.disk is not None:
+            self.disk.agree, self.disk.agree_union = ranks.all_ok, ranks.union
 
     def set_clock(self, clock: Callable[[], float]) -> None:
         """Whose time the index's lifetimes and eviction order read (several ranks: rank 0's)."""

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..cache.ranks import RankGroup
 from ..constraints.grammars import GrammarSpec
 from ..models.memory import process_rss_bytes
 from ..runner.sampling import SamplingParams
@@ -136,7 +137,7 @@ class Lockstep:
         self.size = group.size()
         self.compile_grammar = compile_grammar
         self.replicas = replicas or {}
-        self._now = time.monotonic()
+        self.ranks = RankGroup(group)   # the collectives the KV tiers agree over (cache/ranks.py)
         self._next_id = 0
         self._flags: dict[int, _Flag] = {}
         self._watch: dict[int, Callable[[], bool]] = {}     # rank 0: the real client checks
@@ -162,7 +163,7 @@ class Lockstep:
 
     def clock(self) -> float:
         """Rank 0's monotonic time as of the current turn (every rank reads the same)."""
-        return self._now
+        return self.ranks.now
 
     def bind(self, engine: Any, local_ranks: int) -> int:
         """``engine`` on this rank joins the group: it reads rank 0's clock, and its cache budget
@@ -170,10 +171,10 @@ class Lockstep:
         every rank evicts the same entries. Returns the per-rank share (bytes)."""
         state = engine.state
         engine.clock = self.clock
-        per_rank = self.agree_min(state.cache_budget // max(1, local_ranks))
+        per_rank = self.ranks.agree_min(state.cache_budget // max(1, local_ranks))
         state.cache_budget = per_rank * self.size
         state.kv.set_budget(state.cache_budget)
-        state.join_ranks(self)
+        state.join_ranks(self.ranks)
         engine.runner.replicated = True   # what the runner knows of it: data, read by its steps
         return per_rank
 
@@ -199,42 +200,6 @@ class Lockstep:
         self.share_seconds += time.perf_counter() - t0
         return out
 
-    def agree_min(self, value: int) -> int:
-        """The smallest of every rank's ``value`` (e.g. the cache budget: the tightest rank)."""
-        got = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int64), group=self.group)
-        return int(got.min().item())
-
-    def all_ok(self, ok: bool) -> bool:
-        """Whether every rank's ``ok`` holds (a disk write, a disk read: one rank's failure is a
-        failure everywhere, so every rank keeps the same entries)."""
-        from ..models.sharding import agree
-
-        return agree(self.group, False, ok)[1]
-
-    def union(self, ids: list[int]) -> list[int]:
-        """Every rank's ``ids`` together, sorted (entries some rank's disk tier dropped)."""
-        counts = mx.distributed.all_gather(mx.array([len(ids)], dtype=mx.int32), group=self.group)
-        width = int(counts.max().item())
-        if width == 0:
-            return []
-        mine = mx.array(list(ids) + [-1] * (width - len(ids)), dtype=mx.int64)
-        got = mx.distributed.all_gather(mine, group=self.group).tolist()
-        return sorted({int(i) for i in got if i >= 0})
-
-    def digest_agrees(self, text: str) -> bool:
-        """Whether every rank computed the same ``text`` (compared by a 63-bit hash of it)."""
-        import hashlib
-
-        h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-        got = mx.distributed.all_gather(mx.array([h], dtype=mx.int64), group=self.group)
-        return bool((got == h).all().item())
-
-    def sum_bytes(self, value: int) -> int:
-        """Every rank's ``value`` summed (an entry's bytes: each rank holds its own part -- equal
-        parts under tensor parallelism, its layers' under pipeline). Called at the same point of
-        the same turn on every rank (the engine is the same code on the same inputs)."""
-        return int(mx.distributed.all_sum(mx.array([int(value)], dtype=mx.int64), group=self.group).item())
-
     # ------------------------------------------------------------------ one turn
     def exchange(self, items: list, scheduler: Any) -> list:
         """Rank 0: broadcast what it took (``items``: the worker's (work, future) pairs; None =
@@ -254,7 +219,7 @@ class Lockstep:
                 raise LockstepBroken(f"rank {self.rank} left the group's path at turn {self.turns}: "
                                      f"rank 0 has {record.digest!r}, this rank {mine!r}")
             items = self._rebuild(record)
-        self._now = record.now
+        self.ranks.now = record.now
         self._exchange_reports()
         for rid in record.cancelled:
             flag = self._flags.get(rid)

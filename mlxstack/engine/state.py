@@ -20,6 +20,7 @@ from ..cache.disk.config import plan_disk_cache
 from ..cache.disk.tier import DiskTier, DiskTierBusy, disk_namespace
 from ..cache.disk.journal import Journal
 from ..cache.manager import KVManager, PromptCacheConfig
+from ..cache.ranks import RankGroup
 from ..runner.kv_bytes import resident_bytes
 from ..cache.layer_kinds import QUANTIZED_KINDS, CacheLayout, KVQuant
 from ..cache.hashing import namespace_seed, template_hash
@@ -98,16 +99,6 @@ class EngineState:
     def disk(self, value: DiskBacking | None) -> None:
         self.kv.disk = value
 
-    @property
-    def group_bytes(self) -> Callable[[int], int]:
-        """An entry's bytes as the cache budget counts them: one process, its own; several ranks
-        (engine/lockstep.py), every rank's part summed, so each rank decides the same evictions."""
-        return self.kv.group_bytes
-
-    @group_bytes.setter
-    def group_bytes(self, value: Callable[[int], int]) -> None:
-        self.kv.group_bytes = value
-
     def fingerprint(self, key: str) -> Any:
         with self.fingerprints_lock:
             return self.fingerprints.get(key)
@@ -128,33 +119,32 @@ class EngineState:
             return None
         return DiskBacking(tier, plan.min_tokens)
 
-    def join_ranks(self, lock: Any) -> None:
+    def join_ranks(self, ranks: RankGroup) -> None:
         """Several ranks (engine/lockstep.py): every rank's budget and entry sizes are the group's,
         and what each rank's disk tier restored at start, and does from now on, is agreed, so every
-        rank keeps the same entries. Runs on every rank at the same point (collectives)."""
-        self.group_bytes = lock.sum_bytes
+        rank keeps the same entries. Runs on every rank at the same point (collectives: the cache's
+        own, cache/ranks.py)."""
         self.replicated = True
-        self.kv.set_clock(lock.clock)
-        self.turns.clock = self.sessions.clock = lock.clock
-        disk = self.disk
-        if not lock.all_ok(disk is not None):
-            if disk is not None:                  # another rank has no tier here: none has
+        self.turns.clock = self.sessions.clock = ranks.clock
+        if not ranks.all_ok(self.disk is not None):
+            if self.disk is not None:             # another rank has no tier here: none has
                 log.warning("disk tier off: not every rank could open its own")
                 self._drop_disk(clear_restored=True)
+        self.kv.join(ranks)
+        if self.disk is None:
             return
-        disk.agree, disk.agree_union = lock.all_ok, lock.union
         restored = self.kv.entries(include_disk=True)
         seen = "|".join(f"{e.pool}:{e.session_id}:{len(e.model_tokens)}:"
                         f"{hashlib.blake2b(e.key_tokens.tobytes(), digest_size=8).hexdigest()}" for e in restored)
         healed = "|".join(k for k, _ in self.healing.items()) if self.healing is not None else ""
-        if not lock.digest_agrees(seen + "#" + healed):
+        if not ranks.digest_agrees(seen + "#" + healed):
             log.warning("the ranks' disk tiers restored different entries: every rank starts with its tier empty")
             self.kv.clear()
             if self.healing is not None:
                 for key, _ in self.healing.items():
                     self.healing.forget(key)
             return
-        now = lock.clock()
+        now = ranks.clock()
         for i, e in enumerate(restored):          # rank 0's clock from now on: keep their order
             e.last_used = now - (len(restored) - i) * 1e-6
 
