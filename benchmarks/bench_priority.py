@@ -131,6 +131,9 @@ def main() -> int:
                     alone = [interactive(stack.base, model, args.ask_tokens) for _ in range(args.alone_runs)]
                     a_ttft = statistics.median(a["ttft"] for a in alone)
                     a_dec = statistics.median(a["decode"] for a in alone)
+                    # the sub-agents' prompts cached first: the runs compared below then both start warm (the
+                    # first background run would otherwise pay their cold prefills and the second not)
+                    background_load(stack.base, stack.mlx, model, n, 8, False, args.ask_tokens)
                     base = background_load(stack.base, stack.mlx, model, n, args.max_tokens, False, args.ask_tokens)
                     mixed = background_load(stack.base, stack.mlx, model, n, args.max_tokens, True, args.ask_tokens)
                     ask = mixed["ask"]

@@ -114,6 +114,7 @@ def engine_settings(model_path: Path | str | None = None, **overrides):
         "MLX_PORT": "0",
         "DISK_CACHE_DIR": "off",   # tests that want the disk tier point it at a tmp folder
         "SPEC_CALIBRATE": "off",   # ~2 s a load on the embedded model; test_speculation.py turns it on
+        "PRIORITY_DECODE_SHARE": "0",   # rows beside an urgent one from measured step times: tests freeze them (test_priority.py)
     }
     env.update({k.upper(): str(v) for k, v in overrides.items()})
     return load_settings(env=env)

@@ -76,6 +76,47 @@ def test_the_least_urgent_rows_beyond_the_allowance_make_way():
     assert priority.to_preempt(rows, 0, 5) == []
 
 
+def test_the_rows_beside_an_urgent_one_are_what_measured_steps_afford():
+    # step_s[m - 1]: a decode step of m members, measured (seconds); share 0.8 of the speed alone
+    gpu = (0.050, 0.052, 0.055, 0.055, 0.060, 0.060, 0.060, 0.070)
+    assert priority.beside_rows(gpu, 0.8, 0) == 6            # 8 members: 0.050 / 0.070 = 0.71 < 0.8
+    assert priority.beside_rows(gpu, 0.7, 0) == 7
+    cpu = (0.051, 0.105, 0.070, 0.070, 0.079, 0.079, 0.079, 0.079)
+    assert priority.beside_rows(cpu, 0.8, 0) == 0
+    assert priority.beside_rows(cpu, 0.8, 2) == 2            # PRIORITY_DECODE_ROWS stays the floor
+    assert priority.beside_rows(cpu, 0.6, 0) == 7            # 0.051 / 0.079 = 0.65
+    assert priority.beside_rows((0.05, None, 0.05), 0.8, 1) == 2   # never timed: not counted
+    assert priority.beside_rows((None, 0.05, 0.05), 0.8, 1) == 1   # the step alone never timed: the floor
+    assert priority.beside_rows(gpu, 0.0, 3) == 3 and priority.beside_rows((), 0.8, 0) == 0
+
+
+def test_the_plan_chooses_the_rows_beside_once_per_urgent_level():
+    from types import SimpleNamespace as NS
+
+    from mlxstack.scheduler.plan import InFlight, Scheduler
+
+    def row(prio):
+        return NS(job=NS(priority=prio), tail=False, shielded=False)
+
+    bg = tuple(row(1) for _ in range(4))
+    sched = Scheduler(64, True, aging_s=30.0)
+    cheap, dear = (0.05,) * 8, (0.05, 0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2)
+    flight = dict(decoding=bg, max_rows=8, prioritised=True, share=0.8, now=1.0)
+    assert sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=cheap, **flight)).preempt == ()
+    sched.prefilling = [NS(job=NS(priority=0), prep=NS(model_tokens=[1, 2]), start=0, pos=-1, follows=None,
+                           queued_at=1.0, live=NS(depth=0))]
+    plan = sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=cheap, **flight))
+    assert plan.urgent == 0 and plan.preempt == ()           # steps of 5 cost what one does: all stay
+    # the costs drift mid-way: the choice made when the urgent request came stands (no flapping)
+    assert sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight)).preempt == ()
+    sched.prefilling = []
+    sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight))    # it is done
+    sched.prefilling = [NS(job=NS(priority=0), prep=NS(model_tokens=[1, 2]), start=0, pos=-1, follows=None,
+                           queued_at=1.0, live=NS(depth=0))]
+    plan = sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight))
+    assert len(plan.preempt) == 4                            # the next urgent request: chosen anew
+
+
 def test_preempted_rows_come_back_most_urgent_first_and_aged_ones_beside_an_urgent_request():
     pre = [(2, 1.0), (1, 2.0), (1, 10.0)]
     # nothing more urgent in flight: as many as there are free rows, the most urgent (then oldest) first
@@ -184,6 +225,44 @@ def test_an_urgent_request_preempts_less_urgent_rows_and_every_reply_is_what_it_
     assert [f.result().raw_text for f in futures] == alone
     assert all(s.status is RequestStatus.FINISHED for s in rows)
     assert eng.state.counters.get("store_failures") == 0
+
+
+@pytest.mark.parametrize("machine,plain,kept", [
+    # a batch of 8 costs 1.2x one row (a GPU, Apple Silicon): every row goes on beside the urgent one
+    ("gpu", {1: 0.050, 2: 0.052, 4: 0.055, 8: 0.060}, 4),
+    # a step's cost grows with its rows (this CPU's figures): none may stay, the background pauses
+    ("cpu", {1: 0.051, 2: 0.105, 4: 0.070, 8: 0.079}, 0),
+])
+def test_the_rows_beside_an_urgent_request_are_those_the_measured_steps_afford(dense, monkeypatch, machine, plain,
+                                                                               kept):
+    """PRIORITY_DECODE_SHARE: less urgent rows stay beside the urgent one while a decode step of that
+    many rows was measured to keep its tokens at the share of their speed alone (frozen costs: the
+    table is what the decode group measured, its updates switched off)."""
+    from mlxstack.runner.spec.step_costs import StepCosts
+
+    background = [lambda i=i: _job(BACKGROUND[i], 1, 40, seed=(7 + i if i % 2 else None), session=f"b{i}")
+                  for i in range(4)]
+    urgent = lambda: _job("Quick: what is 2+2?", 0, 12, session="u")   # noqa: E731
+    alone = [_alone(dense, mk()).raw_text for mk in background]
+    urgent_alone = _alone(dense, urgent()).raw_text
+
+    monkeypatch.setattr(StepCosts, "record", lambda self, rows, width, seconds: None)
+    eng = build_engine(engine_settings(dense))
+    eng.speculation.costs.plain = dict(plain)
+    core = EngineCore(eng, 8, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0, 0.8))
+    drv = Driver(core)
+    futures = [drv.submit(mk()) for mk in background]
+    while len(core.group) < 4:
+        drv.turn()
+    drv.turn()
+    assert core.group.step_times(8) == tuple(plain[r] for r in (1, 4, 4, 4, 8, 8, 8, 8))   # rows the forward computes
+    uf = drv.submit(urgent())
+    while not uf.done():
+        drv.turn()
+        assert len(core.preempted) == 4 - kept
+    assert core.preemptions == 4 - kept and uf.result().raw_text == urgent_alone
+    drv.until_idle()
+    assert core.resumed == 4 - kept and [f.result().raw_text for f in futures] == alone
 
 
 def test_without_priorities_the_urgent_request_waits_for_a_row(dense):

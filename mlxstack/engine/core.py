@@ -84,10 +84,12 @@ def fork(follower: Request, kv: KVManager) -> None:
 
 @dataclass(frozen=True)
 class PriorityPolicy:
-    """PRIORITY_SCHEDULING, PRIORITY_DECODE_ROWS, PRIORITY_AGING_SECONDS (scheduler/priority.py)."""
+    """PRIORITY_SCHEDULING, PRIORITY_DECODE_ROWS, PRIORITY_AGING_SECONDS, PRIORITY_DECODE_SHARE
+    (scheduler/priority.py)."""
     enabled: bool = False
     beside: int = 0
     aging_s: float = 30.0
+    share: float = 0.0
 
 
 class EngineCore:
@@ -380,9 +382,12 @@ class EngineCore:
     # ------------------------------------------------------------------ priorities
     def _flight(self) -> InFlight:
         """What the scheduler reads of the requests in flight (plain lists, scheduler/plan.py)."""
+        prioritised = self.prioritised
         return InFlight(decoding=tuple(self.group.seqs), preempted=tuple(self.preempted),
                         parked=tuple(self.waiting_memory), max_rows=self.max_sequences,
-                        prioritised=self.prioritised, beside=self.policy.beside, aging_s=self.policy.aging_s,
+                        prioritised=prioritised, beside=self.policy.beside, aging_s=self.policy.aging_s,
+                        share=self.policy.share,
+                        step_s=self.group.step_times(self.max_sequences) if prioritised and self.policy.share else (),
                         now=time.perf_counter())
 
     def _move_rows(self, plan: StepPlan) -> None:

@@ -87,7 +87,7 @@ def make_core(engine: ChatEngine, settings: Any) -> tuple[EngineCore | None, str
                 "scheduling: one request at a time (MAX_CONCURRENT_SEQUENCES=1)")
     batching, why = batching_support(engine)
     policy = PriorityPolicy(settings.priority_scheduling, settings.priority_decode_rows,
-                            settings.priority_aging_seconds)
+                            settings.priority_aging_seconds, settings.priority_decode_share)
     return (EngineCore(engine, n, settings.prefill_chunk_tokens, batching, policy),
             f"scheduling: up to {n} sequences in flight, prefill chunks of {settings.prefill_chunk_tokens} tokens, "
             f"decode {'batched' if batching else f'interleaved, unbatched ({why})'}")

@@ -100,6 +100,25 @@ class DecodeGroup:
         """Rows one forward of this group computes: the batch's (free rows too), else one."""
         return self.rows if self.slab is not None else 1
 
+    def rows_with(self, members: int) -> int:
+        """Rows a forward would compute with ``members`` in the batch (its sizing: one row on its
+        own cache; a slab of a power of two, rebuilt smaller once mostly free, ``_leave``)."""
+        if members <= 1:
+            return 1
+        if self.slab is None or members > self.rows or members <= self.rows // 4:
+            return _pow2(members)
+        return self.rows
+
+    def step_times(self, most: int) -> tuple[float | None, ...]:
+        """What a plain decode step of 1 .. ``most`` members was measured to take here (seconds:
+        speculation's cost table, runner/spec/step_costs.py, by the rows the forward would
+        compute); None where never timed. An unbatched group steps its rows one by one: only its
+        step of one counts."""
+        plain = self.ctx.speculation.costs.plain
+        if not self.batching:
+            return (plain.get(1),) + (None,) * (most - 1)
+        return tuple(plain.get(self.rows_with(m)) for m in range(1, most + 1))
+
     # ------------------------------------------------------------------ failure handling
     def take_failed(self) -> list[tuple[Row, BaseException]]:
         """Rows that failed in the last step() (they already left the batch), with their errors."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .policy import choose_short, next_round_robin, remaining, shortest_fitting
-from .priority import effective, movable, to_preempt, to_resume
+from .priority import beside_rows, effective, movable, to_preempt, to_resume
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ class InFlight:
     parked: tuple[Any, ...] = ()      # started, waiting for KV memory
     max_rows: int = 1                 # MAX_CONCURRENT_SEQUENCES
     prioritised: bool = False         # PRIORITY_SCHEDULING on (and one rank)
-    beside: int = 0                   # PRIORITY_DECODE_ROWS
+    beside: int = 0                   # PRIORITY_DECODE_ROWS: at least this many rows beside an urgent one
+    share: float = 0.0                # PRIORITY_DECODE_SHARE: more while measured steps keep its speed (priority.py)
+    step_s: tuple[float | None, ...] = ()   # [m - 1]: a decode step of m members, measured here (None: never)
     aging_s: float = 30.0             # PRIORITY_AGING_SECONDS
     now: float = 0.0                  # perf_counter seconds (preempted_at is read against it)
 
@@ -83,6 +85,8 @@ class Scheduler:
         self.short_batches = 0        # steps that prefilled several requests together
         self._rr = -1
         self._short_last = False      # the previous step served short work out of turn (a batch or one)
+        self._urgent: int | None = None   # the most urgent priority in flight when ``_beside`` was chosen
+        self._beside = 0
 
     def enter(self, req: Any) -> None:
         self.prefilling.append(req)
@@ -97,6 +101,7 @@ class Scheduler:
     def reset(self) -> None:
         self.prefilling = []
         self._rr, self._short_last = -1, False
+        self._urgent, self._beside = None, 0
 
     def schedule(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool],
                  flight: InFlight = InFlight()) -> StepPlan:
@@ -122,11 +127,14 @@ class Scheduler:
         end = tuple(s for s in f.preempted if stopped(s))
         urgent = min((s.job.priority for s in (*self.prefilling, *f.decoding, *f.parked)), default=None) \
             if f.prioritised else None
+        if urgent != self._urgent:   # rows beside it chosen once per urgent level: no flapping as costs drift
+            self._urgent, self._beside = urgent, beside_rows(f.step_s, f.share, f.beside)
+        beside = self._beside
         may_leave = [s for s in f.decoding if movable(s)]
         # rows that may not leave but are less urgent take their places beside the urgent one first
         fixed = sum(1 for s in f.decoding if urgent is not None and s.job.priority > urgent and not movable(s))
         preempt = tuple(may_leave[i] for i in to_preempt([s.job.priority for s in may_leave], urgent,
-                                                       max(0, f.beside - fixed)))
+                                                       max(0, beside - fixed)))
         out = [s for s in f.preempted if not any(s is e for e in end)]
         waiting = [(s, f.now - s.preempted_at) for s in out] + [(s, 0.0) for s in preempt]
         if not waiting:
@@ -135,7 +143,7 @@ class Scheduler:
         free = f.max_rows - len(self.prefilling) - len(staying) - len(f.parked)
         less = sum(1 for s in staying if urgent is not None and s.job.priority > urgent)
         back = to_resume([(s.job.priority, w) for s, w in waiting], urgent, less,
-                         f.beside if f.prioritised else f.max_rows, free, f.aging_s)
+                         beside if f.prioritised else f.max_rows, free, f.aging_s)
         return {"end": end, "preempt": preempt, "resume": tuple(waiting[i][0] for i in back), "urgent": urgent}
 
     def _short_batch(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> list[Any]:

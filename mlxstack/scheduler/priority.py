@@ -15,6 +15,12 @@ Three choices follow from it (engine/core.py and engine/worker.py apply them eac
   would have been (LESSONS 85). A decode step of fewer rows is what keeps the urgent reply's
   tokens near their speed alone;
 - **prefill**: the most urgent waiting prompt gets the step's chunk first (scheduler/plan.py).
+
+How many rows may stay beside it is the machine's: at least ``floor`` (PRIORITY_DECODE_ROWS), more
+while a decode step of that many rows was measured here to keep the urgent row's tokens at
+``share`` (PRIORITY_DECODE_SHARE) of their speed alone (``beside_rows``): on a GPU or Apple Silicon
+a batch of 8 costs little more than one row and the background keeps decoding; on a CPU a step's
+cost grows with its rows and the background pauses. Only measured steps count (no guess).
 """
 from __future__ import annotations
 
@@ -84,3 +90,16 @@ def to_resume(preempted: list[tuple[int, float]], urgent: int | None, decoding_l
             less += 1
         out.append(i)
     return out
+
+
+def beside_rows(step_s: tuple[float | None, ...], share: float, floor: int) -> int:
+    """Less urgent rows that may decode beside one urgent row: ``step_s[m - 1]`` is what a decode
+    step of ``m`` members was measured to take here (the forward rows the batch would compute with
+    that many; None: never timed), ``step_s[0]`` the urgent row alone. The most ``m - 1`` whose
+    step keeps ``alone / step >= share``, at least ``floor``; ``floor`` when ``share`` is 0 or the
+    step alone was never timed."""
+    alone = step_s[0] if step_s else None
+    if share <= 0 or not alone:
+        return floor
+    fits = [m - 1 for m, t in enumerate(step_s, start=1) if m > 1 and t and alone / t >= share]
+    return max([floor, *fits])

@@ -163,6 +163,7 @@ class Harness:
         self.log: list[Any] = []          # waves (lists of Req) and "restart", in order: the replay
         self.findings: list[Finding] = []
         self.stats = Stats()
+        self.waves = 0                  # waves served together so far
         self._ids = itertools.count()
         self._compilers: dict[int, Any] = {}
 
@@ -223,9 +224,11 @@ class Harness:
 
     def _serve_together(self, wave: list[Req]) -> list[Served]:
         eng = self.warm
-        # priorities on (one beside): a request marked urgent that arrives mid-wave preempts rows
+        # priorities on: a request marked urgent that arrives mid-wave preempts rows; the rows left
+        # beside it (PRIORITY_DECODE_ROWS, or what measured steps afford) go 0, 1, 2 over the waves
+        self.waves += 1
         sched = EngineCore(eng, eng.settings.max_concurrent_sequences or 8, eng.settings.prefill_chunk_tokens,
-                          batching=eng._fuzz_batching, policy=PriorityPolicy(True, 1, 30.0))
+                          batching=eng._fuzz_batching, policy=PriorityPolicy(True, self.waves % 3, 30.0))
         steps = [0]
         out = [Served(r) for r in wave]
         futures: list[Future | None] = [None] * len(wave)
