@@ -90,6 +90,19 @@ def test_the_rows_beside_an_urgent_one_are_what_measured_steps_afford():
     assert priority.beside_rows(gpu, 0.0, 3) == 3 and priority.beside_rows((), 0.8, 0) == 0
 
 
+def test_a_step_size_counts_by_its_fastest_of_eight_timed_steps():
+    from mlxstack.runner.spec.step_costs import StepCosts
+
+    costs = StepCosts()
+    for t in (0.164, 0.050, 0.170, 0.051, 0.160, 0.052, 0.150):     # a busy machine slows single steps
+        costs.record(rows=1, width=1, seconds=t)
+    assert costs.plain_step(1) is None                              # seven: not yet
+    costs.record(rows=1, width=1, seconds=0.140)
+    assert costs.plain_step(1) == 0.050 and costs.plain[1] > 0.1     # the fastest, not the moving average
+    costs.record(rows=8, width=2, seconds=0.010)                    # a wider step is not a plain one
+    assert costs.plain_step(8) is None and costs.fastest == {1: 0.050}
+
+
 def test_the_plan_chooses_the_rows_beside_once_per_urgent_level():
     from types import SimpleNamespace as NS
 
@@ -248,7 +261,10 @@ def test_the_rows_beside_an_urgent_request_are_those_the_measured_steps_afford(d
 
     monkeypatch.setattr(StepCosts, "record", lambda self, rows, width, seconds: None)
     eng = build_engine(engine_settings(dense))
-    eng.speculation.costs.plain = dict(plain)
+    costs = eng.speculation.costs
+    costs.fastest = dict(plain)
+    costs.seen = {(r, 1): 8 for r in plain}
+    costs.seen[(2, 1)] = 7 if machine == "cpu" else 8    # timed too few times: not counted
     core = EngineCore(eng, 8, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0, 0.8))
     drv = Driver(core)
     futures = [drv.submit(mk()) for mk in background]
@@ -256,6 +272,7 @@ def test_the_rows_beside_an_urgent_request_are_those_the_measured_steps_afford(d
         drv.turn()
     drv.turn()
     assert core.group.step_times(8) == tuple(plain[r] for r in (1, 4, 4, 4, 8, 8, 8, 8))   # rows the forward computes
+    assert costs.plain_step(2) == (None if machine == "cpu" else plain[2])
     uf = drv.submit(urgent())
     while not uf.done():
         drv.turn()

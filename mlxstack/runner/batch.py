@@ -111,13 +111,13 @@ class DecodeGroup:
 
     def step_times(self, most: int) -> tuple[float | None, ...]:
         """What a plain decode step of 1 .. ``most`` members was measured to take here (seconds:
-        speculation's cost table, runner/spec/step_costs.py, by the rows the forward would
-        compute); None where never timed. An unbatched group steps its rows one by one: only its
-        step of one counts."""
-        plain = self.ctx.speculation.costs.plain
+        the fastest of speculation's timed steps, runner/spec/step_costs.py ``plain_step``, by the
+        rows the forward would compute); None where not timed often enough. An unbatched group
+        steps its rows one by one: only its step of one counts."""
+        costs = self.ctx.speculation.costs
         if not self.batching:
-            return (plain.get(1),) + (None,) * (most - 1)
-        return tuple(plain.get(self.rows_with(m)) for m in range(1, most + 1))
+            return (costs.plain_step(1),) + (None,) * (most - 1)
+        return tuple(costs.plain_step(self.rows_with(m)) for m in range(1, most + 1))
 
     # ------------------------------------------------------------------ failure handling
     def take_failed(self) -> list[tuple[Row, BaseException]]:

@@ -76,6 +76,9 @@ class StepCosts:
     since_plain: dict[int, int] = field(default_factory=dict)             # rows -> wider steps since a plain one
     refresh: int = 64              # a plain step at least this often while rows keep speculating
     table: dict[tuple[int, int], float] = field(default_factory=dict)     # measured at load: the prior
+    # rows -> the fastest plain step timed: what a step of that many rows costs when nothing else
+    # competes for the machine (a busy minute slows single steps, never speeds one up)
+    fastest: dict[int, float] = field(default_factory=dict)
 
     def wants_plain(self, rows: int) -> bool:
         """Whether the next step of ``rows`` rows should be plain to keep the measure honest: none of
@@ -93,6 +96,7 @@ class StepCosts:
         key = (rows, width)
         if width == 1:
             self.plain[rows] = _ema(self.plain.get(rows), seconds, self.alpha)
+            self.fastest[rows] = min(self.fastest.get(rows, seconds), seconds)
             self.since_plain[rows] = 0
         elif rows in self.plain:
             self.ratio[key] = _ema(self.ratio.get(key), seconds / self.plain[rows], self.alpha)
@@ -100,6 +104,11 @@ class StepCosts:
         else:
             return
         self.seen[key] = self.seen.get(key, 0) + 1
+
+    def plain_step(self, rows: int, least: int = 8) -> float | None:
+        """The fastest plain step of ``rows`` rows timed here, once at least ``least`` were (None
+        before: a row count seen a few times says nothing yet)."""
+        return self.fastest.get(rows) if self.seen.get((rows, 1), 0) >= least else None
 
     def cost(self, rows: int, width: int) -> float:
         """A step of ``width`` positions per row over ``rows`` rows, in plain steps (never below 1):
