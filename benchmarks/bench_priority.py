@@ -18,6 +18,7 @@ background aggregate >= 0.85x.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -113,6 +114,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("on", "off"))
     ap.add_argument("--decode-rows", type=int, help="PRIORITY_DECODE_ROWS (default: the setting's)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--workdir", type=Path, help="keep the stacks' files (their logs) here, not in a temporary folder")
     args = ap.parse_args()
     env = {**AGENTS_OURS_ENV, "MAX_CONCURRENT_SEQUENCES": "8", "MAX_QUEUED_REQUESTS": "64"}
     if args.decode_rows is not None:
@@ -120,7 +122,8 @@ def main() -> int:
     specs = [(label, {**env, "PRIORITY_SCHEDULING": "true" if label == "on" else "false"})
              for label in ("on", "off") if args.only in (None, label)]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-priority-") as tmp:
+    with (contextlib.nullcontext(str(args.workdir)) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="bench-priority-")) as tmp:
         for label, spec_env in specs:            # one stack at a time: 2 cores
             stack = start_stacks([(label, spec_env)], Path(tmp))[label]
             try:
