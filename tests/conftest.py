@@ -63,6 +63,7 @@ def tiny_kind_paths(tmp_path_factory, embedded_model_path):
     from tests.fixtures.tiny_gpt_oss import build_tiny_gpt_oss
 
     builders = {"dense": tm.build_tiny_dense, "dense_hd64": tm.build_tiny_dense_hd64,
+                "llama_hd64": tm.build_tiny_llama_hd64,
                 "hybrid": tm.build_tiny_hybrid, "gemma3": tm.build_tiny_gemma3,
                 "llama4": tm.build_tiny_llama4, "mamba2": tm.build_tiny_mamba2, "lfm2": tm.build_tiny_lfm2,
                 "gpt_oss": build_tiny_gpt_oss}

@@ -9,8 +9,9 @@ from .traffic import waves_from_json
 
 
 def replay(config: Config, order: list[str], waves_json: str, tiny_kind_paths: Any, embedded: Path,
-           tmp: Path) -> list[str]:
-    """The findings (as text) of serving ``waves_json`` in ``order`` on ``config``."""
+           tmp: Path, stats: Any = None) -> list[str]:
+    """The findings (as text) of serving ``waves_json`` in ``order`` on ``config``; ``stats``
+    (a harness.Stats) takes the run's counts, so a test can say the traffic really hit."""
     from .machine import model_path
 
     waves = iter(waves_from_json(waves_json))
@@ -21,6 +22,8 @@ def replay(config: Config, order: list[str], waves_json: str, tiny_kind_paths: A
                 h.restart()
             else:
                 h.run(next(waves))
+        if stats is not None:
+            vars(stats).update(vars(h.stats))
         return [str(f) for f in h.findings]
     finally:
         h.close()

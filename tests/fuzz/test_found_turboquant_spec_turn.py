@@ -1,25 +1,25 @@
 """Found by the differential fuzzer (tests/fuzz/test_fuzz_parity.py, config
-dense_hd64-min16-spec-tq3@24-disk, when a new rule shifted its draws) and kept as an open defect:
-a next turn (r2, cached 36) under TurboQuant 3-bit from position 24 with speculation and a
-grammar row beside it replies otherwise than its cold run from token 12 on. It reproduces on
-03b21d3, before priorities existed (no request here is preempted: every priority is 0), so it is
-not preemption's; it is the rare one-bucket code docs/cache.md states for KV codes off the host
-path. It passes since the cold reference is served through the same engine core as every
-request (LESSONS 90): the warm engine did not change, the reference did -- it used to prefill and
-decode in ChatEngine.run's own loops, whose forwards were shaped otherwise (most likely the
-prompt's last token in a forward of its own where the core folds a short rest into one chunk:
-runner/generate.py FOLD_MAX; off the host path a code can depend on a forward's shape). Kept as a
-plain test.
+dense_hd64-min16-spec-tq3@24-disk, when a new rule shifted its draws): a next turn (r2, cached 36)
+under TurboQuant 3-bit from position 24 with speculation and a grammar row beside it replied
+otherwise than its cold run from token 12 on. Not a cache defect: its model (qwen3) is off the CPU
+backend's exact path, where a reused key computed by a decode step and the cold run's computed in
+a prefill chunk may round apart and one code land one bucket over (docs/cache.md; whether it does
+depends on the CPU's sgemm: it passed CI once and failed the next stop on the same code, LESSONS
+93). The same traffic on a Llama of the same size (host path and TurboQuant coder on) must answer
+as its cold reference, token for token, on any CPU.
 Findings when written:
   mismatch r2 (s0): generated tokens differ at 12: warm ' discount TemporaryeffectsboundsLoader twinkling Belgium Gabcp nearing conductio' cold ' discount TemporaryeffectsboundsLoader twinkling Belgium Gabcp nearing conductio' (cached 36)
 """
 from tests.fuzz.replay import replay
-from tests.fuzz.harness import Config
+from tests.fuzz.harness import Config, Stats
 
-CONFIG = Config(kind='dense_hd64', min_shared=16, speculative=True, kv_bits=3, quant_start=24, kv_scheme='turboquant', budget_tokens=0, disk=True, max_sequences=8, chunk=64)
+CONFIG = Config(kind='llama_hd64', min_shared=16, speculative=True, kv_bits=3, quant_start=24, kv_scheme='turboquant', budget_tokens=0, disk=True, max_sequences=8, chunk=64)
 ORDER = ['wave', 'wave']
 WAVES = '[\n [\n  {\n   "rid": "r1",\n   "session": "s0",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a reviewer. Point out one defect per reply, briefly."\n    },\n    {\n     "role": "user",\n     "content": "branch row retry json?"\n    }\n   ],\n   "max_tokens": 8,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": false,\n   "hang_up": null,\n   "extends": true,\n   "origin": "session",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  }\n ],\n [\n  {\n   "rid": "r2",\n   "session": "s0",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a reviewer. Point out one defect per reply, briefly."\n    },\n    {\n     "role": "user",\n     "content": "branch row retry json?"\n    },\n    {\n     "role": "assistant",\n     "content": "acticpermspermspermspermsperms gases Victor"\n    },\n    {\n     "role": "user",\n     "content": "branch row retry json grammar prefix value agent write grammar read write root tool?\\nbranch_0 = row(97)\\nprefix_1 = value(15)\\nwrite_2 = grammar(57)"\n    }\n   ],\n   "max_tokens": 13,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": false,\n   "hang_up": null,\n   "extends": true,\n   "origin": "turn",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  },\n  {\n   "rid": "r3",\n   "session": "s0",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a reviewer. Point out one defect per reply, briefly."\n    },\n    {\n     "role": "user",\n     "content": "branch row retry json?"\n    },\n    {\n     "role": "assistant",\n     "content": "acticpermspermspermspermsperms gases Victor"\n    },\n    {\n     "role": "user",\n     "content": "retry_0 = retry(7)\\nprefix_1 = prefix(46)\\nseed_2 = reply(94)\\njson_3 = tail(39)\\nvalue_4 = slab(27)\\nslab_5 = token(74)\\ntail_6 = reply(55)\\nlayer row batch branch?"\n    }\n   ],\n   "max_tokens": 10,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": true,\n   "hang_up": null,\n   "extends": true,\n   "origin": "fanout-far-grammar",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  },\n  {\n   "rid": "r4",\n   "session": "s0.f4",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a reviewer. Point out one defect per reply, briefly."\n    },\n    {\n     "role": "user",\n     "content": "branch row retry json?"\n    },\n    {\n     "role": "assistant",\n     "content": "acticpermspermspermspermsperms gases Victor"\n    },\n    {\n     "role": "user",\n     "content": "retry_0 = retry(7)\\nprefix_1 = prefix(46)\\nseed_2 = reply(94)\\njson_3 = tail(39)\\nvalue_4 = slab(27)\\nslab_5 = token(74)\\ntail_6 = reply(55)\\nslab value spill edit?"\n    }\n   ],\n   "max_tokens": 10,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": true,\n   "hang_up": null,\n   "extends": true,\n   "origin": "fanout-far-grammar",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  },\n  {\n   "rid": "r5",\n   "session": "sub5",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a sub-agent. Search the repository and report what you find in one short paragraph.\\nRepository map:\\nline_0 = branch(50)\\nroot_1 = token(9)\\nseed_2 = batch(12)"\n    },\n    {\n     "role": "user",\n     "content": "slab value spill edit json disk?"\n    }\n   ],\n   "max_tokens": 8,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": false,\n   "hang_up": null,\n   "extends": true,\n   "origin": "subagent",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  },\n  {\n   "rid": "r6",\n   "session": "sub6",\n   "messages": [\n    {\n     "role": "system",\n     "content": "You are a sub-agent. Search the repository and report what you find in one short paragraph.\\nRepository map:\\nline_0 = branch(50)\\nroot_1 = token(9)\\nseed_2 = batch(12)"\n    },\n    {\n     "role": "user",\n     "content": "line branch tool root token prefix?"\n    }\n   ],\n   "max_tokens": 8,\n   "temperature": 0.0,\n   "seed": null,\n   "grammar": false,\n   "hang_up": null,\n   "extends": true,\n   "origin": "subagent",\n   "scope": "",\n   "fresh_scope": false,\n   "marks": [],\n   "priority": 0,\n   "arrive": 0\n  }\n ]\n]'
 
 
 def test_replay(tiny_kind_paths, embedded_model_path, tmp_path):
-    assert replay(CONFIG, ORDER, WAVES, tiny_kind_paths, embedded_model_path, tmp_path) == []
+    stats = Stats()
+    assert replay(CONFIG, ORDER, WAVES, tiny_kind_paths, embedded_model_path, tmp_path, stats) == []
+    assert (stats.requests, stats.compared) == (6, 6)
+    assert stats.reused_tokens >= 36 * 3, stats   # r2 and the two grammar rows extend r1's turn

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = [
     Config(kind="dense", min_shared=16, speculative=True, max_sequences=4, disk=True, keep_on_exit=True),
-    Config(kind="dense_hd64", min_shared=16, speculative=False, kv_bits=4, quant_start=0, kv_scheme="turboquant",
+    Config(kind="llama_hd64", min_shared=16, speculative=False, kv_bits=4, quant_start=0, kv_scheme="turboquant",
            max_sequences=4, disk=True, keep_on_exit=True),
     Config(kind="hybrid", min_shared=16, speculative=False, max_sequences=4, disk=True, keep_on_exit=True),
 ]

@@ -16,7 +16,7 @@ CONFIGS = [
     Config("dense", speculative=False, min_shared=8),
     Config("dense_hd64", kv_bits=8, quant_start=24, disk=True),   # both sides of QUANTIZED_KV_START
     Config("dense_hd64", kv_bits=4, quant_start=0),
-    Config("dense_hd64", kv_bits=3, kv_scheme="turboquant", quant_start=24, disk=True),   # codes in RAM and on disk
+    Config("llama_hd64", kv_bits=3, kv_scheme="turboquant", quant_start=24, disk=True),   # codes in RAM and on disk
     Config("hybrid", disk=True),                                  # KV + recurrent state (snapshots)
     Config("gemma3"),                                             # sliding windows
     Config("llama4"),                                             # chunked attention (no batched form)
