@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxstack.cache import turboquant as tq
-from mlxstack.engine import chat as chat_module
+from mlxstack.runner import prefill as prefill_module
 from mlxstack.cache.kv_ops import LiveCache
 from mlxstack.cache.layer_kinds import KVQuant
 from tests.test_batching import run_batched
@@ -92,17 +92,18 @@ def test_turboquant_requests_arriving_together_prefill_the_common_prompt_once(ti
     eng = tq_engine(tiny_dense_hd64_path, "4", start)
     jobs = [job(_messages(i), max_tokens=8, session=f"s{i}")[0] for i in range(3)]
     cuts = []
-    real_feed = chat_module.feed
+    real_feed = prefill_module.feed   # the one prefill path (runner/prefill.py)
 
     def feed(model, live, tokens, step, *a, **k):
         cuts.append((live.depth, len(tokens)))
         return real_feed(model, live, tokens, step, *a, **k)
 
-    monkeypatch.setattr(chat_module, "feed", feed)
+    monkeypatch.setattr(prefill_module, "feed", feed)
     outs, sched, shares = _run(eng, jobs)
     fed_with_followers, cuts[:] = list(cuts), []
     lone, _, _ = _run(tq_engine(tiny_dense_hd64_path, "4", start), jobs[:1])
     fed_alone = list(cuts)
+    assert fed_alone and fed_with_followers, "the prefill did not go through runner/prefill.py feed"
     assert sched.group.min_shared == 256 and max(shares) == 3           # every row held the prefix once
     assert sched.shared_prefills == 2
     shared = eng.state.counters.snapshot()["shared_prefill_tokens"]

@@ -36,7 +36,7 @@ ENV = "MLXSTACK_FAULTS"
 
 POINTS = (
     "admission",        # engine.start: render, lookup, checkout (engine/chat.py)
-    "prefill_chunk",    # one sequence's prefill chunk (engine/chat.py prefill_step)
+    "prefill_chunk",    # one sequence's prefill chunk (runner/prefill.py prefill_chunk)
     "prefill_batch",    # short prefills fed together (runner/batch_prefill.py)
     "slab_join",        # a sequence joining the decode batch (runner/batch.py add / adopt)
     "slab_leave",       # finished sequences leaving the decode batch (runner/batch.py)

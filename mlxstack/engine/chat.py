@@ -2,7 +2,8 @@
 
     start:    heal -> canonicalise -> render once -> key + boundaries from it -> tokenise
               (engine/assembly.py) -> lookup -> checkout KV at physical depth P   (ChatEngine.start)
-    prefill:  model_tokens[P:] (+ checkpoints for caches that cannot be cut back later)
+    prefill:  model_tokens[P:] (+ checkpoints for caches that cannot be cut back later): runner/prefill.py,
+              a chunk a step as the engine core's plan says
     decode:   sample until a stop; stream text
     finish:   close the turn in the KV -> store entries, session records, healing  (finish)
 
@@ -26,7 +27,7 @@ from ..parsing.harmony import HarmonyStopper
 from ..parsing.reasoning import prompt_opens_thinking
 from ..prompt.render import encode
 from ..prompt.tokenize import encoder_for
-from ..runner.generate import Aborted, feed, folds, last_logits, prefill
+from ..runner.generate import last_logits, prefill
 from ..runner.rows import RunnerContext
 from ..runner.sampling import Sampler
 from ..runner.stopping import StopMatcher, stop_token_ids
@@ -82,6 +83,7 @@ class ChatEngine(PromptAssembly, TurnFinish):
         return RunnerContext(model=self.loaded.model, decode_model=self.loaded.model, layout=st.layout,
                              kv_quant=st.kv_quant, speculation=self.speculation, counters=st.counters,
                              shared_prefix_min_tokens=int(getattr(self.settings, "shared_prefix_min_tokens", 0) or 0),
+                             prefill_step=max(1, int(self.settings.prefill_step_size)),
                              is_vlm=bool(getattr(self.loaded, "is_vlm", False)),
                              rank_group=self.loaded.extra.get("group"), replicated=st.replicated)
 
@@ -94,8 +96,6 @@ class ChatEngine(PromptAssembly, TurnFinish):
                       images=images, markers=markers)
 
     # ---------------------------------------------------------------- backend seams (VLM overrides)
-    prefills_whole = False   # the rest of a prompt goes through ``prefill`` in one call (a VLM)
-
     @property
     def decode_model(self) -> Any:
         """The module decode steps call (a VLM decodes through its language model)."""
@@ -364,73 +364,6 @@ class ChatEngine(PromptAssembly, TurnFinish):
                 return
             if seq.calls is not None:     # a reply cut inside a call never shows it (call_gate.py)
                 self._show(seq, seq.calls.flush(cut=seq.finish_reason == "length"), gated=False)
-
-    def prefill_step(self, seq: Request, budget: int, defer_last: bool = False) -> bool:
-        """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
-        True once the prompt is done (``seq.logits`` set) or the request was abandoned between
-        chunks (``seq.prefill_aborted``). A short rest (runner/generate ``folds``) is fed with the last one,
-        in one forward; otherwise, with ``defer_last``, the last prompt token is left for the first
-        batched decode step (``seq.logits`` stays None, ``seq.pos`` is ``n - 1``)."""
-        tokens = seq.prep.model_tokens
-        n = len(tokens)
-        if seq.pos < 0:
-            seq.pos = seq.start
-        elif self._should_stop(seq)():
-            seq.prefill_aborted = True
-            return True
-        if self.prefills_whole:
-            return self._prefill_whole(seq)
-        end = min(n - 1, seq.pos + max(1, budget))
-        stop_at = min([k for k in (*seq.checkpoints, *seq.stops) if seq.pos < k <= end], default=end)
-        faults.hit("prefill_chunk", seq.job.request_id)
-        # a hang-up or the watchdog is heard between the chunk's forwards too (PREFILL_STEP_SIZE):
-        # the chunk stops there and the request ends with what it computed (finish.py salvage)
-        stop, fed = self._should_stop(seq), stop_at > seq.pos
-        try:
-            if stop_at == n - 1 and n - 1 not in (*seq.checkpoints, *seq.stops) and folds(n - seq.pos):
-                # the rest is short: its forward yields the first token's logits too (runner/generate
-                # FOLD_MAX) -- no second forward for the last token, alone or in the batch's next step
-                seq.logits = feed(self.loaded.model, seq.live, tokens[seq.pos:], self.settings.prefill_step_size,
-                                  stop, logits=True)
-                seq.pos = n
-                return True
-            if fed:
-                feed(self.loaded.model, seq.live, tokens[seq.pos:stop_at], self.settings.prefill_step_size, stop)
-        except Aborted:
-            seq.prefill_aborted = True
-            return True
-        if fed:
-            seq.pos = stop_at
-            if stop_at in seq.checkpoints:
-                seq.snapshots.append(self.state.kv.snapshot(seq.live))
-        if seq.pos == n - 1 and defer_last:
-            return True
-        if seq.pos == n - 1:
-            seq.logits = last_logits(self.loaded.model, seq.live, tokens[-1])
-            seq.pos = n
-            return True
-        return False
-
-    def _prefill_whole(self, seq: Request) -> bool:
-        """The rest of the prompt in one call of the backend's own prefill seam (``prefill``: a
-        VLM's embeddings and positions, runner/vlm.py), checkpoints captured on the way; the
-        row then decodes through the module that prefill set up (``decode_model``)."""
-        try:
-            seq.logits = self.prefill(seq.live, seq.prep, seq.pos,
-                                      lambda live: seq.snapshots.append(self.state.kv.snapshot(live)),
-                                      [k - seq.pos for k in seq.checkpoints if k > seq.pos], self._should_stop(seq))
-        except Aborted:
-            seq.prefill_aborted = True
-            return True
-        seq.pos = len(seq.prep.model_tokens)
-        seq.decode_model = self.decode_model
-        return True
-
-    def feed_last(self, seq: Request) -> None:
-        """Feed a deferred last prompt token now (a sequence that will not decode after all)."""
-        if seq.logits is None and seq.pos == len(seq.prep.model_tokens) - 1:
-            seq.logits = last_logits(self.loaded.model, seq.live, seq.prep.model_tokens[-1])
-            seq.pos = len(seq.prep.model_tokens)
 
     def _logit_width(self, logits: Any) -> int:
         if logits is None:

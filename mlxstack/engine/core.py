@@ -50,6 +50,7 @@ from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
 from ..runner.rows import Verdict
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
+from ..runner.prefill import feed_deferred, prefill_chunk
 from .chat import ChatEngine, ChatJob, ChatOutcome, Request
 from ..runner.kv_bytes import live_bytes, measured_token_bytes, resident_arrays
 from ..scheduler.admission import applies, committed_bytes, need_bytes, room
@@ -485,8 +486,8 @@ class EngineCore:
         """One chunk of one request's prompt; it joins the batch once its prompt is fed."""
         seq = plan.prefill
         try:
-            done = self.engine.prefill_step(seq, plan.budget,
-                                            defer_last=self.group.batching and not seq.job.prefill_only)
+            done = prefill_chunk(self.engine.runner, seq, plan.budget,
+                                 self.group.batching and not seq.job.prefill_only, self.engine._should_stop(seq))
         except Exception as exc:  # noqa: BLE001 - this request only
             self.scheduler.drop(seq)
             self._fail(seq, exc)
@@ -628,7 +629,7 @@ class EngineCore:
                     joining.append(i)
                     continue
                 own(i)                                    # nothing to generate
-                self.engine.feed_last(s)
+                feed_deferred(self.engine.runner, s)
             except Exception as exc:  # noqa: BLE001 - this request only
                 self._fail(s, exc)
                 continue
@@ -659,7 +660,7 @@ class EngineCore:
             return
         try:
             if not self.engine.begin_decode(seq, seq.logits):
-                self.engine.feed_last(seq)
+                feed_deferred(self.engine.runner, seq)
                 seq.t_end = time.perf_counter()
                 self._finish(seq)
                 return

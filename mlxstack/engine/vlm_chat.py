@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from ..cache.kv_ops import LiveCache
@@ -46,8 +45,7 @@ from ..prompt.images import (
 )
 from ..prompt.render import ChatRenderer, content_text, encode
 from .chat import ChatEngine, PreparedPrompt
-from ..runner.vlm import DecodeLM, embeddings, prefill_embedded, rope_positions
-from ..runner.mlx_stream import generation_stream
+from ..runner.vlm import DecodeLM, WholePrefill
 
 log = logging.getLogger("mlxstack.request")
 
@@ -97,7 +95,11 @@ class VLMChatEngine(ChatEngine):
     def runner_context(self) -> Any:
         """The language model is what caches and decode steps are made of (prefill: embeddings)."""
         ctx = super().runner_context()
-        ctx.model = ctx.decode_model = self.loaded.model.language_model
+        model = self.loaded.model
+        lm = ctx.model = ctx.decode_model = model.language_model
+        mrope = hasattr(lm, "get_rope_index")
+        ctx.whole_prefill = WholePrefill(model, lm, mrope, mrope and hasattr(model, "vision_tower")
+                                         and hasattr(model, "merge_input_ids_with_image_features"), ctx.prefill_step)
         return ctx
 
     # ---------------------------------------------------------------- pipeline
@@ -165,8 +167,6 @@ class VLMChatEngine(ChatEngine):
         return prep.key_tokens[: depth + 2 * covered]
 
     # ---------------------------------------------------------------- backend seams
-    prefills_whole = True    # mlx-vlm's embeddings for the rest of the prompt, one call (runner/vlm.py)
-
     @property
     def decode_model(self) -> Any:
         return self._decoder
@@ -181,16 +181,6 @@ class VLMChatEngine(ChatEngine):
     def prefill(self, work: LiveCache, prep: PreparedPrompt, start: int,
                 checkpoint: Callable[[LiveCache], None], at: list[int],
                 should_stop: Callable[[], bool] | None = None) -> Any:
-        tokens = prep.model_tokens
-        n = len(tokens)
-        if start >= n:
-            raise ValueError("prefill needs at least one token")
-        ids = mx.array(tokens, dtype=mx.int32)[None]
-        with mx.stream(generation_stream()):
-            embeds = embeddings(self.loaded.model, self.lm, self.per_image_vision, ids, prep.extras, start)
-            positions, delta = rope_positions(self.lm, self.mrope, ids, prep.extras)
-        self._decoder = DecodeLM(self.lm, self.mrope, delta)
-        step = max(1, int(self.settings.prefill_step_size))
-        bounds = sorted({start + k for k in at if 0 < k < n - start})
-        return prefill_embedded(self.lm, ids, embeds, positions, work, start, step, bounds, checkpoint, should_stop)
-
+        """The runner's VLM prefill seam (runner/vlm.py ``WholePrefill``), outside a step (tests)."""
+        logits, self._decoder = self.runner.whole_prefill(work, prep, start, checkpoint, at, should_stop)
+        return logits

@@ -26,6 +26,10 @@ class RunnerContext:
     speculation: Any               # runner/spec/speculation.py Speculation: drafters, step costs
     counters: Any                  # cache/counters.py CacheCounters
     shared_prefix_min_tokens: int = 0
+    prefill_step: int = 512        # PREFILL_STEP_SIZE: tokens per forward of a prompt
+    # the backend's own prefill of a prompt's rest, in one call (a VLM: runner/vlm.py WholePrefill):
+    # (live, prep, start, checkpoint, at, stop) -> (logits, the module the row decodes through); None: chunks
+    whole_prefill: Any = None
     is_vlm: bool = False
     rank_group: Any = None         # several ranks: the MLX group every decision is agreed over
     replicated: bool = False       # ranks in lockstep (set when the ranks join: engine/lockstep.py bind)

@@ -5,6 +5,7 @@ fed to the language model with explicit positions, and decode steps that continu
     positions, delta = rope_positions(lm, mrope, ids, extras)
     logits = prefill_embedded(lm, ids, embeds, positions, live, start, step, bounds, checkpoint, stop)
     decoder = DecodeLM(lm, mrope, delta)          # decoder(tokens, cache) -> logits
+    logits, decoder = WholePrefill(model, lm, mrope, per_image_vision, step)(live, prep, start, checkpoint, at, stop)
 
 Why explicit positions and one image at a time: engine/vlm_chat.py (a cached prefix was written
 with the same positions; cold and warm runs compute identical features).
@@ -107,3 +108,28 @@ def prefill_embedded(lm: Any, ids: mx.array, embeds: mx.array, positions: mx.arr
             checkpoint(work)
     mx.clear_cache()
     return logits
+
+
+class WholePrefill:
+    """A VLM's prefill seam (RunnerContext ``whole_prefill``): the rest of a prompt from ``start``
+    in one call -- its embeddings (the images at or after ``start`` through the vision tower), its
+    positions, fed in chunks of ``step`` with a checkpoint at each of ``at`` (offsets from
+    ``start``) -- returning the last token's logits and the module the row decodes through."""
+
+    def __init__(self, model: Any, lm: Any, mrope: bool, per_image_vision: bool, step: int) -> None:
+        self.model, self.lm, self.mrope, self.per_image_vision = model, lm, mrope, per_image_vision
+        self.step = max(1, int(step))
+
+    def __call__(self, live: LiveCache, prep: Any, start: int, checkpoint: Callable[[LiveCache], None],
+                 at: list[int], stop: Callable[[], bool] | None = None) -> tuple[mx.array, DecodeLM]:
+        tokens = prep.model_tokens
+        n = len(tokens)
+        if start >= n:
+            raise ValueError("prefill needs at least one token")
+        ids = mx.array(tokens, dtype=mx.int32)[None]
+        with mx.stream(generation_stream()):
+            embeds = embeddings(self.model, self.lm, self.per_image_vision, ids, prep.extras, start)
+            positions, delta = rope_positions(self.lm, self.mrope, ids, prep.extras)
+        bounds = sorted({start + k for k in at if 0 < k < n - start})
+        logits = prefill_embedded(self.lm, ids, embeds, positions, live, start, self.step, bounds, checkpoint, stop)
+        return logits, DecodeLM(self.lm, self.mrope, delta)
