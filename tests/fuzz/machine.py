@@ -167,6 +167,18 @@ class Fuzz(RuleBasedStateMachine):
         req.hang_up, req.extends = (when, after), False
         req.origin = req.origin.split("+hangup")[0] + f"+hangup-{when}"
 
+    @precondition(lambda self: len(self.queue) >= 2)
+    @rule(which=st.integers(0, 99), arrive=st.integers(0, 8))
+    def urgent(self, which: int, arrive: int) -> None:
+        """The queued requests become background work (priority 1) but one: the user's own turn,
+        arriving ``arrive`` scheduler steps into the wave -- it preempts less urgent rows when the
+        batch is full and decodes beside as many as the wave allows (harness: 0, 1, 2)."""
+        req = self.queue[which % len(self.queue)]
+        for other in self.queue:
+            other.priority = 1
+        req.priority, req.arrive = 0, arrive
+        req.origin = req.origin.split("+urgent")[0] + "+urgent"
+
     @precondition(lambda self: self.queue)
     @rule()
     def wave(self) -> None:
