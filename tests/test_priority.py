@@ -240,6 +240,53 @@ def test_an_urgent_request_preempts_less_urgent_rows_and_every_reply_is_what_it_
     assert eng.state.counters.get("store_failures") == 0
 
 
+def test_a_batch_whose_every_row_makes_way_is_set_aside_whole_and_comes_back_without_a_copy(dense, monkeypatch):
+    """Beside nothing (PRIORITY_DECODE_ROWS 0): the full batch's least urgent row leaves first to
+    free a row (a copy of its KV), then every other row leaves at once -- the batch is set aside
+    as it is (slab, rows, members: no copy) while the urgent request decodes alone on its own
+    cache, and comes back whole once it is done. Every reply is what it is alone."""
+    from mlxstack.cache.slab import SlabKVCache
+    from mlxstack.runner.kv_bytes import resident_bytes
+
+    taken = []
+    real_take = SlabKVCache.take
+    monkeypatch.setattr(SlabKVCache, "take", lambda self, row, whole=False: taken.append(row) or
+                        real_take(self, row, whole))
+    background = [lambda i=i: _job(BACKGROUND[i], 1, 40, seed=(7 + i if i % 2 else None), session=f"b{i}")
+                  for i in range(4)]
+    urgent = lambda: _job("Quick: what is 2+2?", 0, 12, session="u")   # noqa: E731
+    alone = [_alone(dense, mk()).raw_text for mk in background]
+    urgent_alone = _alone(dense, urgent()).raw_text
+
+    eng = build_engine(engine_settings(dense))
+    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0))
+    drv = Driver(core)
+    futures = [drv.submit(mk()) for mk in background]
+    while len(core.group) < 4:
+        drv.turn()
+    for _ in range(3):
+        drv.turn()
+    rows = list(core.group.seqs)
+    taken.clear()
+    uf = drv.submit(urgent())
+    drv.turn()
+    group = core.group
+    assert core.preemptions == 4 and group.pauses == 1 and group.paused is not None
+    assert [s is r for s, r in zip(group.paused.seqs, rows[:3])] == [True] * 3   # the three left at once
+    assert core.preempted[0] is rows[3] and len(taken) == len(group.kv_idx)      # one row copied out, once a layer
+    paused_bytes = resident_bytes([group.paused_slab])
+    assert paused_bytes > 0 and eng.state.live_kv_bytes >= paused_bytes         # counted while set aside
+    while not uf.done():
+        drv.turn()
+        assert len(core.group) <= 1 and len(core.preempted) in (0, 4)
+    assert uf.result().raw_text == urgent_alone
+    assert len(taken) == len(group.kv_idx)           # nothing copied while the urgent row decoded
+    drv.until_idle()
+    assert group.unpaused == 1 and group.paused is None and core.resumed == 4
+    assert [f.result().raw_text for f in futures] == alone
+    assert eng.state.counters.get("store_failures") == 0
+
+
 @pytest.mark.parametrize("machine,plain,kept", [
     # a batch of 8 costs 1.2x one row (a GPU, Apple Silicon): every row goes on beside the urgent one
     ("gpu", {1: 0.050, 2: 0.052, 4: 0.055, 8: 0.060}, 4),

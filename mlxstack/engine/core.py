@@ -397,12 +397,18 @@ class EngineCore:
         waiting past its priority is not preempted again: no starvation)."""
         if plan.end:
             self.preempted = [s for s in self.preempted if not any(s is g for g in plan.end)]
+            self.group.own_caches(list(plan.end))
             self._ended(list(plan.end))
         if plan.preempt:
             self._preempt(list(plan.preempt))
+        whole = self.group.unpause(list(plan.resume))    # a batch set aside whole comes back as it was
         for seq in plan.resume:
             seq.shielded = plan.urgent is not None and seq.job.priority > plan.urgent
-            self._resume(seq)
+            if any(seq is w for w in whole):
+                seq.status = RequestStatus.DECODING
+                self.resumed += 1
+            else:
+                self._resume(seq)
         if plan.resume:
             self.preempted = [s for s in self.preempted if not any(s is r for r in plan.resume)]
 

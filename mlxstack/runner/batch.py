@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -91,6 +92,11 @@ class DecodeGroup:
         # same setting (under KV quantisation the leader's prefill is not cut for it: engine/core.py
         # ``_enter``, LESSONS 78)
         self.follow_min: int | None = self.min_shared
+        # every member preempted at once (the urgent request decodes alone, PRIORITY_DECODE_ROWS 0):
+        # the batch set aside as it was -- slab, rows, members -- and put back without a copy
+        self.paused: _Paused | None = None
+        self.pauses = 0                        # batches set aside whole
+        self.unpaused = 0                      # ... put back whole (the rest: rows copied out)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -129,7 +135,7 @@ class DecodeGroup:
         """Drop the batch: every member is out (their caches are not handed back) and the group is
         empty. Pure bookkeeping -- no MLX call -- so it cannot fail after an MLX error."""
         lost = self.seqs
-        self.seqs, self.slab, self.row, self.rows = [], None, {}, 0
+        self.seqs, self.slab, self.row, self.rows, self.paused = [], None, {}, 0, None
         self.resets += 1
         return lost
 
@@ -208,13 +214,70 @@ class DecodeGroup:
         self.seqs.append(seq)
 
     def preempt(self, seqs: list[Row]) -> None:
-        """Members leave the batch for a more urgent request, each with its whole KV as its own
-        cache (one buffer, the shared prefix included: it rejoins as any prefilled row does) and
-        its sampled, not yet fed, ``pending`` token: ``resume`` puts it back exactly there, its
-        next tokens what they would have been (LESSONS 85). A row whose last prompt token still
-        rides in the next step (``tail``) is not preempted (the caller's rule)."""
-        if seqs:
-            self._atomic(list(seqs), lambda: self._leave(list(seqs), whole=True))
+        """Members leave the batch for a more urgent request with their sampled, not yet fed,
+        ``pending`` token: ``resume`` puts each back exactly there, its next tokens what they would
+        have been (LESSONS 85). When every member of a batch leaves, the batch is set aside whole
+        (``paused``: no copy; ``unpause`` puts it back); otherwise each leaves with its whole KV as
+        its own cache (one buffer, the shared prefix included: it rejoins as any prefilled row
+        does). A row whose last prompt token still rides in the next step (``tail``) is not
+        preempted (the caller's rule)."""
+        if not seqs:
+            return
+        gone = {id(s) for s in seqs}
+        if self.slab is not None and self.paused is None and gone == {id(s) for s in self.seqs}:
+            self.paused = _Paused(self.slab, self.rows, dict(self.row), list(self.seqs))
+            self.seqs, self.slab, self.row, self.rows = [], None, {}, 0
+            self._moved = True
+            self.pauses += 1
+            return
+        self._own_caches()          # a paused batch's rows leave as copies before another one forms
+        self._atomic(list(seqs), lambda: self._leave(list(seqs), whole=True))
+
+    def unpause(self, seqs: list[Row]) -> list[Row]:
+        """Preempted rows about to come back (``seqs``): when the group is empty and every row of
+        the paused batch is among them, the batch is put back as it was (no copy) and its rows are
+        returned -- they are members again; when only some are (or the group has members), each
+        paused row first gets its own cache (a copy of its row, as a row that leaves alone does)
+        and rejoins with ``resume``; when none is, nothing changes."""
+        p = self.paused
+        back = [s for s in p.seqs if any(s is r for r in seqs)] if p is not None else []
+        if not back:
+            return []
+        if not self.seqs and len(back) == len(p.seqs):
+            self.seqs, self.slab, self.row, self.rows, self.paused = p.seqs, p.slab, p.row, p.rows, None
+            self._moved = True
+            self.unpaused += 1
+            self._check()
+            return list(p.seqs)
+        self._own_caches()
+        return []
+
+    def _own_caches(self) -> None:
+        """Every row of the paused batch gets its own cache (its whole KV, one buffer) and the
+        paused batch is gone: each is a preempted row like any other (ends, fails or rejoins)."""
+        p, self.paused = self.paused, None
+        if p is None:
+            return
+        for seq in p.seqs:
+            row = p.row[id(seq)]
+            layers = list(seq.live.layers)
+            for i in self.kv_idx:
+                layers[i] = p.slab[i].take(row, whole=True)
+            for i in self.other_idx:
+                layers[i] = p.slab[i].extract(row)
+            seq.live.layers = layers
+            seq.live.recount()
+
+    def own_caches(self, seqs: list[Row]) -> None:
+        """Preempted rows that end or fail now hold their own KV (a paused batch's rows are copied
+        out: their turns close, or their KV is dropped, as any preempted row's)."""
+        if self.paused is not None and any(any(s is q for q in self.paused.seqs) for s in seqs):
+            self._own_caches()
+
+    @property
+    def paused_slab(self) -> list[Any] | None:
+        """The paused batch's layers (what it holds in RAM), or None."""
+        return self.paused.slab if self.paused is not None else None
 
     def resume(self, seq: Row) -> None:
         """A preempted row joins again: nothing is sampled, its ``pending`` token is fed next."""
@@ -534,6 +597,15 @@ def _arrays(layer: Any) -> list[mx.array]:
     if hasattr(layer, "cache"):                            # ArraysCache
         return [a for a in layer.cache if a is not None]
     return [a for a in (layer.keys, layer.values) if a is not None]
+
+
+@dataclass
+class _Paused:
+    """A batch set aside whole while a more urgent request decodes alone (``DecodeGroup.preempt``)."""
+    slab: list[Any]
+    rows: int
+    row: dict[int, int]
+    seqs: list[Row]
 
 
 def _pow2(n: int) -> int:

@@ -80,10 +80,11 @@ def resident_bytes(objects: Iterable[Any], besides: Collection[int] = ()) -> int
 
 def live_bytes(scheduler: Any, besides: Collection[int] = ()) -> int:
     """Everything the scheduler's requests hold right now (the decode group's slab and rows,
-    prompts in prefill with their snapshots, replied turns waiting to be closed, preempted rows,
+    prompts in prefill with their snapshots, replied turns waiting to be closed, preempted rows
+    (a batch set aside whole among them),
     the rows' draft model caches), each array once, less the arrays in ``besides`` (the RAM tier's)."""
     group = scheduler.group
-    objects: list[Any] = [group.slab]
+    objects: list[Any] = [group.slab, group.paused_slab]
     for seq in list(group.seqs) + list(scheduler.prefilling) + list(getattr(scheduler, "closing", ())) \
             + list(getattr(scheduler, "preempted", ())):
         objects.append(seq.live)
