@@ -109,11 +109,7 @@ class DecodeGroup:
     def rows_with(self, members: int) -> int:
         """Rows a forward would compute with ``members`` in the batch (its sizing: one row on its
         own cache; a slab of a power of two, rebuilt smaller once mostly free, ``_leave``)."""
-        if members <= 1:
-            return 1
-        if self.slab is None or members > self.rows or members <= self.rows // 4:
-            return _pow2(members)
-        return self.rows
+        return _batch_rows(self.rows if self.slab is not None else 0, members) or 1
 
     def step_times(self, most: int) -> tuple[float | None, ...]:
         """What a plain decode step of 1 .. ``most`` members was measured to take here (seconds:
@@ -350,7 +346,7 @@ class DecodeGroup:
                 self.row[id(only)] = 0
                 self._release(only)
         elif need > self.rows:
-            self._rebuild(_pow2(need), self.seqs)
+            self._rebuild(_batch_rows(self.rows, need), self.seqs)
 
     def _rebuild(self, rows: int, members: list[Row]) -> None:
         """Move ``members``' KV rows to a slab of ``rows`` rows (rows 0..n-1, in that order);
@@ -417,8 +413,8 @@ class DecodeGroup:
         if len(rest) <= 1:                                 # back to a group of one: its own cache
             self.slab, self.row, self.rows = None, {}, 0
             return
-        if len(rest) <= self.rows // 4:                    # mostly free rows: compute on fewer
-            self._rebuild(_pow2(len(rest)), rest)
+        if _batch_rows(self.rows, len(rest)) != self.rows:  # mostly free rows: compute on fewer
+            self._rebuild(_batch_rows(self.rows, len(rest)), rest)
         else:                                              # columns only the leavers used
             active = [self.row[id(s)] for s in rest]
             for i in self.kv_idx:
@@ -606,6 +602,17 @@ class _Paused:
     rows: int
     row: dict[int, int]
     seqs: list[Row]
+
+
+def _batch_rows(rows: int, members: int) -> int:
+    """Rows a batch of ``members`` has, from one of ``rows`` (0: none yet): none for a group of one
+    (it decodes on its own cache); a power of two, grown when full and rebuilt smaller once at
+    most a quarter is used; else the same rows (its free ones wait for the next join)."""
+    if members <= 1:
+        return 0
+    if rows == 0 or members > rows or members <= rows // 4:
+        return _pow2(members)
+    return rows
 
 
 def _pow2(n: int) -> int:
