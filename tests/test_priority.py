@@ -202,22 +202,27 @@ def dense(tiny_dense_path):
     return tiny_dense_path
 
 
-def test_an_urgent_request_preempts_less_urgent_rows_and_every_reply_is_what_it_is_alone(dense):
+def _full_batch(dense, beside: int):
+    """Four background rows (greedy and seeded) decoding a few tokens in a full batch of 4, with
+    PRIORITY_DECODE_ROWS ``beside``; each reply alone, and an urgent question with its reply alone."""
     background = [lambda i=i: _job(BACKGROUND[i], 1, 40, seed=(7 + i if i % 2 else None), session=f"b{i}")
                   for i in range(4)]
     urgent = lambda: _job("Quick: what is 2+2?", 0, 12, session="u")   # noqa: E731
     alone = [_alone(dense, mk()).raw_text for mk in background]
     urgent_alone = _alone(dense, urgent()).raw_text
-
     eng = build_engine(engine_settings(dense))
-    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 1, 30.0))
+    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, beside, 30.0))
     drv = Driver(core)
     futures = [drv.submit(mk()) for mk in background]
     while len(core.group) < 4:
         drv.turn()
     for _ in range(3):
         drv.turn()                                   # every background row has decoded a few tokens
-    rows = list(core.group.seqs)
+    return eng, core, drv, futures, list(core.group.seqs), alone, urgent, urgent_alone
+
+
+def test_an_urgent_request_preempts_less_urgent_rows_and_every_reply_is_what_it_is_alone(dense):
+    eng, core, drv, futures, rows, alone, urgent, urgent_alone = _full_batch(dense, beside=1)
     assert core.preemptions == 0 and [s.status for s in rows] == [RequestStatus.DECODING] * 4
     uf = drv.submit(urgent())
     drv.turn()
@@ -252,21 +257,7 @@ def test_a_batch_whose_every_row_makes_way_is_set_aside_whole_and_comes_back_wit
     real_take = SlabKVCache.take
     monkeypatch.setattr(SlabKVCache, "take", lambda self, row, whole=False: taken.append(row) or
                         real_take(self, row, whole))
-    background = [lambda i=i: _job(BACKGROUND[i], 1, 40, seed=(7 + i if i % 2 else None), session=f"b{i}")
-                  for i in range(4)]
-    urgent = lambda: _job("Quick: what is 2+2?", 0, 12, session="u")   # noqa: E731
-    alone = [_alone(dense, mk()).raw_text for mk in background]
-    urgent_alone = _alone(dense, urgent()).raw_text
-
-    eng = build_engine(engine_settings(dense))
-    core = EngineCore(eng, 4, 64, batching=batching_support(eng)[0], policy=PriorityPolicy(True, 0, 30.0))
-    drv = Driver(core)
-    futures = [drv.submit(mk()) for mk in background]
-    while len(core.group) < 4:
-        drv.turn()
-    for _ in range(3):
-        drv.turn()
-    rows = list(core.group.seqs)
+    eng, core, drv, futures, rows, alone, urgent, urgent_alone = _full_batch(dense, beside=0)
     taken.clear()
     uf = drv.submit(urgent())
     drv.turn()
