@@ -115,18 +115,18 @@ def test_the_plan_chooses_the_rows_beside_once_per_urgent_level():
     sched = Scheduler(64, True, aging_s=30.0)
     cheap, dear = (0.05,) * 8, (0.05, 0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2)
     flight = dict(decoding=bg, max_rows=8, prioritised=True, share=0.8, now=1.0)
-    assert sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=cheap, **flight)).preempt == ()
+    assert sched.schedule(InFlight(step_s=cheap, **flight)).preempt == ()
     sched.prefilling = [NS(job=NS(priority=0), prep=NS(model_tokens=[1, 2]), start=0, pos=-1, follows=None,
                            queued_at=1.0, live=NS(depth=0))]
-    plan = sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=cheap, **flight))
+    plan = sched.schedule(InFlight(step_s=cheap, **flight))
     assert plan.urgent == 0 and plan.preempt == ()           # steps of 5 cost what one does: all stay
     # the costs drift mid-way: the choice made when the urgent request came stands (no flapping)
-    assert sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight)).preempt == ()
+    assert sched.schedule(InFlight(step_s=dear, **flight)).preempt == ()
     sched.prefilling = []
-    sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight))    # it is done
+    sched.schedule(InFlight(step_s=dear, **flight))    # it is done
     sched.prefilling = [NS(job=NS(priority=0), prep=NS(model_tokens=[1, 2]), start=0, pos=-1, follows=None,
                            queued_at=1.0, live=NS(depth=0))]
-    plan = sched.schedule(lambda r: False, lambda r: False, InFlight(step_s=dear, **flight))
+    plan = sched.schedule(InFlight(step_s=dear, **flight))
     assert len(plan.preempt) == 4                            # the next urgent request: chosen anew
 
 

@@ -101,6 +101,43 @@ def test_stall_is_reported_only_while_work_waits():
         worker.stop()
 
 
+def test_the_runners_checks_between_forwards_are_progress():
+    """A long prompt alone makes no step for a while: the runner's hang-up checks between its
+    forwards (runner/rows.py ``halted``, data the worker reads) keep the stall check quiet; once
+    they stop too, the stall is reported."""
+    from types import SimpleNamespace
+
+    from mlxstack.runner.rows import RunnerContext, halted
+
+    ctx = RunnerContext(model=None, decode_model=None, layout=None, kv_quant=None, speculation=None, counters=None)
+    row = SimpleNamespace(deadline=None, watchdog=False, job=SimpleNamespace(is_cancelled=lambda: False))
+    worker = InferenceWorker(max_queued=16)
+    worker.runner = ctx
+    worker.start()
+    checking, gate = threading.Event(), threading.Event()
+
+    def long_prefill() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert halted(ctx, row) is False
+            checking.set()
+            time.sleep(0.01)
+        gate.wait(30)
+
+    try:
+        worker.submit(long_prefill)
+        assert checking.wait(10)
+        time.sleep(1.0)                                       # twice the limit, checks every 10 ms
+        assert worker.health_problem(0.5) is None
+        time.sleep(1.5)                                       # the checks stopped a second ago
+        assert "stalled: no progress for" in worker.health_problem(0.5)
+        row.deadline = ctx.clock() - 1.0                      # a passed deadline: halted, and why
+        assert halted(ctx, row) is True and row.watchdog is True
+    finally:
+        gate.set()
+        worker.stop()
+
+
 # ------------------------------------------------------------------------------ /health
 def test_health_reports_a_dead_inference_thread_and_requests_never_hang(tiny_dense_path):
     server = LiveServer(engine_settings(tiny_dense_path, max_concurrent_sequences=4))

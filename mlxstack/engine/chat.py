@@ -68,14 +68,20 @@ class ChatEngine(PromptAssembly, TurnFinish):
         # ids the tokenizer can decode: a padded logits width (Gemma 3: 262,208 vs 262,145 tokens)
         # is never sampled past it -- mlx-lm's detokenizers index their token map unchecked
         self.token_count = tokenizer_size(loaded.tokenizer)
-        self.progress: Callable[[], None] = lambda: None   # the worker's heartbeat (engine/worker.py)
-        # what watchdog deadlines are read against: several ranks read rank 0's time as of the
-        # step (engine/lockstep.py), so a deadline fires at the same step on every rank
-        self.clock: Callable[[], float] = time.perf_counter
         self.speculation = Speculation(settings, vlm=bool(getattr(loaded, "is_vlm", False)), draft=draft)
         state.kv.cache_model = loaded.model   # a miss checks out this model's empty caches
         self.alone: Any = None            # engine/core.py EngineCore of one slot: ``run`` (factory.py)
         self.runner = self.runner_context()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """What watchdog deadlines are read against (the runner's, runner/rows.py ``halted``):
+        several ranks read rank 0's time as of the step (engine/lockstep.py sets it)."""
+        return self.runner.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.runner.clock = clock
 
     def runner_context(self) -> RunnerContext:
         """What the runner knows of this model (plain data: runner/rows.py)."""
@@ -246,15 +252,6 @@ class ChatEngine(PromptAssembly, TurnFinish):
             raise ValueError(f"logit_bias token id {outside[0]} is outside the tokenizer's vocabulary "
                              f"(0..{self.token_count - 1})")
         return bias or None
-
-    def _should_stop(self, seq: Request) -> Callable[[], bool]:
-        def should_stop() -> bool:   # asked between prefill chunks and decode tokens: progress
-            self.progress()
-            if seq.deadline is not None and self.clock() > seq.deadline:
-                seq.watchdog = True
-                return True
-            return seq.job.is_cancelled()
-        return should_stop
 
     def run(self, job: ChatJob) -> ChatOutcome:
         """The whole request on the calling (inference) thread, through this engine's own engine

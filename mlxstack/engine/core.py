@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from ..cache.manager import KVManager
 from ..runner.batch import DecodeGroup, GroupReset
-from ..runner.rows import Verdict
+from ..runner.rows import Verdict, halted
 from ..runner.batch_prefill import feed_together, holds_prefixed, prefill_together
 from ..runner.prefill import feed_deferred, prefill_chunk
 from .chat import ChatEngine, ChatJob, ChatOutcome, Request
@@ -356,7 +356,7 @@ class EngineCore:
     def step(self) -> None:
         self._unpark()
         self.scheduler.aging_s = self.policy.aging_s if self.prioritised else None
-        plan = self.scheduler.schedule(self._stopped, self._prefixed, self._flight())
+        plan = self.scheduler.schedule(self._flight())
         self._move_rows(plan)
         if plan.short:
             self._prefill_short(list(plan.short))
@@ -384,7 +384,10 @@ class EngineCore:
     def _flight(self) -> InFlight:
         """What the scheduler reads of the requests in flight (plain lists, scheduler/plan.py)."""
         prioritised = self.prioritised
-        return InFlight(decoding=tuple(self.group.seqs), preempted=tuple(self.preempted),
+        heard = self.scheduler.hearing(self.preempted)
+        return InFlight(stopped=frozenset(id(s) for s in heard if self._stopped(s)),
+                        prefixed=frozenset(id(s) for s in self.scheduler.prefilling if self._prefixed(s)),
+                        decoding=tuple(self.group.seqs), preempted=tuple(self.preempted),
                         parked=tuple(self.waiting_memory), max_rows=self.max_sequences,
                         prioritised=prioritised, beside=self.policy.beside, aging_s=self.policy.aging_s,
                         share=self.policy.share,
@@ -482,7 +485,7 @@ class EngineCore:
         return verdicts, failed
 
     def _stopped(self, seq: Request) -> bool:
-        return self.engine._should_stop(seq)()
+        return halted(self.engine.runner, seq)
 
     @staticmethod
     def _prefixed(seq: Request) -> bool:
@@ -492,8 +495,7 @@ class EngineCore:
         """One chunk of one request's prompt; it joins the batch once its prompt is fed."""
         seq = plan.prefill
         try:
-            done = prefill_chunk(self.engine.runner, seq, plan.budget,
-                                 self.group.batching and not seq.job.prefill_only, self.engine._should_stop(seq))
+            done = prefill_chunk(self.engine.runner, seq, plan.budget, self.group.batching and not seq.job.prefill_only)
         except Exception as exc:  # noqa: BLE001 - this request only
             self.scheduler.drop(seq)
             self._fail(seq, exc)

@@ -76,6 +76,7 @@ class InferenceWorker:
         self._thread = threading.Thread(target=self._run, name="mlx-inference", daemon=True)
         self._busy = threading.Event()
         self.core: Any = None                # set once the model is loaded (App)
+        self.runner: Any = None              # its runner/rows.py RunnerContext: ``heard`` is progress too
         self.run_chat: Callable[[Any], Any] | None = None   # engine.run, when no scheduler
         self._backlog: list[tuple[_Chat, Future]] = []
         self.death: str | None = None             # why the thread died ("ExcType: message")
@@ -92,8 +93,9 @@ class InferenceWorker:
         self._thread.start()
 
     def beat(self) -> None:
-        """Progress: called after every step and job, and by the engine between prefill chunks and
-        decode tokens (ChatEngine.progress), so a long request alone still shows it is alive."""
+        """Progress: called after every step and job; the runner's checks between a prompt's
+        forwards and decode steps count too (``runner.heard``), so a long request alone still
+        shows it is alive."""
         self._beat = time.monotonic()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -134,7 +136,7 @@ class InferenceWorker:
             return None
         sched = self.core
         pending = self._waiting + (sched.active if sched is not None else 0) + int(self.busy)   # backlog: in _waiting
-        quiet = time.monotonic() - self._beat
+        quiet = time.monotonic() - max(self._beat, self.runner.heard if self.runner is not None else 0.0)
         if pending and quiet > stall_seconds:
             return (f"inference thread stalled: no progress for {quiet:.0f}s with {pending} request(s) waiting "
                     f"or in flight (INFERENCE_STALL_SECONDS={stall_seconds:g})")

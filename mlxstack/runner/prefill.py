@@ -1,29 +1,28 @@
 """A request's prompt into its live cache: one chunk a step for a text model, or the rest in one
 call of the backend's own prefill (a VLM: embeddings and positions, runner/vlm.py ``WholePrefill``).
 
-    done = prefill_chunk(ctx, row, budget, defer_last, stop)   # True once the prompt is fed or abandoned
+    done = prefill_chunk(ctx, row, budget, defer_last)   # True once the prompt is fed or abandoned
     feed_deferred(ctx, row)          # a deferred last prompt token, fed now (a row that will not decode)
 
 The engine core calls these with the step's plan (scheduler/plan.py: which request, how many
 tokens); they never call the engine. Of a row (engine/request.py ``Request``) they read its
 prompt's model tokens, ``start``, ``checkpoints`` and ``stops``, and advance what the prefill owns:
 ``live``, ``pos``, ``logits``, ``snapshots`` (the KV at each checkpoint: cache/kv_ops.py
-``capture``), ``prefill_aborted`` and ``decode_model``. ``stop`` is the request's hang-up and
-watchdog check, heard between a chunk's forwards too (LESSONS 90): the chunk stops there and the
-request ends with what it computed (engine/finish.py salvage).
+``capture``), ``prefill_aborted`` and ``decode_model``. The request's hang-up and watchdog
+(runner/rows.py ``halted``: data) are heard between a chunk's forwards too (LESSONS 90): the chunk
+stops there and the request ends with what it computed (engine/finish.py salvage).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 from ..cache.kv_ops import capture
 from ..config import faults
 from .generate import Aborted, feed, folds, last_logits
-from .rows import Row, RunnerContext
+from .rows import Row, RunnerContext, halted
 
 
-def prefill_chunk(ctx: RunnerContext, seq: Row, budget: int, defer_last: bool,
-                  stop: Callable[[], bool]) -> bool:
+def prefill_chunk(ctx: RunnerContext, seq: Row, budget: int, defer_last: bool) -> bool:
     """Feed up to ``budget`` more prompt tokens (stopping at checkpoints, which are captured);
     True once the prompt is done (``seq.logits`` set) or the request was abandoned between
     chunks (``seq.prefill_aborted``). A short rest (runner/generate ``folds``) is fed with the last
@@ -31,6 +30,10 @@ def prefill_chunk(ctx: RunnerContext, seq: Row, budget: int, defer_last: bool,
     batched decode step (``seq.logits`` stays None, ``seq.pos`` is ``n - 1``)."""
     tokens = seq.prep.model_tokens
     n = len(tokens)
+
+    def stop() -> bool:
+        return halted(ctx, seq)
+
     if seq.pos < 0:
         seq.pos = seq.start
     elif stop():
@@ -67,7 +70,7 @@ def prefill_chunk(ctx: RunnerContext, seq: Row, budget: int, defer_last: bool,
     return False
 
 
-def _whole(ctx: RunnerContext, seq: Row, stop: Callable[[], bool]) -> bool:
+def _whole(ctx: RunnerContext, seq: Row, stop: Any) -> bool:
     """The rest of the prompt in one call of the backend's own prefill (``ctx.whole_prefill``),
     checkpoints captured on the way; the row then decodes through the module that prefill set up
     (``decode_model``: a VLM's language model with the prompt's position delta)."""

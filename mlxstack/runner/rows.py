@@ -10,6 +10,7 @@ back (``Verdict``).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,10 @@ class RunnerContext:
     rank_group: Any = None         # several ranks: the MLX group every decision is agreed over
     replicated: bool = False       # ranks in lockstep (set when the ranks join: engine/lockstep.py bind)
     memo: dict = field(default_factory=dict)          # load-time checks, answered once
+    # what watchdog deadlines are read against: several ranks read rank 0's time as of the step
+    # (engine/lockstep.py sets it), so a deadline fires at the same step on every rank
+    clock: Callable[[], float] = time.perf_counter
+    heard: float = 0.0             # time.monotonic() of the last check between forwards (the stall watchdog reads it)
 
     def new_cache(self) -> Any:
         """A fresh LiveCache for the model (the KV quantisation policy with it)."""
@@ -42,6 +47,17 @@ class RunnerContext:
         from ..cache.kv_ops import LiveCache
 
         return LiveCache(make_prompt_cache(self.model), 0, self.kv_quant)
+
+
+def halted(ctx: RunnerContext, seq: Row) -> bool:
+    """Whether ``seq`` must stop now, read from data: its watchdog deadline against the context's
+    clock (``seq.watchdog`` records why), else its job's hang-up probe. Asked between a prompt's
+    forwards and between decode steps (LESSONS 90); each ask is progress (``ctx.heard``)."""
+    ctx.heard = time.monotonic()
+    if seq.deadline is not None and ctx.clock() > seq.deadline:
+        seq.watchdog = True
+        return True
+    return seq.job.is_cancelled()
 
 
 def context_of(owner: Any) -> RunnerContext:

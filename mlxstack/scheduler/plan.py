@@ -3,7 +3,7 @@ how -- decided on plain data.
 
     sched = Scheduler(prefill_budget=512, prefills_together=True)
     sched.enter(req)                                   # started and admitted: waits to prefill
-    plan = sched.schedule(stopped, prefixed, InFlight(decoding=..., preempted=..., ...))   # -> StepPlan
+    plan = sched.schedule(InFlight(decoding=..., preempted=..., stopped=..., ...))   # -> StepPlan
     ... the engine core applies the plan's row moves, has the runner execute the rest, then:
     sched.drop(req)                                    # its prefill finished or failed
 
@@ -25,16 +25,17 @@ for every row of the batch (the runner's decode group).
 A request is the engine's (engine/request.py), read here only for plain facts: its prompt
 tokens, checkout depth ``start``, prefill position ``pos``, whether it ``follows`` a leader's
 shared prefill, whether its job is ``prefill_only``, its job's ``priority`` and when it was
-queued (``queued_at``, perf_counter seconds). What needs the engine -- whether it was
-abandoned (``stopped``), whether its cache holds a prefix by reference (``prefixed``: such rows
-batch only on slab layers, which need every row to hold a token already) -- comes as callbacks.
+queued (``queued_at``, perf_counter seconds). What needs the engine comes as data in ``InFlight``:
+the ids of the requests that were abandoned (``stopped``: a hang-up or the watchdog, heard of the
+requests ``hearing`` names) and of those whose cache holds a prefix by reference (``prefixed``: such
+rows batch only on slab layers, which need every row to hold a token already). The scheduler calls
+nothing: a plan is a function of its state and that data.
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .policy import choose_short, next_round_robin, remaining, shortest_fitting
 from .priority import beside_rows, effective, movable, to_preempt, to_resume
@@ -53,7 +54,9 @@ class InFlight:
     share: float = 0.0                # PRIORITY_DECODE_SHARE: more while measured steps keep its speed (priority.py)
     step_s: tuple[float | None, ...] = ()   # [m - 1]: a decode step of m members, measured here (None: never)
     aging_s: float = 30.0             # PRIORITY_AGING_SECONDS
-    now: float = 0.0                  # perf_counter seconds (preempted_at is read against it)
+    now: float = 0.0                  # perf_counter seconds (preempted_at, queued_at are read against it)
+    stopped: frozenset[int] = frozenset()    # ids of requests abandoned (of those ``hearing`` names)
+    prefixed: frozenset[int] = frozenset()   # ids of waiting requests whose cache holds a prefix by reference
 
 
 @dataclass(frozen=True)
@@ -103,11 +106,19 @@ class Scheduler:
         self._rr, self._short_last = -1, False
         self._urgent, self._beside = None, 0
 
-    def schedule(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool],
-                 flight: InFlight = InFlight()) -> StepPlan:
+    def hearing(self, preempted: tuple[Any, ...] | list[Any] = ()) -> list[Any]:
+        """The requests whose hang-up (or watchdog) a plan reads (``InFlight.stopped``): those
+        whose prompt has started feeding, and the preempted rows."""
+        return [r for r in self.prefilling if r.pos >= 0] + list(preempted)
+
+    def schedule(self, flight: InFlight = InFlight()) -> StepPlan:
         self.steps += 1
+
+        def stopped(r: Any) -> bool:
+            return id(r) in flight.stopped
+
         rows = self._rows(stopped, flight)
-        short = self._short_batch(stopped, prefixed)
+        short = self._short_batch(stopped, lambda r: id(r) in flight.prefixed, flight.now)
         if len(short) >= 2:
             self._short_last = True
             self.short_batches += 1
@@ -115,11 +126,11 @@ class Scheduler:
             self._rr = -1
             return StepPlan(self.steps, short=tuple(short), budget=self.prefill_budget, **rows)
         if self.prefilling:
-            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill()], budget=self.prefill_budget,
+            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill(flight.now)], budget=self.prefill_budget,
                             **rows)
         return StepPlan(self.steps, **rows)
 
-    def _rows(self, stopped: Callable[[Any], bool], f: InFlight) -> dict[str, Any]:
+    def _rows(self, stopped: Any, f: InFlight) -> dict[str, Any]:
         """The plan's row moves (scheduler/priority.py): which preempted rows end, which decode
         rows leave, which preempted rows come back."""
         if not f.preempted and not f.prioritised:
@@ -146,12 +157,12 @@ class Scheduler:
                          beside if f.prioritised else f.max_rows, free, f.aging_s)
         return {"end": end, "preempt": preempt, "resume": tuple(waiting[i][0] for i in back), "urgent": urgent}
 
-    def _short_batch(self, stopped: Callable[[Any], bool], prefixed: Callable[[Any], bool]) -> list[Any]:
+    def _short_batch(self, stopped: Any, prefixed: Any, now: float) -> list[Any]:
         """Waiting requests whose whole remainders fit one padded batch within the budget (a long
         prompt still waiting gets the next step)."""
         if not self.prefills_together or len(self.prefilling) < 2:
             return []
-        top = self._top()
+        top = self._top(now)
         cands = [r for r in top if r.follows is None
                  and not r.job.prefill_only and not (r.pos >= 0 and stopped(r))]
         if any(prefixed(r) for r in cands):        # slab rows: an empty one cannot be placed,
@@ -166,22 +177,21 @@ class Scheduler:
         return math.floor(effective(getattr(req.job, "priority", 0), now - getattr(req, "queued_at", now),
                                     self.aging_s or 0.0) + 1e-9)
 
-    def _top(self) -> list[Any]:
+    def _top(self, now: float) -> list[Any]:
         """The waiting requests the rules choose among: all of them, or with priorities the most
-        urgent level's."""
+        urgent level's (aged as of ``now``)."""
         if self.aging_s is None or len(self.prefilling) < 2:
             return self.prefilling
-        now = time.perf_counter()
         levels = [self._level(r, now) for r in self.prefilling]
         best = min(levels)
         return [r for r, lv in zip(self.prefilling, levels) if lv == best]
 
-    def _next_prefill(self) -> int:
+    def _next_prefill(self, now: float) -> int:
         """Which waiting request gets this step's prefill chunk: one whose whole remainder fits in
         the chunk goes before a longer one, but never twice in a row while a longer one waits;
         otherwise round-robin, skipping a request that waits for its leader (among the most urgent
         level's with priorities: the first of them not following a leader)."""
-        top = self._top()
+        top = self._top(now)
         if len(top) < len(self.prefilling):
             idx = [i for i, r in enumerate(self.prefilling) if any(r is t for t in top)]
             fits = shortest_fitting([0 if self.prefilling[i].follows else left(self.prefilling[i]) for i in idx],

@@ -75,7 +75,7 @@ class App:
         """Chat jobs run by the engine core (engine/factory.py ``make_core``), or one at a time on
         the worker (VLMs)."""
         self.worker.run_chat = engine.run
-        engine.progress = self.worker.beat   # between prefill chunks and tokens: the stall watchdog
+        self.worker.runner = engine.runner   # its checks between forwards: progress for the stall watchdog
         self.worker.core, line = make_core(engine, self.settings)
         log.info("%s", line)
 
