@@ -511,7 +511,8 @@ class EngineCore:
         holds (a prefix checked out by reference is counted there); the draft model's stored
         caches count too."""
         draft = self.engine.speculation.draft
-        self.engine.state.live_kv_bytes = live_bytes(self, self._tier_arrays()) \
+        others = [*self.scheduler.prefilling, *self.closing, *self.preempted]
+        self.engine.state.live_kv_bytes = live_bytes(self.group, others, self._tier_arrays()) \
             + (draft.store.nbytes if draft is not None else 0)
 
     def _tier_arrays(self) -> dict[int, int]:
@@ -519,7 +520,7 @@ class EngineCore:
         held = self.engine.state.kv.held()
         key = tuple((e.entry_id, id(p)) for e, p in held)
         if key != self._tier_key:
-            self._tier_key, self._tier_ids = key, resident_arrays(p for _, p in held)
+            self._tier_key, self._tier_ids = key, resident_arrays([p for _, p in held])
         return self._tier_ids
 
     def recover(self, exc: BaseException) -> int:

@@ -7,6 +7,7 @@ the prepared prompt, the in-flight sequence (cache, prefill and decode state), t
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -56,7 +57,10 @@ class ChatJob:
     body: dict
     headers: dict[str, str]
     emit: Callable[[str], None]                  # text deltas, in order
-    is_cancelled: Callable[[], bool] = lambda: False
+    # the submitter's hang-up probe (server/common/job_adapter.py polls the client's socket), asked
+    # by the runner between forwards; a job nobody can cancel gets an event nobody sets (a probe
+    # that is data, not a function of the engine's: tests/test_boundaries.py)
+    is_cancelled: Callable[[], bool] = threading.Event().is_set
     on_prompt: Callable[["PromptReady"], None] = lambda _p: None
     tool_choice: str | dict | None = None        # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: bool = True             # false: at most one call (anthropic disable_parallel_tool_use)

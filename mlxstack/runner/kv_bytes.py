@@ -1,7 +1,7 @@
 """KV / state bytes resident in RAM for the requests in flight, each array counted once.
 
     n = resident_bytes([slab_layers, seq.live.layers, ...])   # unique mx arrays, allocated size
-    n = live_bytes(scheduler)                                  # every row, prefill and draft cache
+    n = live_bytes(group, others)          # the decode group's rows and slabs, the other requests in flight
 
 What the ``mlxstack_kv_bytes`` gauge adds to the RAM cache tier: a batch's slab (one array per
 layer for all of its rows: counted once, not once per row), the caches of rows that decode on
@@ -78,15 +78,13 @@ def resident_bytes(objects: Iterable[Any], besides: Collection[int] = ()) -> int
     return sum(n for i, n in resident_arrays(objects).items() if i not in besides)
 
 
-def live_bytes(scheduler: Any, besides: Collection[int] = ()) -> int:
-    """Everything the scheduler's requests hold right now (the decode group's slab and rows,
-    prompts in prefill with their snapshots, replied turns waiting to be closed, preempted rows
-    (a batch set aside whole among them),
-    the rows' draft model caches), each array once, less the arrays in ``besides`` (the RAM tier's)."""
-    group = scheduler.group
+def live_bytes(group: Any, others: Iterable[Any] = (), besides: Collection[int] = ()) -> int:
+    """Everything the requests in flight hold right now -- the decode group's slab and rows (a
+    batch set aside whole among them: runner/batch.py DecodeGroup) and ``others`` (prompts in
+    prefill with their snapshots, replied turns waiting to be closed, preempted rows), with the
+    rows' draft model caches -- each array once, less the arrays in ``besides`` (the RAM tier's)."""
     objects: list[Any] = [group.slab, group.paused_slab]
-    for seq in list(group.seqs) + list(scheduler.prefilling) + list(getattr(scheduler, "closing", ())) \
-            + list(getattr(scheduler, "preempted", ())):
+    for seq in [*group.seqs, *others]:
         objects.append(seq.live)
         objects.append(seq.snapshots)
         drafter = getattr(seq.spec, "drafter", None)
