@@ -260,6 +260,7 @@ class Harness:
         self.stats.preemptions += sched.preemptions
         self.stats.features |= {name for name, n in (("shared-prefill", sched.shared_prefills),
                                                      ("preempted", sched.preemptions),
+                                                     ("set-aside", sched.group.pauses),
                                                      ("paused-whole", sched.group.unpaused),
                                                      ("parked", sched.parked_total),
                                                      ("batched", sched.batch_peak > 1),

@@ -168,11 +168,13 @@ class Fuzz(RuleBasedStateMachine):
         req.origin = req.origin.split("+hangup")[0] + f"+hangup-{when}"
 
     @precondition(lambda self: len(self.queue) >= 2)
-    @rule(which=st.integers(0, 99), arrive=st.integers(0, 8))
+    @rule(which=st.integers(0, 99), arrive=st.integers(0, 24))
     def urgent(self, which: int, arrive: int) -> None:
-        """The queued requests become background work (priority 1) but one: the user's own turn,
-        arriving ``arrive`` scheduler steps into the wave -- it preempts less urgent rows when the
-        batch is full and decodes beside as many as the wave allows (harness: 0, 1, 2)."""
+        """The wave's requests become background work (priority 1; those queued after it too, in
+        ``wave``) but one: the user's own turn,
+        arriving ``arrive`` scheduler steps into the wave (mid-prefill, or once the others decode)
+        -- it preempts less urgent rows when the batch is full and decodes beside as many as the
+        wave allows (harness: 0, 1, 2; with none beside a decoding batch is set aside whole)."""
         req = self.queue[which % len(self.queue)]
         for other in self.queue:
             other.priority = 1
@@ -183,6 +185,11 @@ class Fuzz(RuleBasedStateMachine):
     @rule()
     def wave(self) -> None:
         queued, self.queue = self.queue, []
+        user = next((r for r in queued if "+urgent" in r.origin and r.priority == 0), None)
+        if user is not None:
+            for r in queued:      # queued after the urgent rule too: background work of the same wave
+                if r is not user:
+                    r.priority = 1
         self.waves_since_restart += 1
         served = self.h.run(queued)
         for s in served:
