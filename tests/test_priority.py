@@ -470,3 +470,25 @@ def test_an_urgent_request_overtakes_one_parked_for_memory_and_every_reply_is_wh
     drv.until_idle()
     assert [fa.result().raw_text, fb.result().raw_text] == [alone["a"].raw_text, alone["b"].raw_text]
     assert core.parked_total == 1 and core.waiting_memory == [] and core.preemptions == 0
+
+
+@pytest.mark.parametrize("prioritised", [True, False])
+def test_the_users_entry_outlives_its_sub_agents_under_the_entry_limit(dense, prioritised):
+    """The user's turn (priority 0) is stored first, then three sub-agents' turns (priority 1) on a
+    cache of three entries: with priorities a sub-agent's entry makes room and the user's next
+    turn reuses its whole first prompt; without them the user's entry, the oldest, went first."""
+    eng = build_engine(engine_settings(dense, prompt_cache_max_entries_global=3,
+                                       priority_scheduling=prioritised))
+    first = _job("The user's own question about the build.", 0, 4, session="user")
+    out = eng.run(first)
+    for i in range(3):
+        eng.run(_job(f"Sub-agent task number {i}: survey a module.", 1, 4, session=f"agent{i}"))
+    kept = sorted(e.session_id for e in eng.state.kv.index.entries())
+    assert len(kept) == 3
+    assert ("user" in kept) is prioritised, kept
+    again, _ = job([{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "The user's own question about the build."},
+                    {"role": "assistant", "content": out.raw_text}, {"role": "user", "content": "And then?"}],
+                   max_tokens=4, session="user")
+    reused = eng.run(again).cached_tokens
+    assert (reused >= out.prompt_tokens) is prioritised, (reused, out.prompt_tokens)

@@ -155,6 +155,31 @@ def test_eviction_order_by_cost_score():
     assert {e.entry_id for e in c.entries()} == {e2.entry_id, e3.entry_id, e4.entry_id + 1}
 
 
+
+def test_a_less_urgent_requests_entries_leave_ram_before_a_more_urgent_ones_whatever_their_score():
+    """The user's own turn (priority 0) stored first, its sub-agents' turns (priority 1) after it:
+    under the count limit the sub-agents' entries go, the oldest-scored first, and the user's
+    stays though its score is the worst; among equals the score decides as before; a superseded
+    entry goes before any live one."""
+    clock = Clock()
+    c = make(clock, max_entries=3)
+    user = put(c, toks(8, 100), priority=0)
+    clock.t += 50
+    a = put(c, toks(64, 200), priority=1)
+    clock.t += 10
+    b = put(c, toks(64, 300), priority=1)
+    clock.t += 10
+    x = put(c, toks(64, 400), priority=1)      # one over: a sub-agent's goes (a: the older of them)
+    clock.t += 10
+    y = put(c, toks(64, 500), priority=1)      # then b
+    count = [eid for eid, why in c.eviction_log if why == "count"]
+    assert count == [a.entry_id, b.entry_id]
+    assert c.score(user, clock.t) > max(c.score(e, clock.t) for e in (x, y))   # kept by urgency, not score
+    assert {e.entry_id for e in c.entries()} == {user.entry_id, x.entry_id, y.entry_id}
+    turn = put(c, toks(8, 100) + toks(8, 900), priority=0)   # the user's next turn supersedes its first
+    assert [eid for eid, why in c.eviction_log if why == "count"] == count + [user.entry_id]
+    assert {e.entry_id for e in c.entries()} == {x.entry_id, y.entry_id, turn.entry_id}
+
 def test_score_is_finite_for_never_hit_entries():
     c = make()
     e = put(c, toks(8))

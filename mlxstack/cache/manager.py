@@ -223,9 +223,10 @@ class KVManager:
 
     def store(self, key: list[int], tokens: list[int], state: KVState, *, pool: str, session_id: str,
               parent: str | None, ttl: float | None, inserted: list[int], fault: str | None = None,
-              scope: str = "", turn: int | None = None) -> CacheEntry | None:
+              scope: str = "", turn: int | None = None, priority: int = 0) -> CacheEntry | None:
         """Insert ``state`` under ``key`` (the index may decline: None), record it in its session
-        and write it through to disk; ``turn``: the request's (``new_turn()``), None: its own.
+        and write it through to disk; ``turn``: the request's (``new_turn()``), None: its own;
+        ``priority``: the request's (lower first; the less urgent entries leave RAM first).
         The entry's id goes into ``inserted`` as soon as it exists,
         so a caller storing several can remove them all when a later step fails (all or nothing);
         ``fault`` names the request at the test fault point between insert and record. With
@@ -236,7 +237,8 @@ class KVManager:
                             nbytes=sum(s.nbytes for s in layers))
             eval_state(layers)         # the codes materialised: the float arrays' graph is not kept
         entry = self.index.insert(key, tokens, state, nbytes=self.group_bytes(state.nbytes), floor=state.floor,
-                                  pool=pool, session_id=session_id, ttl=ttl, scope=scope, turn=turn)
+                                  pool=pool, session_id=session_id, ttl=ttl, scope=scope, turn=turn,
+                                  priority=priority)
         if entry is None:
             return None
         inserted.append(entry.entry_id)

@@ -75,6 +75,7 @@ class CacheEntry:
     disk_id: int | None = None  # its copy on the disk tier (written through or spilled)
     ttl: float | None = None    # its own idle lifetime (a client's breakpoint ttl); None: the pool's
     scope: str = ""             # the cache scope it was stored in (tenant + cache_salt): served in it only
+    priority: int = 0           # the storing request's priority (lower: more urgent): the less urgent leave RAM first
 
     @property
     def depth(self) -> int:
@@ -264,10 +265,11 @@ class PromptCache:
         ttl: float | None = None,
         scope: str = "",
         turn: int | None = None,
+        priority: int = 0,
     ) -> CacheEntry | None:
         """Store an entry in ``scope``; ``ttl``: its own idle lifetime (cache/lifetimes.py), else its
         pool's; ``turn``: the request's (``new_turn()``: a request's turn entry and its snapshots
-        share one), None: a turn of its own."""
+        share one), None: a turn of its own; ``priority``: the storing request's (``_victim``)."""
         if not self.enabled or self._limits[pool].max_entries <= 0:
             return None
         with self._lock:
@@ -282,7 +284,7 @@ class PromptCache:
                 entry_id=self._next_id, key_tokens=key, model_tokens=model,
                 block_hashes=self.hashes(key, scope), payload=payload, nbytes=int(nbytes),
                 floor=min(int(floor), len(model)), pool=pool, session_id=session_id, created=now, last_used=now,
-                ttl=ttl, scope=scope, turn=self.new_turn() if turn is None else int(turn),
+                ttl=ttl, scope=scope, turn=self.new_turn() if turn is None else int(turn), priority=int(priority),
             )
             self._next_id += 1
             self._entries[entry.entry_id] = entry
@@ -473,7 +475,9 @@ class PromptCache:
                         and e.entry_id not in keep]
         if not pool_entries:
             return None
-        return max(pool_entries, key=lambda e: (e.superseded, e.stale, self.score(e, now), -e.entry_id))
+        # superseded, then stale, then the least urgent requests' entries (a user's own session
+        # outlives its sub-agents' under one count or byte limit: LESSONS 95), then the score
+        return max(pool_entries, key=lambda e: (e.superseded, e.stale, e.priority, self.score(e, now), -e.entry_id))
 
     def _can_hold(self, pool: str, nbytes: int) -> bool:
         """Whether RAM can ever hold an entry of ``nbytes`` in ``pool`` (the limits, not the load)."""

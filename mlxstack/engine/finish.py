@@ -414,11 +414,14 @@ class TurnFinish:
         ttl = max(self.lifetime(a) for a in asked) if any(a is not None for a in asked) else None
         scope = seq.job.scope
         turn = st.kv.new_turn()   # the turn's entry and its snapshots: one turn (the eviction order)
+        # with priorities, a less urgent request's entries leave RAM first (LESSONS 95); several
+        # ranks evict alike without them (each rank's job carries what rank 0 sent)
+        urgency = int(getattr(seq.job, "priority", 0)) if self.settings.priority_scheduling and not st.replicated else 0
         st.kv.store(key, all_model[:depth], state, pool=POOL_KV, session_id=session_id, parent=parent, ttl=ttl,
-                    inserted=inserted, fault=seq.job.request_id, scope=scope, turn=turn)
+                    inserted=inserted, fault=seq.job.request_id, scope=scope, turn=turn, priority=urgency)
         for snap in seq.snapshots:
             if state.can_serve(snap.depth):
                 continue  # the turn's own entry serves this depth: no copy needed
             st.kv.store(self.key_prefix(prep, snap.depth), prep.model_tokens[:snap.depth], snap, pool=POOL_SNAPSHOT,
                         session_id=session_id, parent=parent, ttl=seq.lifetimes.get(snap.depth), inserted=inserted,
-                        scope=scope, turn=turn)
+                        scope=scope, turn=turn, priority=urgency)
