@@ -164,14 +164,11 @@ def test_a_less_urgent_requests_entries_leave_ram_before_a_more_urgent_ones_what
     clock = Clock()
     c = make(clock, max_entries=3)
     user = put(c, toks(8, 100), priority=0)
-    clock.t += 50
-    a = put(c, toks(64, 200), priority=1)
-    clock.t += 10
-    b = put(c, toks(64, 300), priority=1)
-    clock.t += 10
-    x = put(c, toks(64, 400), priority=1)      # one over: a sub-agent's goes (a: the older of them)
-    clock.t += 10
-    y = put(c, toks(64, 500), priority=1)      # then b
+    agents = []
+    for start in (200, 300, 400, 500):    # the third over the limit: a sub-agent's goes, the older first
+        clock.t += 50 if start == 200 else 10
+        agents.append(put(c, toks(64, start), priority=1))
+    a, b, x, y = agents
     count = [eid for eid, why in c.eviction_log if why == "count"]
     assert count == [a.entry_id, b.entry_id]
     assert c.score(user, clock.t) > max(c.score(e, clock.t) for e in (x, y))   # kept by urgency, not score
@@ -179,6 +176,7 @@ def test_a_less_urgent_requests_entries_leave_ram_before_a_more_urgent_ones_what
     turn = put(c, toks(8, 100) + toks(8, 900), priority=0)   # the user's next turn supersedes its first
     assert [eid for eid, why in c.eviction_log if why == "count"] == count + [user.entry_id]
     assert {e.entry_id for e in c.entries()} == {x.entry_id, y.entry_id, turn.entry_id}
+
 
 def test_score_is_finite_for_never_hit_entries():
     c = make()
