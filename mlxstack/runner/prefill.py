@@ -14,7 +14,7 @@ stops there and the request ends with what it computed (engine/finish.py salvage
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 from ..cache.kv_ops import capture
 from ..config import faults
@@ -70,7 +70,7 @@ def prefill_chunk(ctx: RunnerContext, seq: Row, budget: int, defer_last: bool) -
     return False
 
 
-def _whole(ctx: RunnerContext, seq: Row, stop: Any) -> bool:
+def _whole(ctx: RunnerContext, seq: Row, stop: Callable[[], bool]) -> bool:
     """The rest of the prompt in one call of the backend's own prefill (``ctx.whole_prefill``),
     checkpoints captured on the way; the row then decodes through the module that prefill set up
     (``decode_model``: a VLM's language model with the prompt's position delta)."""

@@ -113,12 +113,8 @@ class Scheduler:
 
     def schedule(self, flight: InFlight = InFlight()) -> StepPlan:
         self.steps += 1
-
-        def stopped(r: Any) -> bool:
-            return id(r) in flight.stopped
-
-        rows = self._rows(stopped, flight)
-        short = self._short_batch(stopped, lambda r: id(r) in flight.prefixed, flight.now)
+        rows = self._rows(flight)
+        short = self._short_batch(flight)
         if len(short) >= 2:
             self._short_last = True
             self.short_batches += 1
@@ -126,16 +122,16 @@ class Scheduler:
             self._rr = -1
             return StepPlan(self.steps, short=tuple(short), budget=self.prefill_budget, **rows)
         if self.prefilling:
-            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill(flight.now)], budget=self.prefill_budget,
-                            **rows)
+            return StepPlan(self.steps, prefill=self.prefilling[self._next_prefill(flight.now)],
+                            budget=self.prefill_budget, **rows)
         return StepPlan(self.steps, **rows)
 
-    def _rows(self, stopped: Any, f: InFlight) -> dict[str, Any]:
+    def _rows(self, f: InFlight) -> dict[str, Any]:
         """The plan's row moves (scheduler/priority.py): which preempted rows end, which decode
         rows leave, which preempted rows come back."""
         if not f.preempted and not f.prioritised:
             return {}
-        end = tuple(s for s in f.preempted if stopped(s))
+        end = tuple(s for s in f.preempted if id(s) in f.stopped)
         urgent = min((s.job.priority for s in (*self.prefilling, *f.decoding, *f.parked)), default=None) \
             if f.prioritised else None
         if urgent != self._urgent:   # rows beside it chosen once per urgent level: no flapping as costs drift
@@ -157,15 +153,15 @@ class Scheduler:
                          beside if f.prioritised else f.max_rows, free, f.aging_s)
         return {"end": end, "preempt": preempt, "resume": tuple(waiting[i][0] for i in back), "urgent": urgent}
 
-    def _short_batch(self, stopped: Any, prefixed: Any, now: float) -> list[Any]:
+    def _short_batch(self, f: InFlight) -> list[Any]:
         """Waiting requests whose whole remainders fit one padded batch within the budget (a long
         prompt still waiting gets the next step)."""
         if not self.prefills_together or len(self.prefilling) < 2:
             return []
-        top = self._top(now)
+        top = self._top(f.now)
         cands = [r for r in top if r.follows is None
-                 and not r.job.prefill_only and not (r.pos >= 0 and stopped(r))]
-        if any(prefixed(r) for r in cands):        # slab rows: an empty one cannot be placed,
+                 and not r.job.prefill_only and not (r.pos >= 0 and id(r) in f.stopped)]
+        if any(id(r) in f.prefixed for r in cands):        # slab rows: an empty one cannot be placed,
             cands = [r for r in cands if r.live.depth > 0]   # it prefills on its own
         chosen = [cands[i] for i in choose_short([left(r) for r in cands], self.prefill_budget)]
         if len(chosen) < 2 or (self._short_last and len(chosen) < len(self.prefilling)):

@@ -170,11 +170,11 @@ class Fuzz(RuleBasedStateMachine):
     @precondition(lambda self: len(self.queue) >= 2)
     @rule(which=st.integers(0, 99), arrive=st.integers(0, 24))
     def urgent(self, which: int, arrive: int) -> None:
-        """The wave's requests become background work (priority 1; those queued after it too, in
-        ``wave``) but one: the user's own turn,
-        arriving ``arrive`` scheduler steps into the wave (mid-prefill, or once the others decode)
-        -- it preempts less urgent rows when the batch is full and decodes beside as many as the
-        wave allows (harness: 0, 1, 2; with none beside a decoding batch is set aside whole)."""
+        """The wave's requests become background work (priority 1; those queued after this rule
+        too, in ``wave``) but one: the user's own turn, arriving ``arrive`` scheduler steps into the
+        wave (mid-prefill, or once the others decode) -- it preempts less urgent rows when the batch
+        is full and decodes beside as many as the wave allows (harness: 0, 1, 2; with none beside,
+        a decoding batch is set aside whole)."""
         req = self.queue[which % len(self.queue)]
         for other in self.queue:
             other.priority = 1
